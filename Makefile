@@ -1,0 +1,38 @@
+# Two commands do all setup on a fresh machine: `make test` and `make demo`.
+# torch is installed first and explicitly (the CPU build of $(TORCH_VERSION)): a loose `torch`
+# requirement on a machine without it would pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.ckptools-installed
+
+.PHONY: test demo lint typecheck unit setup clean bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ckptools tests fixtures bench examples
+	$(VENV)/bin/ruff format --check ckptools tests fixtures bench examples
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest -q
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+demo: $(STAMP)
+	bash examples/demo.sh
+
+clean:
+	rm -rf $(VENV) demo_out .pytest_cache .mypy_cache .ruff_cache

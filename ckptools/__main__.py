@@ -1,0 +1,5 @@
+"""``python -m ckptools`` is the ``ckpt`` command."""
+
+from ckptools.cli import main
+
+main()

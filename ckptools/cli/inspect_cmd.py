@@ -1,0 +1,103 @@
+"""``ckpt inspect``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from .options import format_option, json_option
+from .render import dumps, human_bytes, human_count, table
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path())
+@json_option
+@format_option
+@click.option(
+    "--values", is_flag=True, help="Decode non-tensor entries too (through the safe allowlist)."
+)
+@click.option("--limit", type=int, default=None, help="Show at most N tensors in the table.")
+def inspect_command(
+    path: str, as_json: bool, format: str | None, values: bool, limit: int | None
+) -> None:
+    """Show what the checkpoint at PATH holds: tensors, dtypes, shapes, bytes, chunks, ranks.
+
+    Reads metadata only; never runs code stored in the checkpoint.
+
+    \b
+    Examples:
+      ckpt inspect checkpoints/step-1000
+      ckpt inspect out/checkpoint-500 --json | jq '.totals'
+    """
+    from ..inspection import inspect
+
+    report = inspect(path, format=format, values=values)
+    data = report.to_dict()
+    if as_json:
+        click.echo(dumps(data))
+        return
+    click.echo(_render(data, limit))
+
+
+def _render(d: dict[str, Any], limit: int | None) -> str:
+    out = []
+    ws = d["world_size"]
+    out.append(f"{d['path']}")
+    out.append(
+        f"  format: {d['format']}   layout: {d['layout']}"
+        + (f"   world size: {ws}" if ws is not None else "")
+    )
+    for note in d["notes"]:
+        out.append(f"  note: {note}")
+    mp = d["model_part"]
+    excluded = f" (excluding {', '.join(mp['excluded'])})" if mp["excluded"] else ""
+    out.append(f"  model part: prefix {mp['prefix']!r}{excluded}, {mp['tensors']} tensors")
+    if d["sharding"]:
+        out.append("  sharding: " + ", ".join(f"{k}: {v}" for k, v in d["sharding"].items()))
+    out.append("")
+    tensors = d["tensors"] if limit is None else d["tensors"][:limit]
+    rows = [
+        [
+            t["fqn"],
+            t["dtype"],
+            "[" + ", ".join(str(s) for s in t["shape"]) + "]",
+            human_bytes(t["bytes"]),
+            str(t["chunks"]),
+        ]
+        for t in tensors
+    ]
+    out.append(table(["tensor", "dtype", "shape", "bytes", "chunks"], rows, "lllrr"))
+    if limit is not None and len(d["tensors"]) > limit:
+        out.append(f"... {len(d['tensors']) - limit} more tensors (use --limit or --json)")
+    if d["objects"]:
+        out.append("")
+        orows = []
+        for o in d["objects"]:
+            value = o.get("value")
+            shown = "" if "value" not in o else json.dumps(value, default=str)
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
+            orows.append([o["fqn"], human_bytes(o.get("bytes")), shown])
+        out.append(table(["object", "bytes", "value"], orows, "lrl"))
+    tot = d["totals"]
+    out.append("")
+    out.append(
+        f"  {tot['tensors']} tensors, {tot['objects']} objects, "
+        f"{human_count(tot['parameters'])} parameters, {human_bytes(tot['bytes'])}"
+    )
+    out.append(
+        "  by dtype: "
+        + ", ".join(f"{k} {human_bytes(v)}" for k, v in tot["bytes_per_dtype"].items())
+    )
+    if tot["bytes_per_rank"]:
+        per_rank = tot["bytes_per_rank"]
+        chunks = tot["chunks_per_rank"]
+        first = list(per_rank.items())[:16]
+        out.append(
+            "  by rank: "
+            + ", ".join(f"{r}: {human_bytes(b)} ({chunks.get(r, 0)} chunks)" for r, b in first)
+            + (f", ... ({len(per_rank)} ranks)" if len(per_rank) > 16 else "")
+        )
+    return "\n".join(out)

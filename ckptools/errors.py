@@ -1,0 +1,69 @@
+"""Every error ckptools raises on purpose.
+
+One root, :class:`CkptError`; each leaf also subclasses the built-in exception that fits, so callers
+that already catch ``FileNotFoundError`` or ``ValueError`` keep working. Errors carry the facts as
+fields (``path``, ``fqn``, ``rank``) and a message that says what happened, why, and what to do.
+The CLI turns them into one line and an exit code; anything not derived from :class:`CkptError`
+is a bug and propagates with its traceback.
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Root of all ckptools errors.
+
+    Attributes:
+        path: the file or directory the problem is about, when there is one.
+        fqn: the tensor or entry key, when there is one.
+        rank: the rank that wrote the data, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        fqn: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.fqn = fqn
+        self.rank = rank
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointNotFoundError(CkptError, FileNotFoundError):
+    """The path does not exist, or a file the checkpoint names is missing."""
+
+
+class UnknownFormatError(CkptError, ValueError):
+    """No layout recognised the path; the message lists each layout's reason."""
+
+
+class CorruptCheckpointError(CkptError, ValueError):
+    """The checkpoint exists but its bytes are not what its metadata promises."""
+
+
+class IncompleteCheckpointError(CorruptCheckpointError):
+    """The checkpoint was never committed (no marker) or lacks part of its data."""
+
+
+class UnsafeCheckpointError(CkptError, ValueError):
+    """Reading would run code: the data asks for a callable outside the allowlist."""
+
+    def __init__(self, message: str, *, global_name: str, path: str | None = None) -> None:
+        super().__init__(message, path=path)
+        self.global_name = global_name
+
+
+class UnsupportedCheckpointError(CkptError, NotImplementedError):
+    """A valid checkpoint uses a feature ckptools does not handle (named in the message)."""
+
+
+class UsageError(CkptError, ValueError):
+    """Arguments that cannot work together (the CLI exits with code 2)."""

@@ -1,0 +1,108 @@
+"""``ckptools.inspect``: what a checkpoint holds, from its metadata alone (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import keys, safe_pickle
+from .errors import CkptError
+from .layouts import read_manifest
+from .layouts.dcp import sharding_summary
+from .manifest import Manifest
+from .reader import read_object
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    """The result of :func:`inspect`: the manifest, the model part, and decoded object values."""
+
+    manifest: Manifest
+    model_part: keys.ModelPart
+    #: FQN → plain value (or {"error": ...}) for objects, when values were asked for
+    object_values: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.manifest
+        chunks_per_rank: dict[int, int] = {}
+        tensors = []
+        for t in m.tensors.values():
+            ranks = sorted({c.rank for c in t.chunks if c.rank is not None})
+            for r in ranks:
+                chunks_per_rank[r] = chunks_per_rank.get(r, 0) + sum(
+                    1 for c in t.chunks if c.rank == r
+                )
+            tensors.append(
+                {
+                    "fqn": t.fqn,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "bytes": t.nbytes,
+                    "chunks": len(t.chunks),
+                    "ranks": ranks,
+                }
+            )
+        objects = []
+        for o in m.objects.values():
+            item: dict[str, Any] = {"fqn": o.fqn}
+            if o.file is not None:
+                item.update(file=o.file, bytes=o.length)
+            if o.fqn in self.object_values:
+                item["value"] = self.object_values[o.fqn]
+            elif o.has_value:
+                item["value"] = safe_pickle.plain(o.value)
+            objects.append(item)
+        model_tensors = keys.model_keys(m, self.model_part)
+        return {
+            "path": m.root,
+            "format": m.format,
+            "layout": m.layout,
+            "world_size": m.world_size,
+            "notes": list(m.notes),
+            "model_part": {
+                "prefix": self.model_part.prefix,
+                "excluded": list(self.model_part.excluded),
+                "tensors": len(model_tensors),
+            },
+            "sharding": sharding_summary(m),
+            "tensors": tensors,
+            "objects": objects,
+            "files": [{"path": f.path, "bytes": f.size, "rank": f.rank} for f in m.files.values()],
+            "totals": {
+                "tensors": len(m.tensors),
+                "objects": len(m.objects),
+                "parameters": m.total_params,
+                "bytes": m.total_bytes,
+                "bytes_per_dtype": m.bytes_per_dtype(),
+                "bytes_per_file": m.bytes_per_file(),
+                "bytes_per_rank": {str(k): v for k, v in m.bytes_per_rank().items()},
+                "chunks_per_rank": {str(k): v for k, v in sorted(chunks_per_rank.items())},
+            },
+        }
+
+
+def inspect(path: str, *, format: str | None = None, values: bool = False) -> InspectReport:
+    """Describe the checkpoint at ``path`` without reading tensor data or running its code.
+
+    Args:
+        path: a checkpoint directory or file in any supported layout.
+        format: force a layout by name (see ``ckpt inspect --help``) instead of detecting it.
+        values: also decode non-tensor entries (through the pickle allowlist); an entry that
+            cannot be decoded safely is reported with its error instead of a value.
+
+    Example:
+        >>> report = inspect("checkpoints/step-1000")          # doctest: +SKIP
+        >>> report.to_dict()["model_part"]["prefix"]            # doctest: +SKIP
+        'model.'
+    """
+    manifest = read_manifest(path, format)
+    decoded: dict[str, Any] = {}
+    if values:
+        for fqn, entry in manifest.objects.items():
+            if entry.has_value:
+                continue
+            try:
+                decoded[fqn] = safe_pickle.plain(read_object(manifest, fqn))
+            except CkptError as e:
+                decoded[fqn] = {"error": str(e)}
+    return InspectReport(manifest, keys.find_model_part(manifest), decoded)

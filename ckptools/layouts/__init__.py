@@ -1,0 +1,17 @@
+"""On-disk layouts, one module each, registered in detection order.
+
+Wrapper layouts (which hold DCP directories inside) register before the plain formats, so the
+outer directory a user has is recognised as what it is.
+"""
+
+from __future__ import annotations
+
+from . import (
+    dcp,  # noqa: F401  (registers dcp)
+    safetensors,  # noqa: F401  (registers safetensors)
+    torch_save,  # noqa: F401  (registers torch_save)
+    wrappers,  # noqa: F401  (registers trainer, accelerate, lightning, torchtitan)
+)
+from .base import Layout, detect, layouts, read_manifest
+
+__all__ = ["Layout", "detect", "layouts", "read_manifest"]

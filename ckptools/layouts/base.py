@@ -1,0 +1,86 @@
+"""The interface every on-disk layout implements, and the registry that finds one for a path."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from ..errors import CheckpointNotFoundError, UnknownFormatError
+from ..manifest import Manifest
+
+
+class Layout(ABC):
+    """One on-disk format or producer layout.
+
+    ``probe`` is cheap (a few ``stat``/``listdir`` calls, no parsing of tensor data) and says why
+    a path is not this layout; ``read_manifest`` parses metadata only.
+    """
+
+    #: short name used by ``--format`` and shown by ``inspect``
+    name: str = ""
+    #: one line for ``--help`` and error messages
+    description: str = ""
+    #: detection order: lower first; wrappers (10) before the formats they contain (20+)
+    priority: int = 50
+
+    @abstractmethod
+    def probe(self, path: str) -> str | None:
+        """Return None when ``path`` is in this layout, else the reason it is not."""
+
+    @abstractmethod
+    def read_manifest(self, path: str) -> Manifest:
+        """Describe the checkpoint at ``path`` (metadata only)."""
+
+
+_REGISTRY: list[Layout] = []
+
+
+def register(layout: Layout) -> Layout:
+    _REGISTRY.append(layout)
+    _REGISTRY.sort(key=lambda entry: entry.priority)  # stable: equal priorities keep their order
+    return layout
+
+
+def layouts() -> Sequence[Layout]:
+    return tuple(_REGISTRY)
+
+
+def detect(path: str, format: str | None = None) -> Layout:
+    """Find the layout of ``path``; wrappers are tried before the plain formats they contain.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist.
+        UnknownFormatError: no layout matched; the message lists each layout's reason.
+    """
+    import os
+
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
+    if format is not None:
+        for layout in _REGISTRY:
+            if layout.name == format:
+                reason = layout.probe(path)
+                if reason is not None:
+                    raise UnknownFormatError(
+                        f"{path}: not a {format} checkpoint: {reason}", path=path
+                    )
+                return layout
+        names = ", ".join(layout.name for layout in _REGISTRY)
+        raise UnknownFormatError(f"unknown format {format!r}; choose one of: {names}")
+    reasons = []
+    for layout in _REGISTRY:
+        reason = layout.probe(path)
+        if reason is None:
+            return layout
+        reasons.append(f"  {layout.name}: {reason}")
+    raise UnknownFormatError(
+        f"{path}: not a checkpoint ckptools recognises:\n"
+        + "\n".join(reasons)
+        + "\n(use --format NAME to force a layout and see its full error)",
+        path=path,
+    )
+
+
+def read_manifest(path: str, format: str | None = None) -> Manifest:
+    """Detect the layout of ``path`` and read its :class:`~ckptools.manifest.Manifest`."""
+    return detect(path, format).read_manifest(path)

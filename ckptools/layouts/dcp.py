@@ -1,0 +1,241 @@
+"""torch.distributed.checkpoint (DCP) directories: ``.metadata`` + ``__<rank>_<n>.distcp``.
+
+The ``.metadata`` pickle (written last by the coordinator, so it is the commit marker) lists each
+tensor's global shape and chunks and, per chunk and per object, the file and byte range that
+holds it as a ``torch.save`` archive. Every producer (FSDP2 DTensor, FSDP1 ShardedTensor, HSDP,
+TP+FSDP, single-process ``dcp.save``) writes the same metadata; what differs is how chunks tile
+the tensors, which :func:`sharding_summary` reports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from .. import dtypes, safe_pickle
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
+from ..manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from .base import Layout, register
+
+METADATA_FILE = ".metadata"
+_RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def rank_of(filename: str) -> int | None:
+    m = _RANK_FILE.match(os.path.basename(filename))
+    return int(m.group(1)) if m else None
+
+
+def _dtype_of(properties: Any, fqn: str, where: str) -> str:
+    state = getattr(properties, "_state", None)
+    raw = state[0] if isinstance(state, tuple) and state else getattr(properties, "dtype", None)
+    if not isinstance(raw, safe_pickle.DTypeName):
+        raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has no dtype in metadata", fqn=fqn)
+    return str(raw)
+
+
+def _tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list):
+        raise CorruptCheckpointError(f"{where}: {what} is not a shape")
+    return tuple(int(v) for v in value)
+
+
+def load_metadata(path: str) -> Any:
+    """Read a DCP ``.metadata`` file through the allowlist; returns the ``Metadata`` stand-in."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(
+            f"{path}: missing: the DCP save never committed (or the file was deleted)", path=path
+        ) from e
+    md = safe_pickle.restricted_loads(data, safe_pickle.METADATA_GLOBALS, source=path)
+    if not safe_pickle.is_record(md, ".metadata.Metadata") or not isinstance(
+        md.state_dict_metadata, dict
+    ):
+        raise CorruptCheckpointError(f"{path}: not DCP metadata", path=path)
+    return md
+
+
+def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manifest:
+    """Build the manifest of the DCP directory ``root/subdir``; file paths are relative to root.
+
+    With ``check_files`` every referenced file must exist and be long enough for every byte range
+    recorded in the metadata (one ``stat`` per file).
+    """
+    directory = os.path.join(root, subdir) if subdir else root
+    meta_path = os.path.join(directory, METADATA_FILE)
+    md = load_metadata(meta_path)
+
+    def rel(name: str) -> str:
+        return f"{subdir}/{name}" if subdir else name
+
+    chunk_locs: dict[tuple[str, tuple[int, ...]], Any] = {}
+    object_locs: dict[str, Any] = {}
+    transforms: dict[str, list[str]] = {}
+    for index, info in (md.storage_data or {}).items():
+        fqn = index.fqn
+        if not isinstance(fqn, str) or info is None or not isinstance(info.relative_path, str):
+            raise CorruptCheckpointError(f"{meta_path}: malformed storage entry", path=meta_path)
+        if info.transform_descriptors:
+            transforms[fqn] = list(info.transform_descriptors)
+        if index.offset is None:
+            object_locs[fqn] = info
+        else:
+            chunk_locs[(fqn, tuple(index.offset))] = info
+
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    extents: dict[str, int] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if safe_pickle.is_record(item, "BytesStorageMetadata"):
+            info = object_locs.get(fqn)
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{meta_path}: object {fqn!r} has no storage entry", path=meta_path, fqn=fqn
+                )
+            objects[fqn] = ObjectEntry(
+                fqn, rel(info.relative_path), int(info.offset), int(info.length), "torch_save"
+            )
+            extents[info.relative_path] = max(
+                extents.get(info.relative_path, 0), int(info.offset) + int(info.length)
+            )
+            continue
+        if not safe_pickle.is_record(item, "TensorStorageMetadata"):
+            raise CorruptCheckpointError(
+                f"{meta_path}: entry {fqn!r} is neither tensor nor bytes", path=meta_path, fqn=fqn
+            )
+        dtype = _dtype_of(item.properties, fqn, meta_path)
+        shape = _tuple(item.size, f"shape of {fqn!r}", meta_path)
+        chunks = []
+        for cm in item.chunks or ():
+            offsets = _tuple(cm.offsets, f"chunk offsets of {fqn!r}", meta_path)
+            sizes = _tuple(cm.sizes, f"chunk sizes of {fqn!r}", meta_path)
+            info = chunk_locs.get((fqn, offsets))
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{meta_path}: chunk at {list(offsets)} of {fqn!r} has no storage entry",
+                    path=meta_path,
+                    fqn=fqn,
+                )
+            name = info.relative_path
+            chunks.append(
+                Chunk(
+                    offsets=offsets,
+                    sizes=sizes,
+                    file=rel(name),
+                    offset=int(info.offset),
+                    length=int(info.length),
+                    encoding="torch_save",
+                    rank=rank_of(name),
+                )
+            )
+            extents[name] = max(extents.get(name, 0), int(info.offset) + int(info.length))
+        tensors[fqn] = TensorEntry(fqn, dtypes.canonical(dtype), shape, tuple(chunks))
+
+    files: dict[str, FileInfo] = {}
+    listed = {n for n in _listdir(directory) if n.endswith(".distcp")}
+    for name in sorted(set(extents) | listed):
+        full = os.path.join(directory, name)
+        try:
+            size: int | None = os.stat(full).st_size
+        except FileNotFoundError as e:
+            if check_files:
+                raise CheckpointNotFoundError(
+                    f"{full}: data file is missing (rank {rank_of(name)}; "
+                    f"{meta_path} refers to it)",
+                    path=full,
+                    rank=rank_of(name),
+                ) from e
+            size = None
+        if check_files and size is not None and size < extents.get(name, 0):
+            raise CorruptCheckpointError(
+                f"{full}: file is truncated: {size} bytes, but the metadata records data up to "
+                f"byte {extents[name]}",
+                path=full,
+                rank=rank_of(name),
+            )
+        files[rel(name)] = FileInfo(rel(name), size, rank_of(name))
+
+    ranks = [r for r in (rank_of(n) for n in files) if r is not None]
+    paths = {}
+    for fqn, p in (md.planner_data or {}).items():
+        if isinstance(p, tuple | list):
+            paths[fqn] = tuple(str(x) for x in p)
+    storage_meta = md.storage_meta
+    details: dict[str, Any] = {
+        "dcp_version": md.version,
+        "save_id": getattr(storage_meta, "save_id", None) if storage_meta is not None else None,
+    }
+    if transforms:
+        details["transforms"] = transforms
+    return Manifest(
+        root=root,
+        format="dcp",
+        layout="dcp",
+        tensors=tensors,
+        objects=objects,
+        files=files,
+        world_size=max(ranks) + 1 if ranks else None,
+        paths=paths,
+        markers=(rel(METADATA_FILE),),
+        details=details,
+    )
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+def require_plain(manifest: Manifest) -> None:
+    """Refuse checkpoints whose items were written through DCP storage extensions."""
+    transforms = manifest.details.get("transforms")
+    if transforms:
+        fqn, descriptors = next(iter(transforms.items()))
+        raise UnsupportedCheckpointError(
+            f"{manifest.root}: items are stored through DCP extensions {descriptors} "
+            f"(e.g. {fqn!r}); ckptools reads only plain torch.save items",
+            path=manifest.root,
+            fqn=fqn,
+        )
+
+
+def sharding_summary(manifest: Manifest) -> dict[str, int]:
+    """Count tensors by how their chunks split them: "replicated", "dim0", "dim0+dim1", ..."""
+    out: dict[str, int] = {}
+    for t in manifest.tensors.values():
+        dims = sorted({d for c in t.chunks for d, o in enumerate(c.offsets) if o != 0})
+        key = "+".join(f"dim{d}" for d in dims) if dims else "whole"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+class DcpLayout(Layout):
+    priority = 20
+    name = "dcp"
+    description = "torch.distributed.checkpoint directory (.metadata + __<rank>_<n>.distcp)"
+
+    def probe(self, path: str) -> str | None:
+        if not os.path.isdir(path):
+            return "not a directory"
+        names = _listdir(path)
+        if METADATA_FILE in names:
+            return None
+        if any(n.endswith(".distcp") for n in names):
+            return None  # read_manifest reports the missing marker precisely
+        return "no .metadata file"
+
+    def read_manifest(self, path: str) -> Manifest:
+        return read_dcp(path)
+
+
+register(DcpLayout())

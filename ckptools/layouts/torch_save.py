@@ -1,0 +1,181 @@
+"""Full state dicts saved with ``torch.save`` (``.pt``, ``.pth``, ``.bin``), and HF ``.bin`` dirs.
+
+The archive's ``data.pkl`` is unpickled through the allowlist (the equivalent of
+``torch.load(weights_only=True)``, but without torch and without reading tensor bytes): each tensor
+becomes a raw chunk pointing into its storage record. Nested dicts are flattened to dotted FQNs
+the way DCP flattens them; tensors that share a storage (tied weights) point at the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from .. import safe_pickle, torch_archive
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
+from ..manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ..storage import LocalReader
+from .base import Layout, register
+
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def _contains_tensor(value: Any) -> bool:
+    if isinstance(value, safe_pickle.TensorRef):
+        return True
+    if isinstance(value, dict):
+        return any(_contains_tensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_contains_tensor(v) for v in value)
+    return False
+
+
+def flatten(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Yield (key path, leaf) like DCP's ``flatten_state_dict``: dicts always, sequences only
+    when they hold tensors; everything else is a leaf."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            yield from flatten(v, (*path, str(k)))
+    elif isinstance(value, list | tuple) and value and _contains_tensor(value):
+        for i, v in enumerate(value):
+            yield from flatten(v, (*path, str(i)))
+    else:
+        yield path, value
+
+
+def _span_bytes(ref: safe_pickle.TensorRef, itemsize: int) -> int:
+    if math.prod(ref.shape) == 0:
+        return 0
+    last = sum((s - 1) * st for s, st in zip(ref.shape, ref.strides, strict=True))
+    return (last + 1) * itemsize
+
+
+def read_torch_save_file(
+    reader: LocalReader, rel: str
+) -> tuple[list[TensorEntry], list[ObjectEntry], dict[str, tuple[str, ...]], FileInfo]:
+    """Tensors (as raw chunks), plain values and key paths of one ``torch.save`` file."""
+    path = os.path.join(reader.root, rel)
+    size = reader.size(rel)
+    head = reader.read(rel, 0, min(4, size))
+    if not torch_archive.is_zip(head):
+        raise UnsupportedCheckpointError(
+            f"{path}: not a zip-format torch.save file (the legacy pre-1.6 format, or not a "
+            "torch file at all); re-save it with a current torch",
+            path=path,
+        )
+    archive = torch_archive.read_archive(reader, rel, 0, size)
+    obj = torch_archive.load_pickle(reader, archive)
+    data_offsets: dict[str, int] = {}
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    paths: dict[str, tuple[str, ...]] = {}
+    from .. import dtypes
+
+    for key_path, leaf in flatten(obj):
+        fqn = ".".join(key_path)
+        paths[fqn] = key_path
+        if isinstance(leaf, safe_pickle.TensorRef):
+            if leaf.flags:
+                raise UnsupportedCheckpointError(
+                    f"{path}: tensor {fqn!r} carries {leaf.flags} bits; save it resolved "
+                    "(e.g. t.resolve_conj())",
+                    path=path,
+                    fqn=fqn,
+                )
+            key = leaf.storage.key
+            if key not in data_offsets:
+                rec = archive.record(f"data/{key}")
+                data_offsets[key] = torch_archive.record_data_offset(reader, archive, rec)
+            storage_bytes = archive.record(f"data/{key}").size
+            itemsize = dtypes.dtype(leaf.dtype).itemsize
+            start = leaf.storage_offset * itemsize
+            span = _span_bytes(leaf, itemsize)
+            if start + span > storage_bytes:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {fqn!r} reaches past its storage", path=path, fqn=fqn
+                )
+            chunk = Chunk(
+                offsets=(0,) * len(leaf.shape),
+                sizes=leaf.shape,
+                file=rel,
+                offset=data_offsets[key] + start,
+                length=span,
+                encoding="raw",
+                strides=None if leaf.is_contiguous else leaf.strides,
+            )
+            tensors.append(TensorEntry(fqn, leaf.dtype, leaf.shape, (chunk,)))
+        else:
+            value = safe_pickle.unwrap(leaf)
+            objects.append(ObjectEntry(fqn, value=value, has_value=True, encoding="raw"))
+    return tensors, objects, paths, FileInfo(rel, size)
+
+
+def read_torch_save(path: str) -> Manifest:
+    """Manifest of a ``torch.save`` file, or of an HF directory of ``pytorch_model*.bin``."""
+    if os.path.isfile(path):
+        root, files = os.path.dirname(path), [os.path.basename(path)]
+        marker: tuple[str, ...] = ()
+    else:
+        root = path
+        index_path = os.path.join(path, BIN_INDEX)
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError) as e:
+                raise CorruptCheckpointError(f"{index_path}: not a valid index ({e})") from e
+            marker = (BIN_INDEX,)
+        else:
+            files = ["pytorch_model.bin"]
+            marker = ()
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    infos: dict[str, FileInfo] = {}
+    with LocalReader(root) as reader:
+        for rel in files:
+            if not os.path.exists(os.path.join(root, rel)):
+                raise CheckpointNotFoundError(
+                    f"{os.path.join(root, rel)}: file is missing", path=os.path.join(root, rel)
+                )
+            ts, objs, ps, info = read_torch_save_file(reader, rel)
+            tensors.update((t.fqn, t) for t in ts)
+            objects.update((o.fqn, o) for o in objs)
+            paths.update(ps)
+            infos[rel] = info
+    return Manifest(
+        root=path,
+        format="torch_save",
+        layout="torch_save",
+        tensors=tensors,
+        objects=objects,
+        files=infos,
+        paths=paths,
+        markers=marker,
+    )
+
+
+class TorchSaveLayout(Layout):
+    priority = 40
+    name = "torch_save"
+    description = "full state dict saved with torch.save (.pt/.pth/.bin), or an HF .bin directory"
+
+    def probe(self, path: str) -> str | None:
+        if os.path.isfile(path):
+            return None if path.endswith(SUFFIXES) else f"file name does not end in {SUFFIXES}"
+        if os.path.isdir(path):
+            names = set(os.listdir(path))
+            if BIN_INDEX in names or "pytorch_model.bin" in names:
+                return None
+            return "no pytorch_model.bin or its index"
+        return "not a file or directory"
+
+    def read_manifest(self, path: str) -> Manifest:
+        return read_torch_save(path)
+
+
+register(TorchSaveLayout())

@@ -1,0 +1,238 @@
+"""Directories that training frameworks build around DCP checkpoints.
+
+Users point at the outer directory they have; these layouts find the DCP directories inside and
+merge their manifests (file paths stay relative to the outer directory):
+
+* accelerate ``save_state`` with FSDP ``SHARDED_STATE_DICT``: ``pytorch_model_fsdp_<i>/`` (keys
+  ``model.*``) and ``optimizer_<i>/`` (keys ``optimizer.*``);
+* transformers Trainer ``checkpoint-N/``: the accelerate directories plus ``trainer_state.json``;
+  an ``output_dir`` holding several ``checkpoint-N`` resolves to the newest complete one;
+* Lightning ``FSDPStrategy`` sharded checkpoints: a DCP directory plus ``meta.pt`` (the rest of
+  the Lightning checkpoint, read as plain values under ``meta.``);
+* torchtitan ``step-N/`` DCP directories; a ``checkpoint/`` folder of them resolves to the newest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ..errors import IncompleteCheckpointError
+from ..manifest import FileInfo, Manifest, ObjectEntry, TensorEntry
+from .base import Layout, register
+from .dcp import METADATA_FILE, read_dcp
+from .torch_save import read_torch_save_file
+
+_ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
+_ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")
+_TRAINER_CKPT = re.compile(r"^checkpoint-(\d+)$")
+_TITAN_STEP = re.compile(r"^step-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+LIGHTNING_META = "meta.pt"
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _is_dcp(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def _is_titan_step(path: str) -> bool:
+    # ``step-N`` alone is a common name (ckptools' own manager uses it); torchtitan's training
+    # state always includes its ``train_state`` Stateful, whose key is found in the metadata
+    # bytes without unpickling them.
+    try:
+        with open(os.path.join(path, METADATA_FILE), "rb") as f:
+            return b"train_state" in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _accelerate_parts(path: str) -> list[str]:
+    return [
+        n
+        for n in _listdir(path)
+        if (_ACCEL_MODEL.match(n) or _ACCEL_OPTIM.match(n)) and os.path.isdir(os.path.join(path, n))
+    ]
+
+
+def merge(root: str, layout: str, subdirs: Sequence[str], notes: Sequence[str] = ()) -> Manifest:
+    """One manifest over several DCP directories under ``root``."""
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    files: dict[str, FileInfo] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    markers: list[str] = []
+    world_size = None
+    for sub in subdirs:
+        part = read_dcp(root, subdir=sub)
+        tensors.update(part.tensors)
+        objects.update(part.objects)
+        files.update(part.files)
+        paths.update(part.paths)
+        markers.extend(part.markers)
+        if part.world_size is not None:
+            world_size = max(world_size or 0, part.world_size)
+    aux = sorted(n for n in _listdir(root) if n not in subdirs)
+    return Manifest(
+        root=root,
+        format="dcp",
+        layout=layout,
+        tensors=tensors,
+        objects=objects,
+        files=files,
+        world_size=world_size,
+        paths=paths,
+        markers=tuple(markers),
+        notes=tuple(notes),
+        details={"parts": list(subdirs), "aux_files": aux},
+    )
+
+
+def _newest(path: str, pattern: re.Pattern[str], complete: object) -> tuple[str, list[str]] | None:
+    found = []
+    for name in _listdir(path):
+        m = pattern.match(name)
+        if m and os.path.isdir(os.path.join(path, name)):
+            found.append((int(m.group(1)), name))
+    if not found:
+        return None
+    found.sort()
+    usable = [n for _, n in found if complete(os.path.join(path, n))]  # type: ignore[operator]
+    skipped = [n for _, n in found if n not in usable]
+    if not usable:
+        raise IncompleteCheckpointError(
+            f"{path}: none of {', '.join(n for _, n in found)} is complete (no DCP .metadata)",
+            path=path,
+        )
+    return usable[-1], skipped
+
+
+def _with_note(
+    manifest: Manifest, parent: str, chosen: str, total: int, skipped: list[str]
+) -> Manifest:
+    note = f"{parent}: using {chosen}, the newest complete of {total} checkpoints"
+    if skipped:
+        note += f" (incomplete, ignored: {', '.join(skipped)})"
+    return replace(manifest, notes=(*manifest.notes, note))
+
+
+class TrainerLayout(Layout):
+    priority = 10
+    name = "trainer"
+    description = "transformers Trainer checkpoint-N/ (FSDP sharded), or its output_dir"
+
+    def probe(self, path: str) -> str | None:
+        if _accelerate_parts(path) and os.path.isfile(os.path.join(path, TRAINER_STATE)):
+            return None
+        if any(_TRAINER_CKPT.match(n) for n in _listdir(path)):
+            return None
+        return "no trainer_state.json beside pytorch_model_fsdp_*/, and no checkpoint-N/ inside"
+
+    def read_manifest(self, path: str) -> Manifest:
+        if _accelerate_parts(path):
+            return merge(path, self.name, _accelerate_parts(path))
+        names = [n for n in _listdir(path) if _TRAINER_CKPT.match(n)]
+        found = _newest(
+            path,
+            _TRAINER_CKPT,
+            lambda p: (
+                bool(_accelerate_parts(p))
+                and all(_is_dcp(os.path.join(p, s)) for s in _accelerate_parts(p))
+            ),
+        )
+        assert found is not None
+        chosen, skipped = found
+        inner = os.path.join(path, chosen)
+        return _with_note(
+            merge(inner, self.name, _accelerate_parts(inner)), path, chosen, len(names), skipped
+        )
+
+
+class AccelerateLayout(Layout):
+    priority = 11
+    name = "accelerate"
+    description = (
+        "accelerate save_state with FSDP sharded state (pytorch_model_fsdp_0/, optimizer_0/)"
+    )
+
+    def probe(self, path: str) -> str | None:
+        return (
+            None if _accelerate_parts(path) else "no pytorch_model_fsdp_*/ or optimizer_*/ inside"
+        )
+
+    def read_manifest(self, path: str) -> Manifest:
+        return merge(path, self.name, _accelerate_parts(path))
+
+
+class LightningLayout(Layout):
+    priority = 12
+    name = "lightning"
+    description = "Lightning FSDPStrategy sharded checkpoint (DCP files + meta.pt)"
+
+    def probe(self, path: str) -> str | None:
+        if _is_dcp(path) and os.path.isfile(os.path.join(path, LIGHTNING_META)):
+            return None
+        return "no DCP .metadata with a meta.pt beside it"
+
+    def read_manifest(self, path: str) -> Manifest:
+        from ..storage import LocalReader
+
+        manifest = read_dcp(path)
+        with LocalReader(path) as reader:
+            tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)
+        # meta.pt holds the rest of the Lightning checkpoint (epoch, global_step, loops, hparams).
+        extra_objects = {f"meta.{o.fqn}": replace(o, fqn=f"meta.{o.fqn}") for o in objects}
+        extra_tensors = {f"meta.{t.fqn}": replace(t, fqn=f"meta.{t.fqn}") for t in tensors}
+        return replace(
+            manifest,
+            layout=self.name,
+            tensors={**manifest.tensors, **extra_tensors},
+            objects={**manifest.objects, **extra_objects},
+            files={**manifest.files, LIGHTNING_META: info},
+            paths={
+                **manifest.paths,
+                **{f"meta.{k}": ("meta", *v) for k, v in paths.items()},
+            },
+        )
+
+
+class TorchtitanLayout(Layout):
+    priority = 13
+    name = "torchtitan"
+    description = "torchtitan step-N/ DCP checkpoint, or the checkpoint folder holding them"
+
+    def probe(self, path: str) -> str | None:
+        base = os.path.basename(os.path.normpath(path))
+        if _TITAN_STEP.match(base):
+            if _is_titan_step(path):
+                return None
+            return "a step-N/ directory without torchtitan's train_state entry"
+        steps = [n for n in _listdir(path) if _TITAN_STEP.match(n)]
+        if steps and any(_is_titan_step(os.path.join(path, n)) for n in steps):
+            return None
+        return "not a torchtitan step-N/ directory and holds none"
+
+    def read_manifest(self, path: str) -> Manifest:
+        base = os.path.basename(os.path.normpath(path))
+        if _TITAN_STEP.match(base):
+            return replace(read_dcp(path), layout=self.name)
+        names = [n for n in _listdir(path) if _TITAN_STEP.match(n)]
+        found = _newest(path, _TITAN_STEP, _is_dcp)
+        assert found is not None
+        chosen, skipped = found
+        inner = replace(read_dcp(os.path.join(path, chosen)), layout=self.name)
+        return _with_note(inner, path, chosen, len(names), skipped)
+
+
+register(TrainerLayout())
+register(AccelerateLayout())
+register(LightningLayout())
+register(TorchtitanLayout())

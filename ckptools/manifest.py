@@ -1,0 +1,167 @@
+"""The one description of a checkpoint that every command starts from (torch-free).
+
+A layout (DCP, safetensors, torch.save, and the wrappers around DCP) reads its on-disk metadata
+into a :class:`Manifest`: for each FQN either a :class:`TensorEntry` (dtype, global shape, and the
+stored :class:`Chunk` pieces with their byte locations) or an :class:`ObjectEntry` (non-tensor
+state). Nothing here touches tensor bytes; planners work on manifests alone.
+
+Byte locations come in two encodings:
+
+* ``"raw"``: the chunk's elements are at ``offset`` in ``file``, laid out with ``strides``
+  (``None`` means row-major contiguous); safetensors and ``torch.save`` files.
+* ``"torch_save"``: ``[offset, offset + length)`` of ``file`` is one ``torch.save`` archive that
+  holds the chunk (a DCP ``.distcp`` item); the raw bytes are found by reading the archive's
+  directory, see :mod:`ckptools.torch_archive`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import dtypes
+
+Encoding = Literal["raw", "torch_save"]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One stored piece of a tensor: a box of the global tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # path relative to the checkpoint root
+    offset: int  # byte offset in ``file``
+    length: int  # bytes occupied in ``file`` (the archive for torch_save, the span for raw)
+    encoding: Encoding = "raw"
+    rank: int | None = None  # the rank that wrote it, when the layout records one
+    strides: tuple[int, ...] | None = None  # element strides for raw data; None = contiguous
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    fqn: str
+    dtype: str  # torch name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole (global) tensor."""
+        return self.numel * self.itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of tensor data actually stored, summed over chunks (replicas count once each)."""
+        return sum(c.numel for c in self.chunks) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEntry:
+    """Non-tensor state (ints, strings, dicts, ``io.BytesIO``...).
+
+    ``value`` holds the decoded value when the layout could decode it safely (plain Python data);
+    DCP stores objects as separate ``torch.save`` items, located by ``file``/``offset``/``length``,
+    which are only decoded on request (:func:`ckptools.safe_pickle.load_object`).
+    """
+
+    fqn: str
+    file: str | None = None
+    offset: int = 0
+    length: int = 0
+    encoding: Encoding = "torch_save"
+    value: Any = None
+    has_value: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    path: str  # relative to the checkpoint root
+    size: int | None  # bytes on disk; None when not looked at
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A whole checkpoint: what it holds and where.
+
+    Attributes:
+        root: the path the user gave (a directory or a file).
+        format: the storage format, ``"dcp"``, ``"safetensors"`` or ``"torch_save"``.
+        layout: who wrote it, e.g. ``"fsdp2"``, ``"fsdp1"``, ``"accelerate"``, ``"trainer"``,
+            ``"lightning"``, ``"torchtitan"``, ``"dcp"``, ``"hf"``, ``"torch_save"``.
+        tensors: FQN → entry, in stored order.
+        objects: FQN → non-tensor entry.
+        files: relative path → :class:`FileInfo` of every data file the checkpoint consists of.
+        world_size: number of ranks that wrote it, when known.
+        paths: FQN → key path in the nested state dict (DCP's ``planner_data``), when known;
+            needed where a key itself contains a dot.
+        markers: files whose presence commits the checkpoint (e.g. ``.metadata``).
+        notes: facts worth showing the user (e.g. "picked checkpoint-40 of 3").
+        details: layout-specific facts (``placements`` per FQN, DCP version, ...).
+    """
+
+    root: str
+    format: str
+    layout: str
+    tensors: Mapping[str, TensorEntry]
+    objects: Mapping[str, ObjectEntry]
+    files: Mapping[str, FileInfo]
+    world_size: int | None = None
+    paths: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    markers: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.tensors
+        yield from self.objects
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all tensors at their global shapes."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def total_params(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    def bytes_per_dtype(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.dtype] = out.get(t.dtype, 0) + t.nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def bytes_per_file(self) -> dict[str, int]:
+        """Tensor bytes stored in each file (chunk payload, not container overhead)."""
+        out: dict[str, int] = dict.fromkeys(self.files, 0)
+        for t in self.tensors.values():
+            for c in t.chunks:
+                out[c.file] = out.get(c.file, 0) + c.numel * t.itemsize
+        return out
+
+    def bytes_per_rank(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for t in self.tensors.values():
+            for c in t.chunks:
+                if c.rank is not None:
+                    out[c.rank] = out.get(c.rank, 0) + c.numel * t.itemsize
+        return dict(sorted(out.items()))
+
+
+def ordered(entries: Iterable[TensorEntry]) -> dict[str, TensorEntry]:
+    return {e.fqn: e for e in entries}

@@ -1,0 +1,117 @@
+"""Reading tensor chunks and objects of a manifest.
+
+:func:`resolve_chunk` turns any chunk into its raw form (file, byte offset, strides), reading
+just the archive directory and pickle of a DCP item; byte movers (consolidate, verify) work from
+that. :func:`read_tensor` assembles a whole tensor with torch, for tests, diffs and small reads.
+:func:`read_object` decodes a non-tensor entry through the allowlist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from . import dtypes, safe_pickle, torch_archive
+from .errors import CorruptCheckpointError
+from .manifest import Chunk, Manifest, ObjectEntry, TensorEntry
+from .storage import LocalReader
+
+if TYPE_CHECKING:
+    import torch
+
+
+def resolve_chunk(reader: LocalReader, tensor: TensorEntry, chunk: Chunk) -> Chunk:
+    """The raw location of ``chunk``'s elements (a no-op for raw chunks)."""
+    if chunk.encoding == "raw":
+        return chunk
+    archive = torch_archive.read_archive(reader, chunk.file, chunk.offset, chunk.length)
+    ref = torch_archive.load_pickle(reader, archive)
+    where = f"{reader.root}/{chunk.file}@{chunk.offset}"
+    if not isinstance(ref, safe_pickle.TensorRef):
+        raise CorruptCheckpointError(
+            f"{where}: item for {tensor.fqn!r} holds no tensor", path=chunk.file, fqn=tensor.fqn
+        )
+    if ref.dtype != tensor.dtype or ref.shape != chunk.sizes:
+        raise CorruptCheckpointError(
+            f"{where}: item for {tensor.fqn!r} holds a {ref.dtype} tensor of shape "
+            f"{list(ref.shape)}; metadata says {tensor.dtype} {list(chunk.sizes)}",
+            path=chunk.file,
+            fqn=tensor.fqn,
+            rank=chunk.rank,
+        )
+    rec = archive.record(f"data/{ref.storage.key}")
+    itemsize = dtypes.dtype(ref.dtype).itemsize
+    start = torch_archive.record_data_offset(reader, archive, rec) + ref.storage_offset * itemsize
+    span = chunk.numel * itemsize if ref.is_contiguous else rec.size - ref.storage_offset * itemsize
+    return replace(
+        chunk,
+        offset=start,
+        length=span,
+        encoding="raw",
+        strides=None if ref.is_contiguous else ref.strides,
+    )
+
+
+def _chunk_tensor(reader: LocalReader, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
+    import torch
+
+    raw = resolve_chunk(reader, tensor, chunk)
+    itemsize = dtypes.dtype(tensor.dtype).itemsize
+    if raw.numel == 0:
+        return torch.empty(raw.sizes, dtype=getattr(torch, tensor.dtype))
+    data = bytearray(reader.read(raw.file, raw.offset, raw.length))
+    flat = torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, tensor.dtype))
+    if raw.strides is None:
+        return flat[: raw.numel].view(raw.sizes)
+    assert len(data) % itemsize == 0
+    return flat.as_strided(raw.sizes, raw.strides).contiguous()
+
+
+def read_tensor(manifest: Manifest, fqn: str, reader: LocalReader | None = None) -> torch.Tensor:
+    """Assemble the full tensor ``fqn`` from its chunks (needs torch; memory = tensor size)."""
+    import torch
+
+    tensor = manifest.tensors[fqn]
+    own = reader is None
+    reader = reader or LocalReader(_root_dir(manifest))
+    try:
+        out = torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype))
+        for chunk in tensor.chunks:
+            piece = _chunk_tensor(reader, tensor, chunk)
+            view = out
+            for dim, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                view = view.narrow(dim, o, s)
+            view.copy_(piece)
+        return out
+    finally:
+        if own:
+            reader.close()
+
+
+def read_object(manifest: Manifest, fqn: str, reader: LocalReader | None = None) -> Any:
+    """Decode the non-tensor entry ``fqn`` through the allowlist (never runs checkpoint code).
+
+    Returns plain Python values; ``io.BytesIO`` as :class:`~ckptools.safe_pickle.BytesValue`,
+    tensors as :class:`~ckptools.safe_pickle.TensorRef`.
+
+    Raises:
+        UnsafeCheckpointError: the object needs a global outside the allowlist.
+    """
+    entry: ObjectEntry = manifest.objects[fqn]
+    if entry.has_value:
+        return entry.value
+    assert entry.file is not None
+    own = reader is None
+    reader = reader or LocalReader(_root_dir(manifest))
+    try:
+        archive = torch_archive.read_archive(reader, entry.file, entry.offset, entry.length)
+        return safe_pickle.unwrap(torch_archive.load_pickle(reader, archive))
+    finally:
+        if own:
+            reader.close()
+
+
+def _root_dir(manifest: Manifest) -> str:
+    import os
+
+    return manifest.root if os.path.isdir(manifest.root) else os.path.dirname(manifest.root)

@@ -1,0 +1,441 @@
+"""Reading pickles from checkpoints without running their code (torch-free).
+
+DCP's ``.metadata`` is a pickle, DCP object items and ``torch.save`` files hold pickles, and a
+pickle can call any importable function while it loads. ckptools never hands them to
+:mod:`pickle` as they are: :class:`_RestrictedUnpickler` resolves each global the pickle names
+through an allowlist that maps it to a *stand-in* defined here (a record, a dtype name, a tensor
+reference), never to the real class or function. A pickle that names anything else is refused
+with :class:`~ckptools.errors.UnsafeCheckpointError` naming the global, before anything runs.
+
+The stand-ins keep the data a checkpoint legitimately holds: DCP metadata records, tensors as
+:class:`TensorRef` (storage key, dtype, offset, shape, strides, no bytes), plain Python values,
+``io.BytesIO`` contents and numpy arrays (RNG state) as :class:`BytesValue` / :class:`ArrayValue`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes
+from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
+
+
+class Record:
+    """Stand-in for an instance of an allowlisted class (a dataclass in DCP metadata).
+
+    Attribute access returns the pickled state's fields; a state that is not a dict (e.g.
+    ``TensorProperties.__getstate__`` returns a tuple) is kept in ``_state``.
+    """
+
+    _qualname = "Record"
+
+    def __init__(self, *args: Any) -> None:
+        self._args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and (state[0] is None or isinstance(state[0], dict))
+            and isinstance(state[1], dict)
+        ):
+            # (instance dict, slots dict): the protocol-2 form for classes with __slots__.
+            self.__dict__.update(state[0] or {})
+            self.__dict__.update(state[1])
+        else:
+            self.__dict__["_state"] = state
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for missing attributes: dataclass fields that were left out of the pickled
+        # state (``_StorageInfo`` drops None fields) read as None.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"{self._qualname} stand-ins are read-only and cannot be pickled")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k != "_args")
+        return f"{self._qualname}({fields})"
+
+
+_RECORD_CLASSES: dict[str, type[Record]] = {}
+
+
+def _record_class(qualname: str) -> type[Record]:
+    cls = _RECORD_CLASSES.get(qualname)
+    if cls is None:
+        cls = type(qualname.rsplit(".", 1)[-1], (Record,), {"_qualname": qualname})
+        _RECORD_CLASSES[qualname] = cls
+    return cls
+
+
+def is_record(obj: object, qualname_suffix: str) -> bool:
+    return isinstance(obj, Record) and obj._qualname.endswith(qualname_suffix)
+
+
+class DTypeName(str):
+    """A torch dtype named in a pickle (``torch.float32`` → ``DTypeName("float32")``)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StorageType:
+    """A ``torch.*Storage`` class named in a pickle; ``dtype`` None is ``UntypedStorage``."""
+
+    dtype: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    """A storage a ``torch.save`` pickle refers to: bytes live in ``<prefix>/data/<key>``."""
+
+    key: str
+    dtype: str | None
+    location: str
+    numel: int  # elements of ``dtype`` (bytes when dtype is None)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor in a ``torch.save`` pickle, described without its bytes."""
+
+    storage: StorageRef
+    storage_offset: int  # in elements
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    flags: tuple[str, ...] = ()  # e.g. ("conj",): bits raw copying cannot honour
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class BytesValue:
+    """An ``io.BytesIO`` from a checkpoint, as its bytes."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayValue:
+    """A numpy array from a checkpoint (e.g. RNG state), as dtype code, shape and raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+class _BytesIOStandIn(Record):
+    _qualname = "_io.BytesIO"
+
+    def __setstate__(self, state: Any) -> None:
+        value = state[0] if isinstance(state, tuple) and state else b""
+        if not isinstance(value, bytes | bytearray):
+            raise CorruptCheckpointError("io.BytesIO state holds no bytes")
+        self.__dict__["value"] = BytesValue(bytes(value))
+
+
+class _NumpyDTypeStandIn(Record):
+    _qualname = "numpy.dtype"
+
+    def __setstate__(self, state: Any) -> None:
+        # (version, byteorder, subarray, names, fields, elsize, alignment, flags)
+        order = state[1] if isinstance(state, tuple) and len(state) > 1 else "|"
+        code = self._args[0] if self._args else "?"
+        self.__dict__["code"] = f"{'<' if order == '=' else order}{code}"
+
+
+class _NumpyArrayStandIn(Record):
+    _qualname = "numpy.ndarray"
+
+    def __setstate__(self, state: Any) -> None:
+        # (version, shape, dtype, is_fortran, rawdata)
+        if not (isinstance(state, tuple) and len(state) == 5):
+            raise CorruptCheckpointError("numpy array state has an unexpected form")
+        _, shape, dt, _, raw = state
+        if not isinstance(raw, bytes | bytearray):
+            raise UnsafeCheckpointError(
+                "numpy object arrays are not read", global_name="numpy.ndarray(object)"
+            )
+        code = getattr(dt, "code", "?")
+        self.__dict__["value"] = ArrayValue(str(code), tuple(shape), bytes(raw))
+
+
+def _torch_size(*args: Any) -> tuple[int, ...]:
+    if len(args) != 1:
+        raise CorruptCheckpointError("torch.Size takes one sequence")
+    return tuple(int(x) for x in args[0])
+
+
+def _layout(name: Any) -> str:
+    if not isinstance(name, str) or not name.startswith("torch."):
+        raise CorruptCheckpointError(f"unexpected tensor layout {name!r}")
+    return name
+
+
+def _enum_value(value: Any) -> Any:
+    if not isinstance(value, int | str):
+        raise CorruptCheckpointError(f"unexpected enum value {value!r}")
+    return value
+
+
+def _path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise CorruptCheckpointError("a path in the checkpoint is not made of strings")
+    return "/".join(parts)
+
+
+def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8"):
+        raise CorruptCheckpointError("unexpected bytes encoding in pickle")
+    return text.encode(encoding)
+
+
+def _reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
+    # Protocol 0/1 form of object creation; only our stand-in classes may be created this way.
+    if not (isinstance(cls, type) and issubclass(cls, Record)):
+        raise UnsafeCheckpointError(
+            "copyreg._reconstructor asked to build a non-allowlisted type",
+            global_name="copyreg._reconstructor",
+        )
+    return cls.__new__(cls)
+
+
+def _rebuild_tensor_v2(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> TensorRef:
+    return _tensor_ref(storage, storage_offset, size, stride, None, metadata)
+
+
+def _rebuild_tensor_v3(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    backward_hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+) -> TensorRef:
+    return _tensor_ref(storage, storage_offset, size, stride, dtype, metadata)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
+    return _tensor_ref(storage, storage_offset, size, stride, None, None)
+
+
+def _tensor_ref(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any, metadata: Any
+) -> TensorRef:
+    if not isinstance(storage, StorageRef):
+        raise CorruptCheckpointError("tensor without a storage in pickle")
+    name = str(dtype) if dtype is not None else storage.dtype
+    if name is None:
+        raise CorruptCheckpointError("tensor with untyped storage and no dtype")
+    flags = tuple(sorted(k for k, v in (metadata or {}).items() if v))
+    return TensorRef(
+        storage=storage,
+        storage_offset=int(storage_offset),
+        shape=tuple(int(s) for s in size),
+        strides=tuple(int(s) for s in stride),
+        dtype=dtypes.canonical(name),
+        flags=flags,
+    )
+
+
+def _rebuild_parameter(
+    data: Any, requires_grad: Any, backward_hooks: Any, state: Any = None
+) -> Any:
+    return data
+
+
+def _torch_global(name: str) -> Any:
+    if dtypes.is_dtype_name(name):
+        return DTypeName(dtypes.canonical(name))
+    if name in dtypes.BY_STORAGE:
+        return StorageType(dtypes.BY_STORAGE[name].name)
+    if name == "Size":
+        return _torch_size
+    return None
+
+
+_DCP = "torch.distributed.checkpoint"
+_DCP_RECORDS = (
+    f"{_DCP}.metadata.Metadata",
+    f"{_DCP}.metadata.TensorStorageMetadata",
+    f"{_DCP}.metadata.BytesStorageMetadata",
+    f"{_DCP}.metadata.ChunkStorageMetadata",
+    f"{_DCP}.metadata.TensorProperties",
+    f"{_DCP}.metadata.MetadataIndex",
+    f"{_DCP}.metadata.StorageMeta",
+    f"{_DCP}.filesystem._StorageInfo",
+    f"{_DCP}.filesystem._StoragePrefix",
+    f"{_DCP}._hf_utils._HFStorageInfo",
+    # torch < 2.2 kept TensorProperties with ShardedTensor.
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+)
+
+_COMMON: dict[str, Any] = {
+    "collections.OrderedDict": OrderedDict,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.object": object,
+    "copyreg._reconstructor": _reconstructor,
+    "torch.Size": _torch_size,
+}
+
+# Globals a DCP ``.metadata`` pickle may name.
+METADATA_GLOBALS: dict[str, Any] = {
+    **_COMMON,
+    **{q: _record_class(q) for q in _DCP_RECORDS},
+    f"{_DCP}.metadata._MEM_FORMAT_ENCODING": _enum_value,
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": _enum_value,
+    "torch.serialization._get_layout": _layout,
+    "pathlib.PosixPath": _path,
+    "pathlib.WindowsPath": _path,
+    "pathlib.PurePosixPath": _path,
+    "pathlib.PureWindowsPath": _path,
+    "pathlib.Path": _path,
+}
+
+# Globals a ``torch.save`` pickle (state dict file or DCP object item) may name.
+ARCHIVE_GLOBALS: dict[str, Any] = {
+    **_COMMON,
+    "torch._utils._rebuild_tensor": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch.storage.UntypedStorage": StorageType(None),
+    "torch.serialization._get_layout": _layout,
+    "_codecs.encode": _codecs_encode,
+    "_io.BytesIO": _BytesIOStandIn,
+    "numpy.core.multiarray._reconstruct": lambda cls, shape, dt: cls.__new__(cls),
+    "numpy._core.multiarray._reconstruct": lambda cls, shape, dt: cls.__new__(cls),
+    "numpy.ndarray": _NumpyArrayStandIn,
+    "numpy.dtype": _NumpyDTypeStandIn,
+    "builtins.bytearray": bytearray,
+    "builtins.slice": slice,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(
+        self,
+        data: bytes,
+        allowed: Mapping[str, Any],
+        source: str,
+        persistent_load: Callable[[Any], Any] | None = None,
+    ) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed = allowed
+        self._source = source
+        self._persistent = persistent_load
+
+    def find_class(self, module: str, name: str) -> Any:
+        qualname = f"{module}.{name}"
+        found = self._allowed.get(qualname)
+        if found is None and module == "torch":
+            found = _torch_global(name)
+        if found is None:
+            raise UnsafeCheckpointError(
+                f"{self._source}: refusing to load: the pickle asks for {qualname!r}, which is not "
+                "on ckptools' allowlist of what checkpoints contain (loading it could run code)",
+                global_name=qualname,
+                path=self._source,
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise CorruptCheckpointError(f"{self._source}: unexpected persistent id in pickle")
+        return self._persistent(pid)
+
+
+def restricted_loads(
+    data: bytes,
+    allowed: Mapping[str, Any],
+    *,
+    source: str,
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Unpickle ``data`` resolving globals only through ``allowed``.
+
+    Raises:
+        UnsafeCheckpointError: the pickle names a global outside ``allowed``.
+        CorruptCheckpointError: the bytes are not a well-formed pickle of the expected kind.
+    """
+    try:
+        return _RestrictedUnpickler(data, allowed, source, persistent_load).load()
+    except CkptError:
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"{source}: not a readable pickle ({type(e).__name__}: {e})", path=source
+        ) from e
+
+
+def storage_persistent_load(pid: Any) -> StorageRef:
+    """``persistent_load`` for ``torch.save`` archives: ('storage', type, key, location, numel)."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise CorruptCheckpointError(f"unexpected persistent id {pid!r:.80}")
+    _, storage_type, key, location, numel = pid
+    if not isinstance(storage_type, StorageType):
+        raise CorruptCheckpointError(f"unexpected storage type {storage_type!r:.80}")
+    return StorageRef(str(key), storage_type.dtype, str(location), int(numel))
+
+
+def plain(value: Any) -> Any:
+    """Turn stand-ins into plain, JSON-friendly Python values (for display and comparison)."""
+    if isinstance(value, _BytesIOStandIn):
+        value = value.value
+    if isinstance(value, _NumpyArrayStandIn):
+        value = value.value
+    if isinstance(value, BytesValue):
+        return {"type": "io.BytesIO", "bytes": len(value.data)}
+    if isinstance(value, ArrayValue):
+        return {"type": "numpy.ndarray", "dtype": value.dtype, "shape": list(value.shape)}
+    if isinstance(value, TensorRef):
+        return {"type": "tensor", "dtype": value.dtype, "shape": list(value.shape)}
+    if isinstance(value, bytes | bytearray):
+        return {"type": "bytes", "bytes": len(value)}
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v) for v in value]
+    if isinstance(value, complex):
+        return {"type": "complex", "real": value.real, "imag": value.imag}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return {"type": type(value).__name__, "repr": repr(value)[:200]}
+
+
+def unwrap(value: Any) -> Any:
+    """Replace ``io.BytesIO`` / numpy stand-ins by :class:`BytesValue` / :class:`ArrayValue`."""
+    if isinstance(value, _BytesIOStandIn | _NumpyArrayStandIn):
+        return value.value
+    return value
