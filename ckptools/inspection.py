@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,14 +25,21 @@ class InspectReport:
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
+        # One pass over all chunks (there may be millions) for every per-rank/per-file total.
         chunks_per_rank: dict[int, int] = {}
+        bytes_per_rank: dict[int, int] = {}
+        bytes_per_file: dict[str, int] = dict.fromkeys(m.files, 0)
         tensors = []
         for t in m.tensors.values():
-            ranks = sorted({c.rank for c in t.chunks if c.rank is not None})
-            for r in ranks:
-                chunks_per_rank[r] = chunks_per_rank.get(r, 0) + sum(
-                    1 for c in t.chunks if c.rank == r
-                )
+            itemsize = t.itemsize
+            ranks = set()
+            for c in t.chunks:
+                nbytes = math.prod(c.sizes) * itemsize
+                bytes_per_file[c.file] = bytes_per_file.get(c.file, 0) + nbytes
+                if c.rank is not None:
+                    ranks.add(c.rank)
+                    chunks_per_rank[c.rank] = chunks_per_rank.get(c.rank, 0) + 1
+                    bytes_per_rank[c.rank] = bytes_per_rank.get(c.rank, 0) + nbytes
             tensors.append(
                 {
                     "fqn": t.fqn,
@@ -39,7 +47,7 @@ class InspectReport:
                     "shape": list(t.shape),
                     "bytes": t.nbytes,
                     "chunks": len(t.chunks),
-                    "ranks": ranks,
+                    "ranks": sorted(ranks),
                 }
             )
         objects = []
@@ -74,8 +82,8 @@ class InspectReport:
                 "parameters": m.total_params,
                 "bytes": m.total_bytes,
                 "bytes_per_dtype": m.bytes_per_dtype(),
-                "bytes_per_file": m.bytes_per_file(),
-                "bytes_per_rank": {str(k): v for k, v in m.bytes_per_rank().items()},
+                "bytes_per_file": bytes_per_file,
+                "bytes_per_rank": {str(k): v for k, v in sorted(bytes_per_rank.items())},
                 "chunks_per_rank": {str(k): v for k, v in sorted(chunks_per_rank.items())},
             },
         }

@@ -14,6 +14,7 @@ The stand-ins keep the data a checkpoint legitimately holds: DCP metadata record
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickle
 from collections import OrderedDict
@@ -28,14 +29,26 @@ from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 class Record:
     """Stand-in for an instance of an allowlisted class (a dataclass in DCP metadata).
 
-    Attribute access returns the pickled state's fields; a state that is not a dict (e.g.
-    ``TensorProperties.__getstate__`` returns a tuple) is kept in ``_state``.
+    Attribute access returns the pickled state's fields. Records define no ``__setstate__``, so
+    the C unpickler fills ``__dict__`` from a dict state directly (this is the hot path of
+    reading large metadata); :class:`_StateRecord` keeps any other state in ``_state``.
     """
 
     _qualname = "Record"
 
     def __init__(self, *args: Any) -> None:
         self._args = args
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"{self._qualname} stand-ins are read-only and cannot be pickled")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k != "_args")
+        return f"{self._qualname}({fields})"
+
+
+class _StateRecord(Record):
+    """A record whose pickled state may be a tuple (``TensorProperties.__getstate__``)."""
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, dict):
@@ -52,20 +65,6 @@ class Record:
         else:
             self.__dict__["_state"] = state
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for missing attributes: dataclass fields that were left out of the pickled
-        # state (``_StorageInfo`` drops None fields) read as None.
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return None
-
-    def __reduce__(self) -> Any:
-        raise TypeError(f"{self._qualname} stand-ins are read-only and cannot be pickled")
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k != "_args")
-        return f"{self._qualname}({fields})"
-
 
 _RECORD_CLASSES: dict[str, type[Record]] = {}
 
@@ -73,7 +72,8 @@ _RECORD_CLASSES: dict[str, type[Record]] = {}
 def _record_class(qualname: str) -> type[Record]:
     cls = _RECORD_CLASSES.get(qualname)
     if cls is None:
-        cls = type(qualname.rsplit(".", 1)[-1], (Record,), {"_qualname": qualname})
+        base = _StateRecord if qualname.endswith(("TensorProperties", "StorageMeta")) else Record
+        cls = type(qualname.rsplit(".", 1)[-1], (base,), {"_qualname": qualname})
         _RECORD_CLASSES[qualname] = cls
     return cls
 
@@ -178,12 +178,6 @@ class _NumpyArrayStandIn(Record):
         self.__dict__["value"] = ArrayValue(str(code), tuple(shape), bytes(raw))
 
 
-def _torch_size(*args: Any) -> tuple[int, ...]:
-    if len(args) != 1:
-        raise CorruptCheckpointError("torch.Size takes one sequence")
-    return tuple(int(x) for x in args[0])
-
-
 def _layout(name: Any) -> str:
     if not isinstance(name, str) or not name.startswith("torch."):
         raise CorruptCheckpointError(f"unexpected tensor layout {name!r}")
@@ -278,7 +272,7 @@ def _torch_global(name: str) -> Any:
     if name in dtypes.BY_STORAGE:
         return StorageType(dtypes.BY_STORAGE[name].name)
     if name == "Size":
-        return _torch_size
+        return tuple
     return None
 
 
@@ -305,7 +299,9 @@ _COMMON: dict[str, Any] = {
     "builtins.complex": complex,
     "builtins.object": object,
     "copyreg._reconstructor": _reconstructor,
-    "torch.Size": _torch_size,
+    # torch.Size pickles as torch.Size((d0, d1, ...)); the builtin tuple builds the same value
+    # at C speed (DCP metadata holds three sizes per chunk). Callers check the elements' types.
+    "torch.Size": tuple,
 }
 
 # Globals a DCP ``.metadata`` pickle may name.
@@ -357,6 +353,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self._persistent = persistent_load
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol < 3 pickles name Python 2 modules (``__builtin__.set``); map them as
+        # pickle's own find_class does.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         qualname = f"{module}.{name}"
         found = self._allowed.get(qualname)
         if found is None and module == "torch":

@@ -9,6 +9,7 @@ the tensors, which :func:`sharding_summary` reports.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
@@ -27,6 +28,7 @@ METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
+@functools.lru_cache(maxsize=65536)
 def rank_of(filename: str) -> int | None:
     m = _RANK_FILE.match(os.path.basename(filename))
     return int(m.group(1)) if m else None
@@ -41,9 +43,14 @@ def _dtype_of(properties: Any, fqn: str, where: str) -> str:
 
 
 def _tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
+    if type(value) is tuple:  # built by the allowlisted ``tuple`` for torch.Size
+        return value
     if not isinstance(value, tuple | list):
         raise CorruptCheckpointError(f"{where}: {what} is not a shape")
-    return tuple(int(v) for v in value)
+    try:
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: {what} holds a non-integer") from e
 
 
 def load_metadata(path: str) -> Any:
@@ -57,7 +64,7 @@ def load_metadata(path: str) -> Any:
         ) from e
     md = safe_pickle.restricted_loads(data, safe_pickle.METADATA_GLOBALS, source=path)
     if not safe_pickle.is_record(md, ".metadata.Metadata") or not isinstance(
-        md.state_dict_metadata, dict
+        getattr(md, "state_dict_metadata", None), dict
     ):
         raise CorruptCheckpointError(f"{path}: not DCP metadata", path=path)
     return md
@@ -72,6 +79,19 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
     directory = os.path.join(root, subdir) if subdir else root
     meta_path = os.path.join(directory, METADATA_FILE)
     md = load_metadata(meta_path)
+    try:
+        return _build(md, root, subdir, directory, meta_path, check_files)
+    except (AttributeError, TypeError, ValueError, KeyError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(
+            f"{meta_path}: malformed DCP metadata ({type(e).__name__}: {e})", path=meta_path
+        ) from e
+
+
+def _build(
+    md: Any, root: str, subdir: str, directory: str, meta_path: str, check_files: bool
+) -> Manifest:
 
     def rel(name: str) -> str:
         return f"{subdir}/{name}" if subdir else name
@@ -79,13 +99,15 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
     chunk_locs: dict[tuple[str, tuple[int, ...]], Any] = {}
     object_locs: dict[str, Any] = {}
     transforms: dict[str, list[str]] = {}
-    for index, info in (md.storage_data or {}).items():
-        fqn = index.fqn
-        if not isinstance(fqn, str) or info is None or not isinstance(info.relative_path, str):
+    for index, info in (getattr(md, "storage_data", None) or {}).items():
+        fqn = getattr(index, "fqn", None)
+        if not isinstance(fqn, str) or not isinstance(getattr(info, "relative_path", None), str):
             raise CorruptCheckpointError(f"{meta_path}: malformed storage entry", path=meta_path)
-        if info.transform_descriptors:
-            transforms[fqn] = list(info.transform_descriptors)
-        if index.offset is None:
+        # _StorageInfo.__getstate__ leaves out None fields, so absent means "no transforms".
+        descriptors = info.__dict__.get("transform_descriptors")
+        if descriptors:
+            transforms[fqn] = list(descriptors)
+        if getattr(index, "offset", None) is None:
             object_locs[fqn] = info
         else:
             chunk_locs[(fqn, tuple(index.offset))] = info
@@ -93,6 +115,7 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, ObjectEntry] = {}
     extents: dict[str, int] = {}
+    file_of: dict[str, tuple[str, int | None]] = {}
     for fqn, item in md.state_dict_metadata.items():
         if safe_pickle.is_record(item, "BytesStorageMetadata"):
             info = object_locs.get(fqn)
@@ -116,7 +139,6 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
         chunks = []
         for cm in item.chunks or ():
             offsets = _tuple(cm.offsets, f"chunk offsets of {fqn!r}", meta_path)
-            sizes = _tuple(cm.sizes, f"chunk sizes of {fqn!r}", meta_path)
             info = chunk_locs.get((fqn, offsets))
             if info is None:
                 raise CorruptCheckpointError(
@@ -125,18 +147,24 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
                     fqn=fqn,
                 )
             name = info.relative_path
+            where = file_of.get(name)
+            if where is None:
+                where = file_of[name] = (rel(name), rank_of(name))
+            end = info.offset + info.length
+            if end > extents.get(name, 0):
+                extents[name] = end
+            # Positional construction: this loop runs once per chunk (millions at scale).
             chunks.append(
                 Chunk(
-                    offsets=offsets,
-                    sizes=sizes,
-                    file=rel(name),
-                    offset=int(info.offset),
-                    length=int(info.length),
-                    encoding="torch_save",
-                    rank=rank_of(name),
+                    offsets,
+                    _tuple(cm.sizes, f"chunk sizes of {fqn!r}", meta_path),
+                    where[0],
+                    info.offset,
+                    info.length,
+                    "torch_save",
+                    where[1],
                 )
             )
-            extents[name] = max(extents.get(name, 0), int(info.offset) + int(info.length))
         tensors[fqn] = TensorEntry(fqn, dtypes.canonical(dtype), shape, tuple(chunks))
 
     files: dict[str, FileInfo] = {}
@@ -165,12 +193,12 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
 
     ranks = [r for r in (rank_of(n) for n in files) if r is not None]
     paths = {}
-    for fqn, p in (md.planner_data or {}).items():
+    for fqn, p in (getattr(md, "planner_data", None) or {}).items():
         if isinstance(p, tuple | list):
             paths[fqn] = tuple(str(x) for x in p)
-    storage_meta = md.storage_meta
+    storage_meta = getattr(md, "storage_meta", None)
     details: dict[str, Any] = {
-        "dcp_version": md.version,
+        "dcp_version": getattr(md, "version", None),
         "save_id": getattr(storage_meta, "save_id", None) if storage_meta is not None else None,
     }
     if transforms:

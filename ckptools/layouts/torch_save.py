@@ -166,7 +166,12 @@ class TorchSaveLayout(Layout):
 
     def probe(self, path: str) -> str | None:
         if os.path.isfile(path):
-            return None if path.endswith(SUFFIXES) else f"file name does not end in {SUFFIXES}"
+            if path.endswith(SUFFIXES):
+                return None
+            with open(path, "rb") as f:
+                if torch_archive.is_zip(f.read(4)):
+                    return None
+            return f"file is not a zip archive and its name does not end in {SUFFIXES}"
         if os.path.isdir(path):
             names = set(os.listdir(path))
             if BIN_INDEX in names or "pytorch_model.bin" in names:

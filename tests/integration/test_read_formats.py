@@ -1,0 +1,78 @@
+"""ckptools reads what torch wrote, in one process: DCP (every dtype and shape kind),
+safetensors directories and torch.save files, bit-exactly against the producer's own values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import ckptools
+from tests.conftest import Produced
+from tests.support.checks import (
+    assert_inspect_agrees_with_torch_metadata,
+    assert_reads_match_reference,
+    inspect_json,
+)
+from tests.support.reference import load_reference, tensor_bytes
+
+
+def test_single_process_dcp_every_dtype(produced: Callable[..., Produced]) -> None:
+    p = produced("single")
+    assert_inspect_agrees_with_torch_metadata(p.path, ["."])
+    n = assert_reads_match_reference(p.path, p.ref_path)
+    assert n >= 20
+    report = inspect_json(p.path)
+    dtypes_seen = {t["dtype"] for t in report["tensors"]}
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "bool", "uint64", "complex64"):
+        assert name in dtypes_seen
+    shapes = {t["fqn"]: t["shape"] for t in report["tensors"]}
+    assert shapes["model.scalar_f32"] == [] and shapes["model.empty_0x3"] == [0, 3]
+    assert report["model_part"]["prefix"] == "model."
+
+
+def test_values_are_decoded_only_on_request(produced: Callable[..., Produced]) -> None:
+    p = produced("single")
+    plain = {o["fqn"]: o for o in inspect_json(p.path)["objects"]}
+    assert all("value" not in o for o in plain.values())
+    decoded = {o["fqn"]: o.get("value") for o in inspect_json(p.path, "--values")["objects"]}
+    assert decoded["extra.epoch"] == 3
+    assert decoded["extra.name"] == "single"
+    assert decoded["extra.blob"] == {"type": "io.BytesIO", "bytes": len(b"\x00\x01binary\xff")}
+
+
+def _assert_same_tensors(path: str, ref_model: dict[str, torch.Tensor]) -> None:
+    manifest = ckptools.read_manifest(path)
+    assert set(manifest.tensors) == set(ref_model)
+    for fqn, expected in ref_model.items():
+        actual = ckptools.read_tensor(manifest, fqn)
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, fqn
+        assert torch.equal(tensor_bytes(actual), tensor_bytes(expected)), fqn
+
+
+def test_sharded_safetensors_directory(produced: Callable[..., Produced]) -> None:
+    p = produced("hf_sharded")
+    report = inspect_json(p.path)
+    assert report["format"] == "safetensors"
+    assert len(report["files"]) >= 2
+    _assert_same_tensors(str(p.path), load_reference(p.ref_path)["model"])
+
+
+def test_torch_save_full_state_dict(produced: Callable[..., Produced]) -> None:
+    p = produced("torch_save")
+    report = inspect_json(p.path)
+    assert report["format"] == "torch_save"
+    _assert_same_tensors(str(p.path), load_reference(p.ref_path)["model"])
+
+
+def test_torch_save_shared_storage_and_views(tmp_path: object) -> None:
+    from pathlib import Path
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sd = {"a": base, "tied": base, "t": base.t(), "slice": base[1:3, ::2], "bf": base.bfloat16()}
+    path = Path(str(tmp_path)) / "model.pt"
+    torch.save(sd, path)
+    manifest = ckptools.read_manifest(str(path))
+    assert manifest.tensors["a"].chunks[0].offset == manifest.tensors["tied"].chunks[0].offset
+    for fqn, expected in sd.items():
+        assert torch.equal(ckptools.read_tensor(manifest, fqn), expected.contiguous()), fqn

@@ -1,0 +1,259 @@
+"""Run a function on N real ``torch.distributed`` ranks (gloo, CPU) for tests.
+
+Every distributed test goes through :func:`run_ranks`: it spawns ``world_size`` fresh processes
+(``spawn`` start method, so no state leaks from the pytest process), joins them into one gloo
+process group through a file rendezvous in a fresh temporary directory, runs ``fn(rank, world_size,
+*args, **kwargs)`` on each and pickles the per-rank return values back.
+
+Results and failures travel through per-rank files rather than a ``multiprocessing.Queue``: a rank
+leaves with ``os._exit`` (gloo sometimes aborts while tearing down), and ``os._exit`` would drop
+data still sitting in a queue's feeder thread. A file renamed into place is either complete or
+absent.
+
+Example:
+    >>> from tests.support.dist import run_ranks
+    >>> run_ranks(my_module_level_fn, 2, "arg", timeout=30.0)  # doctest: +SKIP
+    [result_of_rank_0, result_of_rank_1]
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing import get_context
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ["RankFailedError", "RanksTimeoutError", "run_ranks"]
+
+# After every rank has reported its result, ranks still run a barrier and tear down the process
+# group. That should take well under a second; past this, they are killed (their results are already
+# safe).
+_TEARDOWN_GRACE_S = 15.0
+# How often the parent looks for new result/error files while no process has exited.
+_POLL_INTERVAL_S = 0.05
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised (or died) while running the function given to :func:`run_ranks`.
+
+    Attributes:
+        rank: the first rank seen failing.
+        rank_traceback: that rank's formatted traceback (or a note on how the process died).
+        failures: every failed rank seen at the time, mapped to its traceback.
+    """
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        self.rank = next(iter(self.failures))
+        self.rank_traceback = self.failures[self.rank]
+        parts = [f"rank {self.rank} failed; all ranks were killed."]
+        for rank, text in self.failures.items():
+            parts.append(f"--- traceback of rank {rank} ---\n{text.rstrip()}")
+        super().__init__("\n".join(parts))
+
+
+class RanksTimeoutError(TimeoutError):
+    """The ranks did not all finish within the timeout given to :func:`run_ranks`."""
+
+    def __init__(self, timeout: float, pending: list[int], finished: list[int]) -> None:
+        self.timeout = timeout
+        self.pending = pending
+        self.finished = finished
+        super().__init__(
+            f"ranks {pending} did not finish within {timeout:.1f} s (finished: {finished}); "
+            "all ranks were killed. A collective that only some ranks entered, or a deadlock, "
+            "is the usual cause."
+        )
+
+
+def _result_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"rank{rank}.result")
+
+
+def _error_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"rank{rank}.error")
+
+
+def _write_atomically(path: str, payload: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    os.replace(tmp, path)
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    workdir: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Entry point of one spawned rank. Never returns: leaves with ``os._exit``."""
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            backend="gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        result = fn(rank, world_size, *args, **kwargs)
+        _write_atomically(_result_path(workdir, rank), pickle.dumps(result))
+    except BaseException:
+        code = 1
+        try:
+            _write_atomically(_error_path(workdir, rank), traceback.format_exc().encode())
+        except BaseException:
+            pass
+    if code == 0:
+        # A finished rank must never fail the test: teardown errors are swallowed.
+        try:
+            dist.barrier()
+        except BaseException:
+            pass
+        try:
+            dist.destroy_process_group()
+        except BaseException:
+            pass
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+@contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables while children are spawned (they copy ``os.environ``)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _kill_all(procs: list[BaseProcess]) -> None:
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        if p.is_alive():
+            p.kill()
+    for p in started:
+        p.join(timeout=10.0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned gloo ranks.
+
+    Called by the test process only (it must not itself be a rank). Each rank initialises a gloo
+    process group through a ``file://`` rendezvous, runs ``fn``, saves its return value, then runs
+    ``dist.barrier()`` and ``dist.destroy_process_group()`` (errors there are ignored).
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of ranks to spawn.
+        *args: extra positional arguments for ``fn`` (picklable).
+        timeout: seconds for the whole run; also the process group's collective timeout.
+        **kwargs: keyword arguments for ``fn`` (picklable).
+
+    Returns:
+        The per-rank return values, indexed by rank.
+
+    Raises:
+        RankFailedError: a rank raised; carries its rank and traceback. Other ranks are killed.
+        RanksTimeoutError: not every rank finished in ``timeout`` seconds; all ranks are killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise TypeError(f"fn must be a picklable module-level function, got {fn!r}") from e
+
+    workdir = tempfile.mkdtemp(prefix="ckptools-ranks-")
+    init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
+    ctx = get_context("spawn")
+    procs: list[BaseProcess] = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, init_method, workdir, timeout, fn, args, kwargs),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+            for p in procs:
+                p.start()
+        deadline = time.monotonic() + timeout
+        failures: dict[int, str] = {}
+        while True:
+            done = [os.path.exists(_result_path(workdir, r)) for r in range(world_size)]
+            for rank, p in enumerate(procs):
+                if os.path.exists(_error_path(workdir, rank)):
+                    with open(_error_path(workdir, rank), encoding="utf-8", errors="replace") as f:
+                        failures[rank] = f.read()
+                elif not done[rank] and p.exitcode is not None:
+                    # Recheck: the result may have landed between the two looks.
+                    if not os.path.exists(_result_path(workdir, rank)):
+                        failures[rank] = (
+                            f"process exited with code {p.exitcode} without reporting a result "
+                            "(killed by a signal if negative)"
+                        )
+            if failures:
+                _kill_all(procs)
+                raise RankFailedError(failures)
+            if all(done):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _kill_all(procs)
+                pending = [r for r in range(world_size) if not done[r]]
+                finished = [r for r in range(world_size) if done[r]]
+                raise RanksTimeoutError(timeout, pending, finished)
+            alive = [p.sentinel for p in procs if p.exitcode is None]
+            if alive:
+                wait(alive, timeout=min(_POLL_INTERVAL_S, remaining))
+            else:
+                time.sleep(min(_POLL_INTERVAL_S, remaining))
+
+        results: list[Any] = []
+        for rank in range(world_size):
+            with open(_result_path(workdir, rank), "rb") as f:
+                results.append(pickle.load(f))
+        grace_deadline = time.monotonic() + _TEARDOWN_GRACE_S
+        for p in procs:
+            p.join(timeout=max(0.0, grace_deadline - time.monotonic()))
+        return results
+    finally:
+        _kill_all(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
