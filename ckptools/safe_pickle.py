@@ -144,6 +144,7 @@ class ArrayValue:
 
 class _BytesIOStandIn(Record):
     _qualname = "_io.BytesIO"
+    value: BytesValue
 
     def __setstate__(self, state: Any) -> None:
         value = state[0] if isinstance(state, tuple) and state else b""
@@ -164,6 +165,7 @@ class _NumpyDTypeStandIn(Record):
 
 class _NumpyArrayStandIn(Record):
     _qualname = "numpy.ndarray"
+    value: ArrayValue
 
     def __setstate__(self, state: Any) -> None:
         # (version, shape, dtype, is_fortran, rawdata)

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # Where producers write, named as the real tools name their output.
-_OUT_NAMES = {"torchtitan": "checkpoint/step-3", "torch_save": "model.pt"}
+_OUT_NAMES = {"torchtitan": "checkpoint/step-2", "torch_save": "model.pt"}
 
 
 class Produced:

@@ -74,5 +74,5 @@ def test_torchtitan_checkpoint_folder_resolves_to_newest_step(
     p = produced("torchtitan")
     report = inspect_json(p.path.parent)
     assert report["layout"] == "torchtitan"
-    assert report["path"].endswith("step-3")
+    assert report["path"].endswith("step-2")
     assert any("newest complete" in note for note in report["notes"])

@@ -59,11 +59,9 @@ def test_truncated_file_found_when_reading_chunks(
     ckpt = _copy(produced("single"), tmp_path)
     producers.truncate(ckpt / "__0_0.distcp", -1)
     manifest = read_dcp(str(ckpt), check_files=False)
-    last = max(
-        (c for t in manifest.tensors.values() for c in t.chunks), key=lambda c: c.offset
-    )
+    last = max((c for t in manifest.tensors.values() for c in t.chunks), key=lambda c: c.offset)
     fqn = next(t.fqn for t in manifest.tensors.values() if last in t.chunks)
-    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp"):
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp"):
         ckptools.read_tensor(manifest, fqn)
 
 

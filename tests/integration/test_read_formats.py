@@ -11,10 +11,11 @@ import ckptools
 from tests.conftest import Produced
 from tests.support.checks import (
     assert_inspect_agrees_with_torch_metadata,
+    assert_model_tensors_equal,
     assert_reads_match_reference,
     inspect_json,
 )
-from tests.support.reference import load_reference, tensor_bytes
+from tests.support.reference import load_reference
 
 
 def test_single_process_dcp_every_dtype(produced: Callable[..., Produced]) -> None:
@@ -41,28 +42,19 @@ def test_values_are_decoded_only_on_request(produced: Callable[..., Produced]) -
     assert decoded["extra.blob"] == {"type": "io.BytesIO", "bytes": len(b"\x00\x01binary\xff")}
 
 
-def _assert_same_tensors(path: str, ref_model: dict[str, torch.Tensor]) -> None:
-    manifest = ckptools.read_manifest(path)
-    assert set(manifest.tensors) == set(ref_model)
-    for fqn, expected in ref_model.items():
-        actual = ckptools.read_tensor(manifest, fqn)
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, fqn
-        assert torch.equal(tensor_bytes(actual), tensor_bytes(expected)), fqn
-
-
 def test_sharded_safetensors_directory(produced: Callable[..., Produced]) -> None:
     p = produced("hf_sharded")
     report = inspect_json(p.path)
     assert report["format"] == "safetensors"
     assert len(report["files"]) >= 2
-    _assert_same_tensors(str(p.path), load_reference(p.ref_path)["model"])
+    assert_model_tensors_equal(str(p.path), load_reference(p.ref_path)["model"])
 
 
 def test_torch_save_full_state_dict(produced: Callable[..., Produced]) -> None:
     p = produced("torch_save")
     report = inspect_json(p.path)
     assert report["format"] == "torch_save"
-    _assert_same_tensors(str(p.path), load_reference(p.ref_path)["model"])
+    assert_model_tensors_equal(str(p.path), load_reference(p.ref_path)["model"])
 
 
 def test_torch_save_shared_storage_and_views(tmp_path: object) -> None:

@@ -104,3 +104,13 @@ def assert_reads_match_reference(path: str | Path, ref_path: str | Path) -> int:
                 actual = ckptools.read_object(manifest, fqn)
                 assert _same_value(actual, expected), f"{fqn}: {actual!r} != {expected!r}"
     return checked
+
+
+def assert_model_tensors_equal(path: str | Path, ref_model: dict[str, torch.Tensor]) -> None:
+    """The checkpoint holds exactly ``ref_model``'s tensors (flat keys), bit for bit."""
+    manifest = ckptools.read_manifest(str(path))
+    assert set(manifest.tensors) == set(ref_model)
+    for fqn, expected in ref_model.items():
+        actual = ckptools.read_tensor(manifest, fqn)
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, fqn
+        assert torch.equal(tensor_bytes(actual), tensor_bytes(expected)), fqn

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -26,7 +27,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing import get_context
 from multiprocessing.connection import wait
@@ -119,20 +119,14 @@ def _rank_main(
         _write_atomically(_result_path(workdir, rank), pickle.dumps(result))
     except BaseException:
         code = 1
-        try:
+        with contextlib.suppress(BaseException):
             _write_atomically(_error_path(workdir, rank), traceback.format_exc().encode())
-        except BaseException:
-            pass
     if code == 0:
         # A finished rank must never fail the test: teardown errors are swallowed.
-        try:
+        with contextlib.suppress(BaseException):
             dist.barrier()
-        except BaseException:
-            pass
-        try:
+        with contextlib.suppress(BaseException):
             dist.destroy_process_group()
-        except BaseException:
-            pass
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -140,7 +134,7 @@ def _rank_main(
         os._exit(code)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _env(**values: str) -> Iterator[None]:
     """Set environment variables while children are spawned (they copy ``os.environ``)."""
     saved = {k: os.environ.get(k) for k in values}
@@ -222,13 +216,16 @@ def run_ranks(
                 if os.path.exists(_error_path(workdir, rank)):
                     with open(_error_path(workdir, rank), encoding="utf-8", errors="replace") as f:
                         failures[rank] = f.read()
-                elif not done[rank] and p.exitcode is not None:
+                elif (
+                    not done[rank]
+                    and p.exitcode is not None
                     # Recheck: the result may have landed between the two looks.
-                    if not os.path.exists(_result_path(workdir, rank)):
-                        failures[rank] = (
-                            f"process exited with code {p.exitcode} without reporting a result "
-                            "(killed by a signal if negative)"
-                        )
+                    and not os.path.exists(_result_path(workdir, rank))
+                ):
+                    failures[rank] = (
+                        f"process exited with code {p.exitcode} without reporting a result "
+                        "(killed by a signal if negative)"
+                    )
             if failures:
                 _kill_all(procs)
                 raise RankFailedError(failures)

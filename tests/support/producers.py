@@ -43,6 +43,7 @@ import pickle
 import random
 import shutil
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -63,6 +64,7 @@ from tests.support.dist import run_ranks
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "FIXTURE_CONFIG",
     "PRODUCERS",
     "TP_CONFIG",
     "ModelConfig",
@@ -123,6 +125,12 @@ DEFAULT_CONFIG = ModelConfig()
 # the MLP width must too, because RowwiseParallel rebuilds its input with DTensor.from_local, which
 # assumes even shards. FSDP's dim-0 shards stay uneven (vocab 37, MLP 22 -> 11 per tp rank -> 6/5).
 TP_CONFIG = ModelConfig(n_heads=4, n_kv_heads=2, head_dim=2, intermediate=22)
+
+# Checked-in fixtures must stay well under 100 KB per directory, and DCP stores every chunk as its
+# own torch.save blob (~1.5 KB of zip records each): with AdamW state a parameter costs 7 blobs at
+# world size 2, so fixtures use the embedding, final norm and head only (still uneven: 37 -> 19/18,
+# 5 -> 3/2).
+FIXTURE_CONFIG = ModelConfig(hidden=5, n_layers=0)
 
 # Module names as HF Llama (LlamaForCausalLM) and torchtitan's Llama spell them, so checkpoints
 # carry the FQNs the real tools write.
@@ -382,6 +390,13 @@ def _save_reference(
     )
 
 
+def _save_one_process(state: dict[str, Any], out: str) -> None:
+    with warnings.catch_warnings():
+        # no_dist=True is the intent; torch still warns that it is assuming it.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=out, no_dist=True)
+
+
 def _describe(model: nn.Module) -> dict[str, str]:
     """This rank's view of the sharded model state dict: FQN -> type, placements and local shape.
     Collective for FSDP1 (every rank calls it). Producers return it through run_ranks."""
@@ -389,7 +404,8 @@ def _describe(model: nn.Module) -> dict[str, str]:
     from torch.distributed.tensor import DTensor
 
     described: dict[str, str] = {}
-    for fqn, value in get_model_state_dict(model).items():
+    model_sd: dict[str, Any] = get_model_state_dict(model)
+    for fqn, value in model_sd.items():
         if isinstance(value, DTensor):
             described[fqn] = f"DTensor {value.placements} local={tuple(value.to_local().shape)}"
         elif isinstance(value, ShardedTensor):
@@ -742,7 +758,7 @@ def single(out: str | os.PathLike[str], ref_path: str | os.PathLike[str]) -> Non
     ``{"model": {...}, "extra": {...}}``."""
     out = _fresh_dir(out)
     state = _single_state()
-    dcp.save(state, checkpoint_id=out, no_dist=True)
+    _save_one_process(state, out)
     layout: Layout = {"model": (".", ("model",)), "optim": None, "extra": (".", ("extra",))}
     _save_reference(ref_path, state["model"], None, layout, state["extra"])
 
@@ -944,19 +960,20 @@ def _trainer_state(global_step: int, world_size: int) -> Any:
             }
             for s in range(1, global_step + 1)
         ],
-        stateful_callbacks={
-            "TrainerControl": {
-                "args": {
-                    "should_epoch_stop": False,
-                    "should_evaluate": False,
-                    "should_log": False,
-                    "should_save": True,
-                    "should_training_stop": True,
-                },
-                "attributes": {},
-            }
-        },
     )
+    # What Trainer._save_checkpoint stores for its ExportableState callbacks (TrainerControl).
+    state.stateful_callbacks = {
+        "TrainerControl": {
+            "args": {
+                "should_epoch_stop": False,
+                "should_evaluate": False,
+                "should_log": False,
+                "should_save": True,
+                "should_training_stop": True,
+            },
+            "attributes": {},
+        }
+    }
     return state
 
 
@@ -1154,7 +1171,8 @@ def torchtitan(
     Follows ``torchtitan/components/checkpoint.py`` ``CheckpointManager``:
 
     * full state (``save`` -> ``_flattened_model_states_sd``): the model state dict is merged
-      into the TOP level (no "model." prefix), next to ``"optimizer"`` (``OptimizersContainer.state_dict``:
+      into the TOP level (no "model." prefix), next to ``"optimizer"``
+      (``OptimizersContainer.state_dict``:
       ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, keys like
       ``state.layers.0.attention.wq.weight.exp_avg``), ``"lr_scheduler"`` (first scheduler's
       state_dict), ``"dataloader"`` (``{"dp_rank_<r>": pickled bytes, "world_size": n}``) and
@@ -1172,7 +1190,7 @@ def torchtitan(
     _fsdp2_wrap(model, init_device_mesh("cpu", (world_size,)))
     opt, sched = _make_optimizer(model)
     _train(model, cfg, opt, sched)
-    model_sd = get_model_state_dict(model)
+    model_sd: dict[str, Any] = get_model_state_dict(model)
     ref_model, ref_optim = _gather_reference(model, opt, flatten_optimizer=True)
     if model_only:
         dtype = getattr(torch, export_dtype)
@@ -1239,11 +1257,7 @@ def malicious_metadata(
     (inside ``out``), which generating never creates."""
     out = _fresh_dir(out)
     sentinel = os.path.join(os.path.abspath(out), "PWNED_BY_METADATA")
-    dcp.save(
-        {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}},
-        checkpoint_id=out,
-        no_dist=True,
-    )
+    _save_one_process({"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}}, out)
     meta_path = os.path.join(out, ".metadata")
     with open(meta_path, "rb") as f:
         metadata = pickle.load(f)  # our own file, written just above
@@ -1265,7 +1279,7 @@ def malicious_object(
         "model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)},
         "extra": {"payload": _Gadget(sentinel, how), "step": 3},
     }
-    dcp.save(state, checkpoint_id=out, no_dist=True)
+    _save_one_process(state, out)
     return sentinel
 
 
@@ -1343,7 +1357,7 @@ def big_many_tensors_metadata(
         fqn = f"model.{inner}"
         rows = world_size * 2 + (i % 7) - 3
         per = math.ceil(rows / world_size)
-        chunks = []
+        chunks: list[ChunkStorageMetadata] = []
         for r in range(world_size):
             start = min(r * per, rows)
             size = min(per, rows - start)
