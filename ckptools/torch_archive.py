@@ -12,7 +12,9 @@ learn where each tensor's raw bytes are without reading or materialising them.
 
 from __future__ import annotations
 
+import math
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,3 +178,247 @@ def load_pickle(reader: LocalReader, archive: Archive) -> Any:
 
 def is_zip(head: bytes) -> bool:
     return head[:4] == _LOCAL
+
+
+# --- Writing ---------------------------------------------------------------------------------
+#
+# Converters that write DCP checkpoints (reshard, shard) emit each tensor chunk as a torch.save
+# archive without torch: the archive around the tensor's bytes is computed here, so the bytes
+# themselves can be copied straight from the source with positional writes. The records and
+# their order follow torch.save's (data.pkl, .format_version, .storage_alignment, byteorder,
+# data/0, version), the tensor data is 64-byte aligned as torch aligns it (``mmap=True`` loads
+# need it), and like torch the data record is followed by a data descriptor holding its CRC-32,
+# so the CRC can be computed while the bytes are copied.
+
+_STORAGE_ALIGNMENT = 64
+_ZIP64_LIMIT = 0xFFFFFFFF
+_FLAG_UTF8 = 0x0800
+_FLAG_DESCRIPTOR = 0x0008
+_ARCHIVE_PREFIX = "archive"
+
+
+def _pickle_str(s: str) -> bytes:
+    raw = s.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _pickle_int(n: int) -> bytes:
+    if 0 <= n < 256:
+        return b"K" + bytes([n])
+    if 0 <= n < 65536:
+        return b"M" + struct.pack("<H", n)
+    if -(2**31) <= n < 2**31:
+        return b"J" + struct.pack("<i", n)
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _pickle_int_tuple(values: tuple[int, ...]) -> bytes:
+    return b"(" + b"".join(_pickle_int(v) for v in values) + b"t"
+
+
+def tensor_pickle(dtype_name: str, shape: tuple[int, ...]) -> bytes:
+    """``data.pkl`` of ``torch.save(t)`` for a contiguous CPU tensor ``t`` stored as key "0"."""
+    from . import dtypes
+
+    dt = dtypes.dtype(dtype_name)
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    strides.reverse()
+    numel = step
+    # torch pickles legacy typed storages where one exists, else UntypedStorage + dtype (v3).
+    if dt.storage is not None and dt.name not in _V3_DTYPES:
+        storage_global, count, rebuild = f"torch\n{dt.storage}\n", numel, "_rebuild_tensor_v2"
+    else:
+        storage_global, count, rebuild = (
+            "torch.storage\nUntypedStorage\n",
+            numel * dt.itemsize,
+            ("_rebuild_tensor_v3"),
+        )
+    out = bytearray(b"\x80\x02")
+    out += f"ctorch._utils\n{rebuild}\n".encode()
+    out += b"(("  # MARK (args), MARK (persistent id)
+    out += _pickle_str("storage") + f"c{storage_global}".encode()
+    out += _pickle_str("0") + _pickle_str("cpu") + _pickle_int(count) + b"tQ"
+    out += _pickle_int(0) + _pickle_int_tuple(tuple(shape)) + _pickle_int_tuple(tuple(strides))
+    out += b"\x89" + b"ccollections\nOrderedDict\n)R"
+    if rebuild == "_rebuild_tensor_v3":
+        out += f"ctorch\n{dt.name}\n".encode()
+    out += b"tR."
+    return bytes(out)
+
+
+# dtypes torch.save writes with UntypedStorage and _rebuild_tensor_v3 (no legacy storage class).
+_V3_DTYPES = frozenset(
+    {
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "uint16",
+        "uint32",
+        "uint64",
+    }
+)
+
+
+def _local_header(name: bytes, crc: int, size: int, flags: int, extra: bytes) -> bytes:
+    return (
+        struct.pack(
+            "<4sHHHHHIIIHH",
+            _LOCAL,
+            45 if size >= _ZIP64_LIMIT else 20,
+            flags,
+            0,
+            0,
+            0,
+            crc,
+            _ZIP64_LIMIT if size >= _ZIP64_LIMIT else size,
+            _ZIP64_LIMIT if size >= _ZIP64_LIMIT else size,
+            len(name),
+            len(extra),
+        )
+        + name
+        + extra
+    )
+
+
+def _padding_extra(offset_after_name: int, other_extra_len: int = 0) -> bytes:
+    """torch's "FB" extra field that pads a record's data to the storage alignment."""
+    pos = offset_after_name + other_extra_len + 4
+    pad = (-pos) % _STORAGE_ALIGNMENT
+    return b"FB" + struct.pack("<H", pad) + b"Z" * pad
+
+
+@dataclass(frozen=True, slots=True)
+class TensorArchiveLayout:
+    """The bytes of a ``torch.save`` archive around one tensor's data, computed without torch.
+
+    The archive is ``head`` + the tensor's raw bytes (``nbytes``) + ``tail(crc32 of the bytes)``.
+    ``data_offset`` is where the raw bytes start, relative to the archive start.
+    """
+
+    head: bytes
+    nbytes: int
+    tail_length: int
+    _entries: tuple[tuple[bytes, int, int, int, int], ...]  # name, crc, size, header offset, flags
+
+    @property
+    def data_offset(self) -> int:
+        return len(self.head)
+
+    @property
+    def length(self) -> int:
+        return len(self.head) + self.nbytes + self.tail_length
+
+    def tail(self, crc: int) -> bytes:
+        """Everything after the tensor bytes: descriptor, last record, central directory."""
+        zip64_data = self.nbytes >= _ZIP64_LIMIT
+        out = bytearray()
+        if zip64_data:
+            out += struct.pack("<4sIQQ", b"PK\x07\x08", crc, self.nbytes, self.nbytes)
+        else:
+            out += struct.pack("<4sIII", b"PK\x07\x08", crc, self.nbytes, self.nbytes)
+        pos = len(self.head) + self.nbytes + len(out)
+        version_name = f"{_ARCHIVE_PREFIX}/version".encode()
+        version_data = b"3\n"
+        version_crc = zlib.crc32(version_data)
+        version_extra = _padding_extra(pos + 30 + len(version_name))
+        version_offset = pos
+        out += _local_header(version_name, version_crc, 2, _FLAG_UTF8, version_extra)
+        out += version_data
+        entries = list(self._entries)
+        for i, entry in enumerate(entries):
+            if entry[0].endswith(b"/data/0"):
+                entries[i] = (entry[0], crc, entry[2], entry[3], entry[4])
+        entries.append((version_name, version_crc, 2, version_offset, _FLAG_UTF8))
+        cdir_start = len(self.head) + self.nbytes + len(out)
+        cdir = bytearray()
+        for name, ecrc, size, offset, flags in entries:
+            big = size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
+            extra = b""
+            if big:
+                extra = struct.pack("<HHQQQ", 0x0001, 24, size, size, offset)
+            cdir += struct.pack(
+                "<4sHHHHHHIIIHHHHHII",
+                _CDIR,
+                45 if big else 20,
+                45 if big else 20,
+                flags,
+                0,
+                0,
+                0,
+                ecrc,
+                _ZIP64_LIMIT if big else size,
+                _ZIP64_LIMIT if big else size,
+                len(name),
+                len(extra),
+                0,
+                0,
+                0,
+                0,
+                _ZIP64_LIMIT if big else offset,
+            )
+            cdir += name + extra
+        out += cdir
+        eocd64_offset = cdir_start + len(cdir)
+        n = len(entries)
+        out += struct.pack(
+            "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(cdir), cdir_start
+        )
+        out += struct.pack("<4sIQI", _EOCD64_LOCATOR, 0, eocd64_offset, 1)
+        out += struct.pack(
+            "<4sHHHHIIH",
+            _EOCD,
+            0,
+            0,
+            min(n, 0xFFFF),
+            min(n, 0xFFFF),
+            min(len(cdir), _ZIP64_LIMIT),
+            min(cdir_start, _ZIP64_LIMIT),
+            0,
+        )
+        return bytes(out)
+
+
+def tensor_archive_layout(dtype_name: str, shape: tuple[int, ...]) -> TensorArchiveLayout:
+    """Layout of ``torch.save(t)`` for a contiguous tensor of ``dtype_name`` and ``shape``.
+
+    Example:
+        >>> layout = tensor_archive_layout("float32", (2, 3))
+        >>> layout.data_offset % 64, layout.nbytes
+        (0, 24)
+    """
+    from . import dtypes
+
+    nbytes = dtypes.dtype(dtype_name).itemsize * math.prod(shape)
+    head = bytearray()
+    entries: list[tuple[bytes, int, int, int, int]] = []
+    records = [
+        ("data.pkl", tensor_pickle(dtype_name, shape)),
+        (".format_version", b"1"),
+        (".storage_alignment", str(_STORAGE_ALIGNMENT).encode()),
+        ("byteorder", b"little"),
+    ]
+    for rel, data in records:
+        name = f"{_ARCHIVE_PREFIX}/{rel}".encode()
+        crc = zlib.crc32(data)
+        offset = len(head)
+        extra = _padding_extra(offset + 30 + len(name))
+        head += _local_header(name, crc, len(data), _FLAG_UTF8, extra) + data
+        entries.append((name, crc, len(data), offset, _FLAG_UTF8))
+    name = f"{_ARCHIVE_PREFIX}/data/0".encode()
+    offset = len(head)
+    zip64_extra_len = 20 if nbytes >= _ZIP64_LIMIT else 0
+    pad = _padding_extra(offset + 30 + len(name), zip64_extra_len)
+    zip64_extra = struct.pack("<HHQQ", 0x0001, 16, 0, 0) if zip64_extra_len else b""
+    flags = _FLAG_UTF8 | _FLAG_DESCRIPTOR
+    head += _local_header(name, 0, 0, flags, zip64_extra + pad)
+    entries.append((name, 0, nbytes, offset, flags))
+    layout = TensorArchiveLayout(bytes(head), nbytes, 0, tuple(entries))
+    tail_length = len(layout.tail(0))
+    return TensorArchiveLayout(bytes(head), nbytes, tail_length, tuple(entries))

@@ -1,0 +1,94 @@
+"""torch.save archives: read without torch, and written without torch so that torch loads them."""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import pytest
+import torch
+
+from ckptools import safe_pickle
+from ckptools.storage import LocalReader
+from ckptools.torch_archive import (
+    load_pickle,
+    read_archive,
+    record_data_offset,
+    tensor_archive_layout,
+)
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+]
+SHAPES = [(2, 3), (), (0, 4), (257,), (3, 1, 5)]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    bits = torch.randint(0, 256, (*shape, torch.empty(0, dtype=dtype).element_size()))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    return bits.to(torch.uint8).view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_written_archive_loads_in_torch_bit_exactly(
+    dtype: torch.dtype, shape: tuple[int, ...], tmp_path: object
+) -> None:
+    t = _sample(dtype, shape)
+    layout = tensor_archive_layout(str(dtype).removeprefix("torch."), shape)
+    data = _raw(t)
+    blob = layout.head + data + layout.tail(zlib.crc32(data))
+    assert len(blob) == layout.length
+    assert layout.data_offset % 64 == 0  # torch's alignment, needed by mmap loads
+    back = torch.load(io.BytesIO(blob), weights_only=True)
+    assert back.dtype == t.dtype and back.shape == t.shape
+    assert _raw(back) == data
+
+    # ...and ckptools' own reader finds the same bytes, CRC and tensor description.
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "item.pt"
+    path.write_bytes(b"\xaa" * 7 + blob)  # at an offset, as inside a .distcp file
+    with LocalReader(str(path.parent)) as reader:
+        archive = read_archive(reader, path.name, 7, len(blob))
+        ref = load_pickle(reader, archive)
+        assert isinstance(ref, safe_pickle.TensorRef)
+        assert ref.shape == shape and ref.dtype == str(dtype).removeprefix("torch.")
+        rec = archive.record("data/0")
+        assert rec.crc32 == zlib.crc32(data)
+        start = record_data_offset(reader, archive, rec)
+        assert path.read_bytes()[start : start + len(data)] == data
+
+
+def test_torch_save_archive_is_read_without_torch(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "t.pt"
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    torch.save(t, path)
+    with LocalReader(str(path.parent)) as reader:
+        archive = read_archive(reader, "t.pt", 0, path.stat().st_size)
+        ref = load_pickle(reader, archive)
+        assert isinstance(ref, safe_pickle.TensorRef)
+        assert (ref.shape, ref.strides, ref.dtype) == ((3, 4), (4, 1), "float32")
+        assert archive.record("data/0").crc32 == zlib.crc32(_raw(t))
