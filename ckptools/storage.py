@@ -46,6 +46,10 @@ class LocalReader:
                 self._fds[rel] = fd
             return fd
 
+    def fileno(self, rel: str) -> int:
+        """The open descriptor of ``rel`` (for ``os.copy_file_range``); owned by the reader."""
+        return self._fd(rel)
+
     def size(self, rel: str) -> int:
         return os.fstat(self._fd(rel)).st_size
 

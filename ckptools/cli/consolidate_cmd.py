@@ -1,0 +1,140 @@
+"""``ckpt consolidate``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from .options import format_option, json_option
+from .render import dumps, human_bytes, table
+
+
+@click.command("consolidate")
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    help="Largest output file, e.g. 5GB, 300KB, 2GiB (KB/GB = 1000s, KiB/GiB = 1024s).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    default=None,
+    help="Cast floating tensors (only) to this dtype. Default: keep every dtype bit-exactly.",
+)
+@click.option(
+    "--select",
+    default=None,
+    help="Export this key sub-tree (e.g. optim, app.model) instead of the model; '*' = all.",
+)
+@click.option("--strip-prefix", default=None, help="Remove this prefix from output names.")
+@click.option(
+    "--config",
+    type=click.Path(),
+    default=None,
+    help="config.json, or a directory with config and tokenizer files, to copy into OUT. "
+    "Default: from the checkpoint directory or its parent.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option(
+    "--dry-run", is_flag=True, help="Print the plan (files, tensors, sizes); write nothing."
+)
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Copy threads.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@format_option
+@json_option
+def consolidate_command(
+    src: str,
+    out: str,
+    max_shard_size: str,
+    dtype: Any,
+    select: str | None,
+    strip_prefix: str | None,
+    config: str | None,
+    overwrite: bool,
+    dry_run: bool,
+    workers: int | None,
+    quiet: bool,
+    format: str | None,
+    as_json: bool,
+) -> None:
+    """Write the checkpoint at SRC as a Hugging Face safetensors model directory OUT.
+
+    Exports the model part under the model's own FQNs, bit-exactly, streaming (memory stays
+    bounded whatever the model size). OUT appears atomically, complete or not at all.
+
+    \b
+    Examples:
+      ckpt consolidate checkpoints/step-1000 hf_model
+      ckpt consolidate out/checkpoint-500 hf_model --max-shard-size 2GB --dtype bfloat16
+      ckpt consolidate ckpt hf_model --dry-run
+      torchrun --nproc-per-node 4 -m ckptools consolidate ckpt hf_model
+    """
+    from ..consolidate import consolidate
+
+    result = consolidate(
+        src,
+        out,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        select=select,
+        strip_prefix=strip_prefix,
+        config=config,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        workers=workers,
+        format=format,
+        quiet=quiet or as_json,
+    )
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun every rank ran its share; rank 0 reports
+    data = result.to_dict()
+    click.echo(dumps(data) if as_json else _render(data))
+
+
+def _render(d: dict[str, Any]) -> str:
+    lines = []
+    verb = "would write" if d["dry_run"] else "wrote"
+    lines.append(f"{d['src']} ({d['layout']}) -> {d['out']}")
+    for note in d["notes"]:
+        lines.append(f"  note: {note}")
+    for kept_out, kept in d["dropped_tied"]:
+        lines.append(f"  tied: {kept_out} not written (config ties it to {kept})")
+    for a, b in d["tied"]:
+        lines.append(f"  tied: {a} and {b} hold the same data; both written")
+    if d["dry_run"]:
+        for f in d["plan"]:
+            lines.append("")
+            lines.append(f"{f['name']}  {human_bytes(f['bytes'])}, {len(f['tensors'])} tensors")
+            rows = [
+                [
+                    t["name"],
+                    t["dtype"],
+                    "[" + ", ".join(map(str, t["shape"])) + "]",
+                    human_bytes(t["bytes"]),
+                ]
+                for t in f["tensors"]
+            ]
+            lines.append(table(["tensor", "dtype", "shape", "bytes"], rows, "lllr"))
+        lines.append("")
+    files = ", ".join(f["name"] for f in d["files"])
+    if d["index"]:
+        files += f" + {d['index']}"
+    if d["config_files"]:
+        files += f" + {', '.join(d['config_files'])}"
+    lines.append(f"  {verb}: {files}")
+    total = d["total_size"] if d["dry_run"] else d["bytes_written"]
+    summary = f"  {d['tensors']} tensors, {human_bytes(total)}"
+    if not d["dry_run"]:
+        rate = f"{d['gb_per_s']:.2f} GB/s" if d["gb_per_s"] is not None else "-"
+        summary += (
+            f" in {d['seconds']:.2f} s ({rate}), peak memory {human_bytes(d['peak_rss_bytes'])}"
+        )
+    if d["skipped_objects"]:
+        summary += f"; {d['skipped_objects']} non-tensor entries not exported"
+    lines.append(summary)
+    return "\n".join(lines)

@@ -1,0 +1,563 @@
+"""``ckptools.consolidate``: any supported checkpoint → a Hugging Face safetensors model directory.
+
+Reads the manifest, picks the tensors to export (the model part by default) under their own FQNs,
+plans the output files (:mod:`ckptools.plan`), moves the bytes (:mod:`ckptools.execute`) into a
+temporary directory beside OUT, copies the model's config and tokenizer files, writes the index
+last and renames the directory into place. Tensors are never materialised unless a dtype cast or
+a strided chunk asks for torch, so memory stays bounded whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import dtypes, keys
+from .commit import check_writable, commit, fsync_dir, make_tmp_dir, write_file_synced
+from .errors import CkptError, UsageError
+from .execute import DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_BUDGET_ENV, create_files, execute
+from .layouts import read_manifest
+from .manifest import Manifest
+from .plan import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+from .sizes import parse_size
+
+log = logging.getLogger(__name__)
+
+#: transformers' own default for ``save_pretrained`` and what the Hub expects.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+#: A few threads keep one disk busy (reads of one chunk overlap writes of another); more mostly
+#: add contention on small machines. Override with ``workers=`` or ``CKPTOOLS_WORKERS``.
+DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+WORKERS_ENV = "CKPTOOLS_WORKERS"
+#: Files beside a checkpoint that make a loadable model directory.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+#: Output and input embedding names whose weights models tie (``tie_word_embeddings``).
+_OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight", "output.weight")
+_INPUT_EMBEDDINGS = (
+    "embed_tokens.weight",
+    "wte.weight",
+    "word_embeddings.weight",
+    "tok_embeddings.weight",
+    "embed_in.weight",
+)
+# Block size for comparing two written tensors when looking for tied weights.
+_COMPARE_BLOCK_BYTES = 4 * 2**20
+
+CastDType = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    """What :func:`consolidate` wrote (or, with ``dry_run``, would write).
+
+    Attributes:
+        src: the checkpoint read.
+        out: the output directory.
+        layout: the source layout name.
+        plan: the files and their tensors.
+        tensors: tensors written.
+        bytes_written: bytes of all safetensors files (headers included); 0 for a dry run.
+        seconds: wall time of the whole call.
+        peak_rss_bytes: peak resident memory of this process so far.
+        dtype: the cast asked for, or None.
+        cast_tensors: how many tensors were cast.
+        dropped: ``(dropped, kept)`` pairs of tied weights not written (the config ties them).
+        tied: ``(a, b)`` pairs found to hold the same data and both written (no config said to
+            tie them).
+        config_files: model files copied into OUT.
+        skipped_objects: non-tensor entries of the checkpoint, which safetensors cannot hold.
+        notes: facts worth showing.
+    """
+
+    src: str
+    out: str
+    layout: str
+    plan: ConsolidationPlan
+    tensors: int
+    bytes_written: int
+    seconds: float
+    peak_rss_bytes: int
+    dry_run: bool = False
+    dtype: str | None = None
+    cast_tensors: int = 0
+    workers: int = 1
+    dropped: tuple[tuple[str, str], ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
+    config_files: tuple[str, ...] = ()
+    skipped_objects: int = 0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = self.plan.to_dict()
+        return {
+            "src": self.src,
+            "out": self.out,
+            "layout": self.layout,
+            "dry_run": self.dry_run,
+            "files": [
+                {"name": f["name"], "bytes": f["bytes"], "tensors": len(f["tensors"])}
+                for f in plan["files"]
+            ],
+            "index": plan["index"],
+            "tensors": self.tensors,
+            "total_size": self.plan.total_size,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 4),
+            "gb_per_s": round(self.bytes_written / self.seconds / 1e9, 3) if self.seconds else None,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "workers": self.workers,
+            "dtype": self.dtype,
+            "cast_tensors": self.cast_tensors,
+            "dropped_tied": [list(p) for p in self.dropped],
+            "tied": [list(p) for p in self.tied],
+            "config_files": list(self.config_files),
+            "skipped_objects": self.skipped_objects,
+            "notes": list(self.notes),
+            "plan": plan["files"] if self.dry_run else None,
+        }
+
+
+def select_tensors(
+    manifest: Manifest, select: str | None = None, strip_prefix: str | None = None
+) -> dict[str, str]:
+    """Output name → stored FQN of the tensors to export.
+
+    Args:
+        manifest: the checkpoint.
+        select: a dotted key path of a sub-tree (``"optim"``, ``"app.model"``,
+            ``"model.model.layers.0"``) whose tensors to export with that path removed; ``"*"``
+            exports every tensor under its full path. Default: the model part
+            (:func:`ckptools.keys.find_model_part`).
+        strip_prefix: removed from the start of every output name that has it.
+
+    Raises:
+        UsageError: nothing matches, or two stored tensors would get the same name.
+    """
+    out: dict[str, str] = {}
+    if select is None:
+        out = dict(keys.model_keys(manifest))
+    else:
+        sel = select.strip(".")
+        for fqn in manifest.tensors:
+            joined = ".".join(keys.key_path(manifest, fqn))
+            if sel in ("", "*"):
+                rest = joined
+            elif joined.startswith(sel + "."):
+                rest = joined[len(sel) + 1 :]
+            else:
+                continue
+            name = keys.strip_wrappers(rest)
+            if name in out:
+                raise UsageError(
+                    f"--select {select!r}: {out[name]!r} and {fqn!r} would both be written as "
+                    f"{name!r}; select a narrower sub-tree"
+                )
+            out[name] = fqn
+    if strip_prefix:
+        renamed: dict[str, str] = {}
+        for name, fqn in out.items():
+            new = name[len(strip_prefix) :] if name.startswith(strip_prefix) else name
+            if not new or new in renamed:
+                raise UsageError(f"--strip-prefix {strip_prefix!r} makes {name!r} collide or empty")
+            renamed[new] = fqn
+        out = renamed
+    if not out:
+        tops = sorted({keys.key_path(manifest, f)[0] for f in manifest.tensors})
+        raise UsageError(
+            f"{manifest.root}: no tensors selected"
+            + (f" by --select {select!r}" if select is not None else "")
+            + f"; top-level keys with tensors: {', '.join(tops) or '(none)'}"
+        )
+    return out
+
+
+def _config_dir_files(directory: str) -> list[str]:
+    return [n for n in MODEL_FILES if os.path.isfile(os.path.join(directory, n))]
+
+
+def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
+    """``(source path, name in OUT)`` of the config and tokenizer files to copy.
+
+    ``config`` may be a ``config.json`` file (copied alone) or a directory; by default the
+    checkpoint directory, then its parent, are searched, and the first holding ``config.json``
+    is used.
+
+    Raises:
+        UsageError: ``config`` names nothing usable.
+    """
+    if config is not None:
+        if os.path.isfile(config):
+            return [(config, "config.json")]
+        if os.path.isdir(config):
+            found = _config_dir_files(config)
+            if not found:
+                raise UsageError(
+                    f"--config {config}: directory holds none of {', '.join(MODEL_FILES[:3])}..."
+                )
+            return [(os.path.join(config, n), n) for n in found]
+        raise UsageError(f"--config {config}: no such file or directory")
+    here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    for directory in (here, os.path.dirname(os.path.abspath(here))):
+        found = _config_dir_files(directory)
+        if "config.json" in found:
+            return [(os.path.join(directory, n), n) for n in found]
+    return []
+
+
+def tie_setting(files: list[tuple[str, str]]) -> bool | None:
+    for path, name in files:
+        if name == "config.json":
+            try:
+                with open(path, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"{path}: cannot read the model config: {e}") from e
+            value = cfg.get("tie_word_embeddings")
+            if value is None and isinstance(cfg.get("text_config"), dict):
+                value = cfg["text_config"].get("tie_word_embeddings")
+            return None if value is None else bool(value)
+    return None
+
+
+def tied_candidates(names: Mapping[str, str], manifest: Manifest) -> list[tuple[str, str]]:
+    """``(output embedding, input embedding)`` name pairs that a model may tie.
+
+    Pairs must have the same dtype and shape; the output embedding comes first.
+    """
+    outs = [n for n in names if n.endswith(_OUTPUT_EMBEDDINGS) or n in ("output.weight",)]
+    ins = [n for n in names if n.endswith(_INPUT_EMBEDDINGS)]
+    pairs = []
+    for o in outs:
+        for i in ins:
+            a, b = manifest.tensors[names[o]], manifest.tensors[names[i]]
+            if a.dtype == b.dtype and a.shape == b.shape:
+                pairs.append((o, i))
+    return pairs
+
+
+def _same_storage(manifest: Manifest, a: str, b: str) -> bool:
+    ca, cb = manifest.tensors[a].chunks, manifest.tensors[b].chunks
+    return len(ca) == len(cb) and all(
+        (x.file, x.offset, x.encoding) == (y.file, y.offset, y.encoding)
+        for x, y in zip(ca, cb, strict=True)
+    )
+
+
+def _same_written_bytes(out_dir: str, plan: ConsolidationPlan, a: str, b: str) -> bool:
+    where: dict[str, tuple[str, TensorPlan]] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            if t.name in (a, b):
+                where[t.name] = (os.path.join(out_dir, f.name), t)
+    (pa, ta), (pb, tb) = where[a], where[b]
+    if ta.nbytes != tb.nbytes:
+        return False
+    with open(pa, "rb") as fa, open(pb, "rb") as fb:
+        done = 0
+        while done < ta.nbytes:
+            n = min(_COMPARE_BLOCK_BYTES, ta.nbytes - done)
+            if os.pread(fa.fileno(), n, ta.begin + done) != os.pread(
+                fb.fileno(), n, tb.begin + done
+            ):
+                return False
+            done += n
+    return True
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError as e:
+        raise UsageError(f"{name}={value!r} is not an integer") from e
+
+
+def consolidate(
+    src: str,
+    out: str,
+    *,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: CastDType | None = None,
+    select: str | None = None,
+    strip_prefix: str | None = None,
+    config: str | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    workers: int | None = None,
+    memory_budget: str | int | None = None,
+    format: str | None = None,
+    quiet: bool = False,
+) -> ConsolidateResult:
+    """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
+
+    Bit-exact unless ``dtype`` is given: every tensor keeps its stored dtype and bytes. Writes
+    ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files and
+    ``model.safetensors.index.json`` when the model is larger than ``max_shard_size``; copies
+    ``config.json`` and tokenizer files from ``config`` or from beside the checkpoint. The
+    directory appears atomically: files go to ``<out>.tmp-<id>/``, the index is written last,
+    then the directory is renamed; any failure (including Ctrl-C) removes the temporary directory.
+
+    Args:
+        src: a checkpoint in any layout :func:`ckptools.read_manifest` reads.
+        out: the model directory to create.
+        max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"``, ``"2GiB"`` or bytes.
+        dtype: cast floating tensors to this dtype (other tensors are kept as stored).
+        select: export this key sub-tree instead of the model (see :func:`select_tensors`).
+        strip_prefix: remove this prefix from output names.
+        config: a ``config.json`` file or a directory with config and tokenizer files.
+        overwrite: replace an existing ``out``.
+        dry_run: plan only; write nothing.
+        workers: copy threads (default ``CKPTOOLS_WORKERS`` or :data:`DEFAULT_WORKERS`).
+        memory_budget: bytes of copy buffers (default ``CKPTOOLS_MEMORY_BUDGET`` or 256 MiB).
+        format: force the source layout instead of detecting it.
+        quiet: no progress bar.
+
+    Returns:
+        A :class:`ConsolidateResult`; ``to_dict()`` gives plain JSON-able data.
+
+    Raises:
+        UsageError: ``out`` exists (without ``overwrite``), a bad size, selection or config.
+        CkptError: the checkpoint is missing, damaged, unsafe or unsupported.
+
+    Example:
+        >>> import ckptools
+        >>> r = ckptools.consolidate("checkpoints/step-1000", "hf_model")  # doctest: +SKIP
+        >>> r.to_dict()["files"]  # doctest: +SKIP
+        [{'name': 'model.safetensors', 'bytes': 2013265992, 'tensors': 201}]
+    """
+    started = time.perf_counter()
+    limit = parse_size(max_shard_size)
+    if dtype is not None and (
+        not dtypes.is_dtype_name(dtype) or not dtypes.dtype(dtype).is_floating
+    ):
+        raise UsageError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32")
+    n_workers = workers if workers is not None else _env_int(WORKERS_ENV, DEFAULT_WORKERS)
+    if n_workers < 1:
+        raise UsageError(f"workers must be at least 1, got {n_workers}")
+    budget_value = memory_budget or os.environ.get(MEMORY_BUDGET_ENV) or DEFAULT_MEMORY_BUDGET_BYTES
+    budget = parse_size(budget_value)
+    out = out.rstrip("/") or out
+    check_writable(out, overwrite)
+
+    manifest = read_manifest(src, format)
+    names = select_tensors(manifest, select, strip_prefix)
+    model_files = find_model_files(src, config)
+    tie = tie_setting(model_files)
+    notes: list[str] = []
+    dropped: list[tuple[str, str]] = []
+    candidates = tied_candidates(names, manifest)
+    if tie:
+        for o, i in candidates:
+            if o in names:
+                dropped.append((o, i))
+                del names[o]
+        # transformers re-ties lm_head to the input embedding on load, as the config says.
+    skipped = sum(1 for _ in manifest.objects)
+    if dtype is not None:
+        notes.append(f"floating tensors cast to {dtype}; others kept as stored")
+    plan = plan_consolidation(manifest, names, max_shard_size=limit, dtype=dtype)
+    cast = sum(1 for t in plan.tensors if t.is_cast)
+
+    def result(
+        bytes_written: int, tied: tuple[tuple[str, str], ...], copied: tuple[str, ...]
+    ) -> ConsolidateResult:
+        return ConsolidateResult(
+            src=src,
+            out=out,
+            layout=manifest.layout,
+            plan=plan,
+            tensors=sum(len(f.tensors) for f in plan.files),
+            bytes_written=bytes_written,
+            seconds=time.perf_counter() - started,
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            dry_run=dry_run,
+            dtype=dtype,
+            cast_tensors=cast,
+            workers=n_workers,
+            dropped=tuple(dropped),
+            tied=tied,
+            config_files=copied,
+            skipped_objects=skipped,
+            notes=tuple(notes) + tuple(manifest.notes),
+        )
+
+    if dry_run:
+        return result(0, (), tuple(name for _, name in model_files))
+
+    copied = tuple(name for _, name in model_files)
+
+    def finish(tmp: str) -> tuple[tuple[str, str], ...]:
+        """After every byte is written: tied-weight check, model files, index, rename."""
+        tied: list[tuple[str, str]] = []
+        if not tie:
+            for o, i in candidates:
+                same = _same_storage(manifest, names[o], names[i])
+                if same or _same_written_bytes(tmp, plan, o, i):
+                    tied.append((o, i))
+            if tied:
+                notes.append(
+                    "tied weights written twice (no config sets tie_word_embeddings): "
+                    + ", ".join(f"{a} = {b}" for a, b in tied)
+                )
+        for path, name in model_files:
+            shutil.copyfile(path, os.path.join(tmp, name))
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        if plan.index is not None:
+            # The index commits a sharded model directory: written last, after every shard.
+            index = (json.dumps(plan.index, indent=2) + "\n").encode()
+            write_file_synced(os.path.join(tmp, INDEX_NAME), index)
+        fsync_dir(tmp)
+        commit(tmp, out, overwrite)
+        return tuple(tied)
+
+    group = _rank_and_world()
+    if group is not None:
+        rank, world = group
+        notes.append(f"written by {world} ranks")
+        tied = _write_distributed(
+            plan,
+            manifest,
+            out,
+            overwrite,
+            rank,
+            world,
+            finish,
+            workers=n_workers,
+            memory_budget=budget,
+            quiet=quiet or rank != 0,
+        )
+        return result(plan.bytes_to_write, tied, copied)
+
+    tmp = make_tmp_dir(out)
+    try:
+        stats = execute(plan, manifest, tmp, workers=n_workers, memory_budget=budget, quiet=quiet)
+        tied = finish(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result(stats.bytes_written, tied, copied)
+
+
+def _rank_and_world() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when running as one of several ranks, else None.
+
+    Several ranks means: a process group of more than one rank is already initialised (the
+    caller's training script), or torchrun's environment (``WORLD_SIZE`` > 1 with ``RANK`` and
+    ``MASTER_ADDR``), in which case a gloo group is initialised here. torch is imported only then.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        world = int(dist.get_world_size())
+        return (int(dist.get_rank()), world) if world > 1 else None
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ:
+        if "MASTER_ADDR" not in os.environ:
+            return None
+        import atexit
+
+        import torch.distributed as tdist
+
+        tdist.init_process_group("gloo")
+        # The group is ours: tear it down at exit (the caller may still use it until then).
+        atexit.register(tdist.destroy_process_group)
+        return int(tdist.get_rank()), int(tdist.get_world_size())
+    return None
+
+
+def _write_distributed(
+    plan: ConsolidationPlan,
+    manifest: Manifest,
+    out: str,
+    overwrite: bool,
+    rank: int,
+    world: int,
+    finish: Callable[[str], tuple[tuple[str, str], ...]],
+    *,
+    workers: int,
+    memory_budget: int,
+    quiet: bool,
+) -> tuple[tuple[str, str], ...]:
+    """Every rank copies its share of the chunks; rank 0 creates the files first and commits last.
+
+    Called by every rank, in the same order: broadcast (rank 0's temporary directory, or its
+    error), all-reduce of a failure flag once each rank has written and fsynced its share, then
+    broadcast of rank 0's commit outcome. On any rank's failure rank 0 removes the temporary
+    directory and every rank raises.
+    """
+    import torch
+    import torch.distributed as dist
+
+    setup: list[Any] = [None, None]
+    if rank == 0:
+        made = None
+        try:
+            check_writable(out, overwrite)
+            made = make_tmp_dir(out)
+            create_files(plan, made)
+            setup = [made, None]
+        except (CkptError, OSError) as e:
+            if made is not None:
+                shutil.rmtree(made, ignore_errors=True)
+            setup = [None, str(e)]
+    dist.broadcast_object_list(setup, src=0)
+    tmp, error = setup
+    if error is not None:
+        raise UsageError(error)
+    failure: BaseException | None = None
+    try:
+        execute(
+            plan,
+            manifest,
+            tmp,
+            workers=workers,
+            memory_budget=memory_budget,
+            quiet=quiet,
+            share=(rank, world),
+        )
+    except Exception as e:  # reported to the other ranks below, then re-raised
+        failure = e
+    flag = torch.tensor([0 if failure is None else 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if int(flag.item()):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise CkptError("consolidate failed on another rank (see its error); nothing was written")
+    outcome: list[Any] = [None, ()]
+    if rank == 0:
+        try:
+            outcome = [None, finish(tmp)]
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = [f"{type(e).__name__}: {e}", ()]
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CkptError(f"rank 0 could not commit {out}: {outcome[0]}")
+    return tuple(tuple(p) for p in outcome[1])  # type: ignore[misc]

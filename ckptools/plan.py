@@ -1,0 +1,353 @@
+"""Planning a consolidation: which stored chunks land where in which safetensors file (pure).
+
+The planner takes a :class:`~ckptools.manifest.Manifest` and the output names of the tensors to
+export, and returns a frozen :class:`ConsolidationPlan`: the output files, each with its complete
+safetensors header (as bytes) and, for every tensor, its byte range in the file and the source
+chunks that tile it. It does no I/O and imports no torch, so ``--dry-run`` can print it and
+property tests can check it. Cost is linear in the number of chunks; per-row work (a chunk sharded
+on dim 1 lands as one run per row) is left to :func:`runs`, which the executor calls per chunk.
+
+Source byte locations of DCP chunks are only known after reading each item's archive directory
+(:func:`ckptools.reader.resolve_chunk`), which is I/O, so the plan names chunks and the executor
+resolves them; :func:`runs` then maps a chunk's (contiguous) elements to output elements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError
+from .manifest import Chunk, Manifest, TensorEntry
+
+SINGLE_FILE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# Above this many chunks per tensor an exact pairwise overlap check would be quadratic; such
+# tensors are sharded along one dim in practice, which gets an exact linear check instead.
+_PAIRWISE_OVERLAP_CHECK_MAX_CHUNKS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlan:
+    """One output tensor: its place in the file and the stored chunks that tile it.
+
+    Attributes:
+        name: key in the output file.
+        fqn: stored FQN in the manifest.
+        dtype: output dtype (torch name); differs from ``src_dtype`` only when casting.
+        src_dtype: stored dtype.
+        shape: global shape.
+        begin: absolute byte offset of the tensor's first byte in the output file.
+        nbytes: bytes in the output file.
+        chunks: stored chunks, duplicates (replicas) removed, tiling ``shape`` exactly.
+    """
+
+    name: str
+    fqn: str
+    dtype: str
+    src_dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    nbytes: int
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def is_cast(self) -> bool:
+        return self.dtype != self.src_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class FilePlan:
+    """One output safetensors file: its header bytes (length prefix included) and tensors."""
+
+    name: str
+    header: bytes
+    size: int
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return self.size - len(self.header)
+
+
+@dataclass(frozen=True)
+class ConsolidationPlan:
+    """Everything the executor needs to write the output directory.
+
+    Attributes:
+        files: output files in order.
+        index: the ``model.safetensors.index.json`` content, or None for a single file.
+        total_size: tensor bytes over all files (the index's ``metadata.total_size``).
+    """
+
+    files: tuple[FilePlan, ...]
+    index: Mapping[str, Any] | None
+    total_size: int
+
+    @property
+    def tensors(self) -> Iterator[TensorPlan]:
+        for f in self.files:
+            yield from f.tensors
+
+    @property
+    def bytes_to_write(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": [
+                {
+                    "name": f.name,
+                    "bytes": f.size,
+                    "tensors": [
+                        {
+                            "name": t.name,
+                            "dtype": t.dtype,
+                            "shape": list(t.shape),
+                            "bytes": t.nbytes,
+                        }
+                        for t in f.tensors
+                    ],
+                }
+                for f in self.files
+            ],
+            "total_size": self.total_size,
+            "index": INDEX_NAME if self.index is not None else None,
+        }
+
+
+def safetensors_code(dtype: str, *, fqn: str) -> str:
+    code = dtypes.dtype(dtype).safetensors
+    if code is None:
+        raise UnsupportedCheckpointError(
+            f"{fqn!r} has dtype {dtype}, which safetensors cannot store; cast it with "
+            "--dtype (floating types) or leave it out with --select",
+            fqn=fqn,
+        )
+    return code
+
+
+def header_bytes(entries: Sequence[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
+    """The safetensors header for ``(name, dtype, shape, begin, end)`` entries (data offsets).
+
+    Padded with spaces so that the data starts at a multiple of 8, as safetensors itself writes
+    it (readers may then map tensors aligned).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for name, dtype, shape, begin, end in entries:
+        header[name] = {
+            "dtype": safetensors_code(dtype, fqn=name),
+            "shape": list(shape),
+            "data_offsets": [begin, end],
+        }
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+def unique_chunks(tensor: TensorEntry) -> tuple[Chunk, ...]:
+    """The chunks of ``tensor`` with replicas removed, checked to tile its shape exactly.
+
+    Raises:
+        CorruptCheckpointError: a chunk lies outside the shape, chunks overlap, or leave a gap.
+    """
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
+    for c in tensor.chunks:
+        if c.numel == 0:
+            continue
+        box = (c.offsets, c.sizes)
+        if box not in seen:
+            seen[box] = c
+    chunks = tuple(seen.values())
+    shape = tensor.shape
+    for c in chunks:
+        if len(c.offsets) != len(shape) or any(
+            o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)
+        ):
+            raise CorruptCheckpointError(
+                f"{tensor.fqn!r}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies outside "
+                f"the tensor's shape {list(shape)}",
+                fqn=tensor.fqn,
+                rank=c.rank,
+            )
+    covered = sum(c.numel for c in chunks)
+    if covered != math.prod(shape) or _overlap(chunks, shape):
+        raise CorruptCheckpointError(
+            f"{tensor.fqn!r}: stored chunks do not tile its shape {list(shape)} (they cover "
+            f"{covered} of {math.prod(shape)} elements, with overlaps or gaps); the checkpoint "
+            "is incomplete or its metadata is damaged",
+            fqn=tensor.fqn,
+        )
+    return chunks
+
+
+def _overlap(chunks: Sequence[Chunk], shape: tuple[int, ...]) -> bool:
+    """Whether any two boxes overlap (with equal total size, an overlap implies a gap)."""
+    if len(chunks) < 2:
+        return False
+    split = {
+        d for c in chunks for d, (s, n) in enumerate(zip(c.sizes, shape, strict=True)) if s != n
+    }
+    if len(split) == 1:
+        d = split.pop()
+        spans = sorted((c.offsets[d], c.offsets[d] + c.sizes[d]) for c in chunks)
+        return any(a[1] > b[0] for a, b in itertools.pairwise(spans))
+    if len(chunks) > _PAIRWISE_OVERLAP_CHECK_MAX_CHUNKS:
+        return False  # the element count check above still catches gaps
+    for a, b in itertools.combinations(chunks, 2):
+        if all(
+            ao < bo + bs and bo < ao + as_
+            for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+        ):
+            return True
+    return False
+
+
+def shard_groups(sizes: Sequence[int], max_shard_size: int) -> list[list[int]]:
+    """Indices of ``sizes`` grouped into shards, in order, as ``transformers`` splits them.
+
+    A shard is closed when adding the next tensor would exceed ``max_shard_size``; a tensor
+    larger than the limit gets a shard of its own.
+
+    Example:
+        >>> shard_groups([4, 4, 4, 10, 1], 8)
+        [[0, 1], [2], [3], [4]]
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_size = 0
+    for i, n in enumerate(sizes):
+        if current and current_size + n > max_shard_size:
+            groups.append(current)
+            current, current_size = [], 0
+        current.append(i)
+        current_size += n
+    if current or not groups:
+        groups.append(current)
+    return groups
+
+
+def plan_consolidation(
+    manifest: Manifest,
+    names: Mapping[str, str],
+    *,
+    max_shard_size: int,
+    dtype: str | None = None,
+) -> ConsolidationPlan:
+    """Plan the safetensors files for the tensors ``names`` (output name → stored FQN).
+
+    Tensors are assigned to shards in the order of ``names``; inside a file they are laid out by
+    decreasing dtype size, then name, as ``safetensors.torch.save_file`` does. ``dtype`` casts
+    floating tensors only.
+
+    Example:
+        >>> from ckptools.manifest import Chunk, Manifest, TensorEntry
+        >>> t = TensorEntry("w", "float32", (2, 3), (Chunk((0, 0), (2, 3), "f", 0, 24),))
+        >>> m = Manifest("ck", "safetensors", "hf", {"w": t}, {}, {})
+        >>> plan = plan_consolidation(m, {"w": "w"}, max_shard_size=10**9)
+        >>> [(f.name, f.size) for f in plan.files]
+        [('model.safetensors', 120)]
+    """
+    out_dtype = dtypes.canonical(dtype) if dtype is not None else None
+    prepared: list[tuple[str, TensorEntry, str, int]] = []
+    for name, fqn in names.items():
+        entry = manifest.tensors[fqn]
+        target = entry.dtype
+        if out_dtype is not None and dtypes.dtype(entry.dtype).is_floating:
+            target = out_dtype
+        safetensors_code(target, fqn=fqn)
+        prepared.append((name, entry, target, entry.numel * dtypes.dtype(target).itemsize))
+
+    groups = shard_groups([p[3] for p in prepared], max_shard_size)
+    n = len(groups)
+    files: list[FilePlan] = []
+    weight_map: dict[str, str] = {}
+    for k, group in enumerate(groups, start=1):
+        fname = SINGLE_FILE_NAME if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
+        members = sorted(
+            (prepared[i] for i in group),
+            key=lambda p: (-dtypes.dtype(p[2]).itemsize, p[0]),
+        )
+        entries = []
+        pos = 0
+        for name, entry, target, nbytes in members:
+            entries.append((name, target, entry.shape, pos, pos + nbytes))
+            pos += nbytes
+        header = header_bytes(entries)
+        tensors = tuple(
+            TensorPlan(
+                name=name,
+                fqn=entry.fqn,
+                dtype=target,
+                src_dtype=entry.dtype,
+                shape=entry.shape,
+                begin=len(header) + begin,
+                nbytes=end - begin,
+                chunks=unique_chunks(entry),
+            )
+            for (name, entry, target, _), (_, _, _, begin, end) in zip(
+                members, entries, strict=True
+            )
+        )
+        files.append(FilePlan(fname, header, len(header) + pos, tensors))
+        weight_map.update({t.name: fname for t in tensors})
+    total = sum(f.data_bytes for f in files)
+    index = None
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return ConsolidationPlan(tuple(files), index, total)
+
+
+def runs(
+    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+) -> Iterator[tuple[int, int, int]]:
+    """Map a row-major chunk (a box of a row-major tensor) to runs of contiguous elements.
+
+    Yields ``(src, dst, n)``: ``n`` elements at element ``src`` of the chunk land at element
+    ``dst`` of the tensor. Runs come in increasing ``src`` order and are adjacent in the chunk, so
+    a reader can stream the chunk once. A chunk that spans full trailing dims lands as one run
+    (dim-0 sharding); a chunk sharded on dim 1 lands as one run per row.
+
+    Example:
+        >>> list(runs((4, 6), (0, 3), (2, 3)))
+        [(0, 3, 3), (3, 9, 3)]
+    """
+    ndim = len(shape)
+    if ndim == 0:
+        yield (0, 0, 1)
+        return
+    if math.prod(sizes) == 0:
+        return
+    k = ndim - 1
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    run = math.prod(sizes[k:])
+    gstrides = [math.prod(shape[j + 1 :]) for j in range(ndim)]
+    base = sum(o * s for o, s in zip(offsets, gstrides, strict=True))
+    src = 0
+    for idx in itertools.product(*(range(sizes[j]) for j in range(k))):
+        dst = base + sum(i * gstrides[j] for j, i in enumerate(idx))
+        yield (src, dst, run)
+        src += run
+
+
+def chunk_span(
+    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
+) -> tuple[int, int]:
+    """``[start, end)`` elements of the tensor between a chunk's first and last element.
+
+    Example:
+        >>> chunk_span((4, 6), (0, 3), (2, 3))
+        (3, 12)
+    """
+    if math.prod(sizes) == 0:
+        return (0, 0)
+    gstrides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
+    start = sum(o * g for o, g in zip(offsets, gstrides, strict=True))
+    last = sum((o + s - 1) * g for o, s, g in zip(offsets, sizes, gstrides, strict=True))
+    return (start, last + 1)

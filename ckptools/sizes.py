@@ -1,0 +1,60 @@
+"""Byte sizes written the way users write them: ``"5GB"``, ``"300KB"``, ``"2GiB"``, ``1024``.
+
+Decimal units (KB, MB, GB, TB) are powers of 1000 and binary units (KiB, MiB, GiB, TiB) powers of
+1024, as in ``transformers``' ``max_shard_size``, so ``"5GB"`` here splits where
+``save_pretrained(max_shard_size="5GB")`` would.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a byte size.
+
+    Args:
+        value: an int (bytes) or a string such as ``"5GB"``, ``"300KB"``, ``"2GiB"``, ``"1.5MB"``.
+
+    Returns:
+        The size in bytes (rounded down to a whole byte).
+
+    Raises:
+        UsageError: the string is not a size, or the size is not positive.
+
+    Example:
+        >>> parse_size("300KB"), parse_size("2GiB"), parse_size(512)
+        (300000, 2147483648, 512)
+    """
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.match(value)
+        unit = m.group(2).upper() if m else ""
+        if m is None or unit not in _UNITS:
+            raise UsageError(
+                f"{value!r} is not a size; write a number with an optional unit, e.g. 5GB, "
+                "300KB, 2GiB (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)"
+            )
+        number = m.group(1)
+        # integers stay exact (no float rounding of "5000000000123"); "1.5MB" goes through float
+        n = int(float(number) * _UNITS[unit]) if "." in number else int(number) * _UNITS[unit]
+    if n <= 0:
+        raise UsageError(f"size must be positive, got {value!r}")
+    return n
