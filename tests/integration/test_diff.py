@@ -1,0 +1,202 @@
+"""``ckpt diff`` / ``ckptools.diff`` / ``ckpt verify --against`` against independent truths: the
+reference state dicts the producers gathered through torch, written with ``safetensors``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+import ckptools
+from ckptools.cli.main import EXIT_DIFFERENCES, cli
+from ckptools.diff import BLOCK_BYTES_ENV
+from ckptools.layouts import read_manifest
+from ckptools.reader import resolve_chunk
+from ckptools.storage import LocalReader
+from tests.conftest import Produced
+from tests.support import producers
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+        elif isinstance(v, dict | list | tuple):
+            out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def _safetensors_of_reference(p: Produced, out: Path) -> dict[str, torch.Tensor]:
+    sd = {k: v.contiguous().clone() for k, v in _flat(p.reference()["model"]).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(out / "model.safetensors"))
+    return sd
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, args)
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.output
+
+
+def test_dcp_vs_safetensors_of_the_same_model_is_identical(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    p = produced("single")  # every dtype, 0-dim, zero-size, strided, NaN payloads, -0.0
+    sd = _safetensors_of_reference(p, tmp_path / "st")
+    report = ckptools.diff(str(p.path), str(tmp_path / "st"))
+    assert report.identical, [t.describe() for t in report.differences]
+    assert sorted(t.name for t in report.tensors) == sorted(sd)
+    assert all(t.status == "equal" for t in report.tensors)
+    code, out = _cli(["diff", str(p.path), str(tmp_path / "st"), "--json"])
+    assert code == 0 and json.loads(out)["identical"] is True
+    code, out = _cli(["verify", str(p.path), "--against", str(tmp_path / "st")])
+    assert code == 0 and "identical" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "hsdp"])
+def test_sharded_dcp_vs_safetensors_identical(
+    produced: Callable[..., Produced], tmp_path: Path, name: str
+) -> None:
+    p = produced(name)
+    _safetensors_of_reference(p, tmp_path / "st")
+    report = ckptools.diff(str(p.path), str(tmp_path / "st"))
+    assert report.identical, [t.describe() for t in report.differences]
+    assert len(report.tensors) == len(p.reference()["model"])
+
+
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_single_changed_element_is_named(
+    produced: Callable[..., Produced],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    small_blocks: bool,
+) -> None:
+    if small_blocks:
+        monkeypatch.setenv(BLOCK_BYTES_ENV, "8")  # one row per slab
+    p = produced("single")
+    sd = _safetensors_of_reference(p, tmp_path / "a")
+    target = "nested.deeper.w"
+    changed = {k: v.clone() for k, v in sd.items()}
+    changed[target][1, 2] += 0.5
+    (tmp_path / "b").mkdir()
+    save_file(changed, str(tmp_path / "b" / "model.safetensors"))
+    report = ckptools.diff(str(p.path), str(tmp_path / "b"))
+    assert not report.identical
+    [d] = report.differences
+    assert (d.name, d.status, d.mismatched, d.first_index) == (target, "different", 1, (1, 2))
+    assert d.value_a == sd[target][1, 2].item() and d.value_b == changed[target][1, 2].item()
+    assert d.max_abs == pytest.approx(0.5)
+    code, out = _cli(["diff", str(p.path), str(tmp_path / "b")])
+    assert code == EXIT_DIFFERENCES and target in out and "[1, 2]" in out
+    # Within tolerance it is "close"; the maximum differences are still reported.
+    tol = ckptools.diff(str(p.path), str(tmp_path / "b"), atol=0.6)
+    assert tol.identical
+    [t] = [t for t in tol.tensors if t.name == target]
+    assert t.status == "close" and t.max_abs == pytest.approx(0.5)
+    report = ckptools.verify(str(p.path), against=str(tmp_path / "b"), quiet=True)
+    assert not report.ok and report.findings == ()
+
+
+@pytest.mark.distributed
+def test_flipped_bit_in_a_sharded_chunk_is_located_globally(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    p = produced("fsdp2")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(p.path, ckpt)
+    manifest = read_manifest(str(ckpt))
+    fqn = "model.model.layers.1.mlp.up_proj.weight"
+    tensor = manifest.tensors[fqn]
+    chunk = next(c for c in tensor.chunks if c.rank == 1 and c.offsets[0] > 0)
+    with LocalReader(str(ckpt)) as reader:
+        raw = resolve_chunk(reader, tensor, chunk)
+    local = 7  # element index inside the chunk
+    producers.flip_bit(ckpt / raw.file, raw.offset + local * 4 + 3, 6)
+    report = ckptools.diff(str(p.path), str(ckpt))
+    [d] = report.differences
+    cols = tensor.shape[1]
+    assert d.name == "model.layers.1.mlp.up_proj.weight" and d.mismatched == 1
+    assert d.first_index == (chunk.offsets[0] + local // cols, local % cols)
+
+
+def test_missing_unexpected_dtype_and_shape(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    p = produced("single")
+    sd = _safetensors_of_reference(p, tmp_path / "a")
+    other = dict(sd)
+    del other["nested.deeper.w"]
+    other["extra.bias"] = torch.zeros(3)
+    other["dtypes.float32"] = sd["dtypes.float32"].to(torch.float64)
+    other["scalar_f32"] = torch.tensor([3.5])
+    (tmp_path / "b").mkdir()
+    save_file(other, str(tmp_path / "b" / "model.safetensors"))
+    report = ckptools.diff(str(p.path), str(tmp_path / "b"))
+    status = {t.name: t.status for t in report.differences}
+    assert status == {
+        "nested.deeper.w": "missing",
+        "extra.bias": "unexpected",
+        "dtypes.float32": "dtype",
+        "scalar_f32": "shape",
+    }
+    # With a tolerance, values of different dtypes are compared too (a float64 copy: no change).
+    tol = ckptools.diff(str(p.path), str(tmp_path / "b"), atol=0.0)
+    [d] = [t for t in tol.tensors if t.name == "dtypes.float32"]
+    assert d.status == "dtype" and d.mismatched == 0 and d.max_abs == 0.0
+    code, out = _cli(["diff", str(p.path), str(tmp_path / "b"), "--json"])
+    assert code == EXIT_DIFFERENCES
+    data = json.loads(out)
+    assert data["counts"]["missing"] == 1 and data["identical"] is False
+
+
+def test_nan_payload_and_negative_zero_are_bitwise_differences(tmp_path: Path) -> None:
+    a = {"w": torch.tensor([0.0, float("nan"), 1.0])}
+    b = {"w": torch.tensor([-0.0, float("nan"), 1.0])}
+    for name, sd in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        save_file(sd, str(tmp_path / name / "model.safetensors"))
+    report = ckptools.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    [d] = report.differences
+    assert d.first_index == (0,) and d.mismatched == 1
+    assert ckptools.diff(str(tmp_path / "a"), str(tmp_path / "b"), atol=0.0).identical
+
+
+def test_bad_tolerance_is_a_usage_error(produced: Callable[..., Produced]) -> None:
+    p = str(produced("single").path)
+    code, _ = _cli(["diff", p, p, "--atol", "-1"])
+    assert code == 2
+
+
+@pytest.mark.slow
+def test_one_changed_element_in_a_1gb_checkpoint(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"layers.{i}.w": torch.randn(8192, 8192, generator=g) for i in range(4)}}
+    a, b = tmp_path / "a", tmp_path / "b"
+    dcp.save(state, checkpoint_id=str(a), no_dist=True)
+    del state
+    shutil.copytree(a, b)
+    manifest = read_manifest(str(b))
+    tensor = manifest.tensors["model.layers.2.w"]
+    with LocalReader(str(b)) as reader:
+        raw = resolve_chunk(reader, tensor, tensor.chunks[0])
+    element = 8192 * 5000 + 77
+    producers.flip_bit(b / raw.file, raw.offset + element * 4 + 1, 0)
+    report = ckptools.diff(str(a), str(b))
+    assert report.bytes_compared >= 2 * 2**30
+    [d] = report.differences
+    assert (d.name, d.mismatched, d.first_index) == ("layers.2.w", 1, (5000, 77))
+    assert os.path.getsize(b / raw.file) > 2**30
