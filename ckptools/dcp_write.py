@@ -1,0 +1,452 @@
+"""Writing DCP checkpoints laid out for a world size, from any manifest (reshard and shard).
+
+Planning (:func:`plan_dcp`) is pure: each tensor is split on dim 0 the way FSDP2 ``fully_shard``
+splits it on N ranks (:func:`ckptools.boxes.fsdp2_rows`), rank r's pieces go to ``__r_0.distcp``;
+tensors that cannot be split (0-dim, or stored whole by a multi-rank source, i.e. replicated)
+and the single empty box that FSDP2 records for ranks without rows are stored once, on the
+least-loaded rank, as DCP's own deduplication does. Each piece is a ``torch.save`` archive whose
+bytes around the tensor data are computed by :func:`ckptools.torch_archive.tensor_archive_layout`,
+so every item's size, and hence every byte offset, is known before anything is written.
+
+Execution (:func:`write_dcp`) fills each piece block by block from the source chunks that
+intersect it (:func:`ckptools.boxes.copy_runs`), computing the archive's CRC-32 in order, with
+memory bounded by the block size times the number of files written at once. Objects (non-tensor
+entries) are copied byte for byte, never unpickled. ``.metadata`` is written last, with torch's
+own metadata classes, so torch's ``dcp.load`` reads the result at N ranks with each rank
+reading only its own file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import threading
+import uuid
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes, torch_archive
+from .boxes import copy_runs, fsdp2_rows, intersect
+from .errors import UsageError
+from .manifest import Chunk, Manifest, TensorEntry
+from .plan import unique_chunks
+from .progress import ByteProgress
+from .reader import resolve_chunk
+from .storage import LocalReader
+
+#: Bytes of one copy block per file being written: big enough that syscalls are a rounding
+#: error, small enough that writing a few files at once stays far below the 512 MiB budget.
+BLOCK_BYTES = 16 * 2**20
+METADATA_FILE = ".metadata"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorItem:
+    """One output chunk: a box of ``fqn`` stored as a torch.save archive at ``offset``."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int
+    offset: int
+    length: int
+    sources: tuple[Chunk, ...]  # source chunks that intersect the box
+    source_fqn: str  # FQN of the source tensor (names may differ: shard adds a prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectItem:
+    """A non-tensor entry copied byte for byte from ``source`` into rank ``rank``'s file."""
+
+    fqn: str
+    rank: int
+    offset: int
+    length: int
+    source_file: str
+    source_offset: int
+
+
+@dataclass(frozen=True)
+class DcpPlan:
+    world_size: int
+    tensors: tuple[TensorItem, ...]
+    objects: tuple[ObjectItem, ...]
+    file_sizes: tuple[int, ...]  # per rank
+    shapes: Mapping[str, tuple[str, tuple[int, ...]]]  # fqn -> (dtype, global shape)
+    paths: Mapping[str, tuple[str, ...]]  # fqn -> key path (DCP planner_data)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        per_rank: list[dict[str, Any]] = [
+            {"file": file_name(r), "bytes": self.file_sizes[r], "tensors": 0, "objects": 0}
+            for r in range(self.world_size)
+        ]
+        for t in self.tensors:
+            per_rank[t.rank]["tensors"] += 1
+        for o in self.objects:
+            per_rank[o.rank]["objects"] += 1
+        return {
+            "world_size": self.world_size,
+            "files": per_rank,
+            "tensors": len(self.shapes),
+            "chunks": len(self.tensors),
+            "objects": len(self.objects),
+            "bytes": self.total_bytes,
+        }
+
+
+def file_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def _replicated_in_source(tensor: TensorEntry, source_world_size: int | None) -> bool:
+    """A tensor a multi-rank job stored whole (a buffer, or a param FSDP did not shard)."""
+    if not tensor.shape or source_world_size is None or source_world_size <= 1:
+        return not tensor.shape
+    boxes = {(c.offsets, c.sizes) for c in tensor.chunks if c.numel}
+    return len(boxes) == 1 and next(iter(boxes))[1] == tensor.shape and tensor.shape[0] > 1
+
+
+def plan_dcp(
+    manifest: Manifest,
+    world_size: int,
+    names: Mapping[str, str] | None = None,
+    paths: Mapping[str, tuple[str, ...]] | None = None,
+    *,
+    objects: Sequence[str] | None = None,
+) -> DcpPlan:
+    """Plan a DCP checkpoint for ``world_size`` ranks holding ``manifest``'s entries.
+
+    Args:
+        manifest: the source.
+        world_size: ranks of the target layout.
+        names: output FQN → source FQN for the tensors to write (default: all, same names).
+        paths: output FQN → key path for ``planner_data`` (default: the source's paths).
+        objects: source object FQNs to carry over (default: all).
+
+    Example:
+        >>> plan = plan_dcp(manifest, 8)                        # doctest: +SKIP
+        >>> plan.to_dict()["files"][0]["file"]                   # doctest: +SKIP
+        '__0_0.distcp'
+    """
+    if world_size < 1:
+        raise UsageError(f"world size must be at least 1, got {world_size}")
+    names = dict(names) if names is not None else {f: f for f in manifest.tensors}
+    packer = _Packer(world_size)
+    object_items: list[ObjectItem] = []
+    out_paths: dict[str, tuple[str, ...]] = {}
+    for fqn in objects if objects is not None else list(manifest.objects):
+        entry = manifest.objects[fqn]
+        if entry.file is None:
+            raise UsageError(
+                f"{fqn!r}: non-tensor values of {manifest.format} checkpoints cannot be carried "
+                "into DCP byte for byte"
+            )
+        rank = packer.least_loaded()
+        object_items.append(
+            ObjectItem(fqn, rank, packer.take(rank, entry.length), entry.length, entry.file,
+                       entry.offset)
+        )  # fmt: skip
+        out_paths[fqn] = manifest.paths.get(fqn, (fqn,))
+
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for out_fqn, src_fqn in names.items():
+        tensor = manifest.tensors[src_fqn]
+        shapes[out_fqn] = (tensor.dtype, tensor.shape)
+        out_paths[out_fqn] = (paths or {}).get(out_fqn) or manifest.paths.get(src_fqn, (out_fqn,))
+        _plan_tensor(packer, out_fqn, tensor, manifest.world_size)
+    return DcpPlan(
+        world_size, tuple(packer.items), tuple(object_items), tuple(packer.sizes), shapes, out_paths
+    )
+
+
+class _Packer:
+    """Appends items to the rank files, tracking each file's size (the next item's offset)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.sizes = [0] * world_size
+        self.items: list[TensorItem] = []
+
+    def least_loaded(self) -> int:
+        return min(range(len(self.sizes)), key=lambda r: self.sizes[r])
+
+    def take(self, rank: int, length: int) -> int:
+        offset = self.sizes[rank]
+        self.sizes[rank] += length
+        return offset
+
+
+class _Sources:
+    """A tensor's stored chunks, sorted on dim 0 so a box finds the ones it meets by bisection."""
+
+    def __init__(self, tensor: TensorEntry) -> None:
+        self.chunks = sorted(unique_chunks(tensor), key=lambda c: c.offsets)
+        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
+        self.max_rows = max((c.sizes[0] for c in self.chunks if c.sizes), default=0)
+
+    def meeting(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Chunk, ...]:
+        if math.prod(sizes) == 0:
+            return ()
+        if not offsets:
+            return tuple(self.chunks)
+        # Only chunks starting before the box ends, and no earlier than (box start - the tallest
+        # chunk), can meet it.
+        lo = bisect.bisect_left(self.starts, offsets[0] - self.max_rows)
+        hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
+        return tuple(c for c in self.chunks[lo:hi] if intersect(c.offsets, c.sizes, offsets, sizes))
+
+
+def _plan_tensor(
+    packer: _Packer, out_fqn: str, tensor: TensorEntry, source_world_size: int | None
+) -> None:
+    sources = _Sources(tensor)
+
+    def place(offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int) -> None:
+        length = torch_archive.tensor_archive_layout(tensor.dtype, sizes).length
+        packer.items.append(
+            TensorItem(
+                out_fqn, tensor.dtype, tensor.shape, offsets, sizes, rank,
+                packer.take(rank, length), length, sources.meeting(offsets, sizes), tensor.fqn,
+            )
+        )  # fmt: skip
+
+    shape = tensor.shape
+    if _replicated_in_source(tensor, source_world_size):
+        place((0,) * len(shape), shape, packer.least_loaded())
+        return
+    zeros = (0,) * (len(shape) - 1)
+    empty_placed = False
+    for rank, (start, n) in enumerate(fsdp2_rows(shape[0], len(packer.sizes))):
+        if n:
+            place((start, *zeros), (n, *shape[1:]), rank)
+        elif not empty_placed:
+            # Ranks without rows all record the same empty box at offset dim0; DCP's dedup
+            # keeps one copy, on the least-loaded rank.
+            place((shape[0], *zeros), (0, *shape[1:]), packer.least_loaded())
+            empty_placed = True
+
+
+class _SourceCache:
+    """Raw locations of source chunks, resolved once (a DCP item's archive directory is read
+    once even when the chunk feeds several output pieces)."""
+
+    def __init__(self, reader: LocalReader, manifest: Manifest) -> None:
+        self._reader = reader
+        self._manifest = manifest
+        self._raw: dict[tuple[str, int], Chunk] = {}
+        self._lock = threading.Lock()
+
+    def raw(self, fqn: str, chunk: Chunk) -> Chunk:
+        key = (chunk.file, chunk.offset)
+        found = self._raw.get(key)
+        if found is None:
+            found = resolve_chunk(self._reader, self._manifest.tensors[fqn], chunk)
+            with self._lock:
+                self._raw[key] = found
+        return found
+
+
+def _strided_to_contiguous(reader: LocalReader, raw: Chunk, dtype: str) -> bytes:
+    import torch
+
+    data = bytearray(reader.read(raw.file, raw.offset, raw.length))
+    flat = torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype))
+    assert raw.strides is not None
+    out = flat.as_strided(raw.sizes, raw.strides).contiguous()
+    return bytes(out.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _fill_block(
+    buf: memoryview,
+    item: TensorItem,
+    block_offsets: tuple[int, ...],
+    block_sizes: tuple[int, ...],
+    cache: _SourceCache,
+    reader: LocalReader,
+    itemsize: int,
+) -> None:
+    for src in item.sources:
+        raw = cache.raw(item.source_fqn, src)
+        runs = list(copy_runs(src.offsets, src.sizes, block_offsets, block_sizes))
+        if not runs:
+            continue
+        if raw.strides is not None:
+            data = _strided_to_contiguous(reader, raw, item.dtype)
+            view = memoryview(data)
+            for s, d, n in runs:
+                buf[d * itemsize : (d + n) * itemsize] = view[s * itemsize : (s + n) * itemsize]
+            continue
+        first = runs[0][0]
+        last = runs[-1][0] + runs[-1][2]
+        needed = sum(n for _, _, n in runs)
+        if len(runs) == 1 or (last - first) <= 2 * needed:
+            # One read of the span, then slices: dim-1 splits give one short run per row.
+            span = reader.read(raw.file, raw.offset + first * itemsize, (last - first) * itemsize)
+            view = memoryview(span)
+            for s, d, n in runs:
+                rel = (s - first) * itemsize
+                buf[d * itemsize : (d + n) * itemsize] = view[rel : rel + n * itemsize]
+        else:
+            for s, d, n in runs:
+                reader.readinto(
+                    raw.file, raw.offset + s * itemsize, buf[d * itemsize : (d + n) * itemsize]
+                )
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _write_tensor(
+    fd: int, item: TensorItem, cache: _SourceCache, reader: LocalReader, progress: ByteProgress
+) -> None:
+    layout = torch_archive.tensor_archive_layout(item.dtype, item.sizes)
+    _pwrite_all(fd, layout.head, item.offset)
+    itemsize = dtypes.dtype(item.dtype).itemsize
+    pos = item.offset + layout.data_offset
+    crc = 0
+    if item.sizes == ():
+        blocks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
+    else:
+        row_bytes = math.prod(item.sizes[1:]) * itemsize
+        rows_per_block = max(1, BLOCK_BYTES // max(1, row_bytes))
+        blocks = [
+            ((item.offsets[0] + i, *item.offsets[1:]),
+             (min(rows_per_block, item.sizes[0] - i), *item.sizes[1:]))
+            for i in range(0, item.sizes[0], rows_per_block)
+        ]  # fmt: skip
+    for offs, box in blocks:
+        nbytes = math.prod(box) * itemsize
+        if nbytes == 0:
+            continue
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        _fill_block(view, item, offs, box, cache, reader, itemsize)
+        crc = zlib.crc32(view, crc)
+        _pwrite_all(fd, view, pos)
+        pos += nbytes
+        progress.update(nbytes)
+    _pwrite_all(fd, layout.tail(crc), pos)
+
+
+def _copy_object(fd: int, item: ObjectItem, reader: LocalReader) -> None:
+    done = 0
+    while done < item.length:
+        n = min(BLOCK_BYTES, item.length - done)
+        data = reader.read(item.source_file, item.source_offset + done, n)
+        _pwrite_all(fd, data, item.offset + done)
+        done += n
+
+
+def write_metadata(out_dir: str, plan: DcpPlan) -> None:
+    """Write ``.metadata`` with torch's own classes (what ``dcp.load`` unpickles), atomically."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ._compat import storage_info
+
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for o in plan.objects:
+        state[o.fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(o.fqn)] = storage_info(file_name(o.rank), o.offset, o.length)
+    by_fqn: dict[str, list[TensorItem]] = {}
+    for t in plan.tensors:
+        by_fqn.setdefault(t.fqn, []).append(t)
+    for fqn, (dtype, shape) in plan.shapes.items():
+        pieces = sorted(by_fqn[fqn], key=lambda t: t.offsets)
+        chunks = [
+            ChunkStorageMetadata(offsets=torch.Size(t.offsets), sizes=torch.Size(t.sizes))
+            for t in pieces
+        ]
+        state[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=getattr(torch, dtype)),
+            size=torch.Size(shape),
+            chunks=chunks,
+        )
+        for i, t in enumerate(pieces):
+            index = MetadataIndex(fqn, torch.Size(t.offsets), i)
+            storage[index] = storage_info(file_name(t.rank), t.offset, t.length)
+    md = Metadata(
+        state_dict_metadata=state,
+        planner_data=dict(plan.paths),
+        storage_data=storage,
+        storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
+        version="1.0.0",
+    )
+    tmp = os.path.join(out_dir, METADATA_FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(md, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out_dir, METADATA_FILE))
+
+
+def write_dcp(
+    manifest: Manifest,
+    plan: DcpPlan,
+    out_dir: str,
+    *,
+    source_root: str,
+    workers: int = 2,
+    quiet: bool = True,
+    on_file_done: Callable[[int], None] | None = None,
+) -> int:
+    """Write the planned ``.distcp`` files into ``out_dir`` (existing, empty), then ``.metadata``.
+
+    Returns the bytes written. Files are written in parallel (``workers`` threads, each owning
+    one output file at a time and one block buffer).
+    """
+    total = plan.total_bytes
+    by_rank_t: dict[int, list[TensorItem]] = {}
+    by_rank_o: dict[int, list[ObjectItem]] = {}
+    for t in plan.tensors:
+        by_rank_t.setdefault(t.rank, []).append(t)
+    for o in plan.objects:
+        by_rank_o.setdefault(o.rank, []).append(o)
+    with LocalReader(source_root) as reader, ByteProgress(total, "reshard", quiet=quiet) as bar:
+        cache = _SourceCache(reader, manifest)
+
+        def write_rank(rank: int) -> None:
+            path = os.path.join(out_dir, file_name(rank))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for o in by_rank_o.get(rank, ()):
+                    _copy_object(fd, o, reader)
+                    bar.update(o.length)
+                for t in by_rank_t.get(rank, ()):
+                    _write_tensor(fd, t, cache, reader, bar)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if on_file_done is not None:
+                on_file_done(rank)
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for future in [pool.submit(write_rank, r) for r in range(plan.world_size)]:
+                future.result()
+    write_metadata(out_dir, plan)
+    return total

@@ -1,0 +1,238 @@
+"""``ckptools.reshard`` and ``ckptools.shard``: any checkpoint → DCP laid out for N ranks.
+
+``reshard`` rewrites a DCP checkpoint (and the DCP directories inside accelerate / Trainer /
+Lightning / torchtitan layouts) as if FSDP2 ``fully_shard`` on N ranks had saved it: model,
+optimizer state and every other entry, in one process, with bounded memory. ``shard`` is the way
+back from a published model: a safetensors directory or ``torch.save`` file becomes a DCP
+checkpoint whose keys sit under ``--prefix`` (``model.``, what ``dcp.save({"model": ...})``
+writes), so training starts from it without any rank loading the whole model.
+
+Per-rank state that cannot be split (RNG state files ``rng_state_<r>.pth`` /
+``random_states_<r>.pkl``, torchtitan's ``dataloader.dp_rank_<r>`` entries) follows the
+``rank_state`` policy: ``keep`` carries it over unchanged (ranks that did not exist before have
+none, and the result lists what was kept), ``drop`` leaves it out. Either way it is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .checksum import CHECKSUM_FILE, write_checksums
+from .commit import check_writable, output_dir
+from .dcp_write import DcpPlan, plan_dcp, write_dcp
+from .errors import UsageError
+from .layouts import read_manifest
+from .layouts.dcp import read_dcp, require_plain
+from .manifest import Manifest
+
+RankState = Literal["keep", "drop"]
+#: files a framework writes once per rank, which no resharding can split
+RANK_STATE_FILES = re.compile(r"^(rng_state|random_states)_\d+\.(pth|pkl|pt)$")
+#: object entries keyed by rank (torchtitan's dataloader state)
+RANK_STATE_OBJECTS = re.compile(r"(^|\.)dp_rank_\d+$")
+#: files that describe the source's own bytes (checksums, the training manager's commit marker)
+_OWN_RECORDS = frozenset({CHECKSUM_FILE, ".ckptools-complete"})
+#: copy threads: one output file each; two keep one disk busy while the other computes CRCs
+DEFAULT_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    """What :func:`reshard` / :func:`shard` wrote (or, with ``dry_run``, would write)."""
+
+    src: str
+    out: str
+    world_size: int
+    parts: dict[str, dict[str, Any]]  # DCP subdirectory ("" for the root) -> plan summary
+    bytes_written: int
+    seconds: float
+    dry_run: bool
+    rank_state: str
+    rank_state_items: tuple[str, ...] = ()
+    copied_files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "src": self.src,
+            "out": self.out,
+            "world_size": self.world_size,
+            "dry_run": self.dry_run,
+            "parts": self.parts,
+            "bytes": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "rank_state": {"policy": self.rank_state, "items": list(self.rank_state_items)},
+            "copied_files": list(self.copied_files),
+            "notes": list(self.notes),
+        }
+
+
+def _parts(manifest: Manifest) -> list[str]:
+    parts = manifest.details.get("parts")
+    return list(parts) if parts else [""]
+
+
+def reshard(
+    src: str,
+    out: str,
+    *,
+    world_size: int,
+    rank_state: RankState = "keep",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    quiet: bool = False,
+    format: str | None = None,
+) -> ReshardResult:
+    """Rewrite the DCP checkpoint ``src`` into ``out`` laid out for ``world_size`` FSDP2 ranks.
+
+    Args:
+        src: a DCP directory, or the outer directory of accelerate / Trainer / Lightning /
+            torchtitan layouts (each DCP directory inside is resharded, other files copied).
+        out: the new checkpoint directory (refused if it exists, unless ``overwrite``).
+        world_size: ranks of the target layout.
+        rank_state: ``"keep"`` or ``"drop"`` per-rank state that cannot be split (see module).
+        dry_run: plan only; write nothing.
+
+    Example:
+        >>> ckptools.reshard("ckpt/step-100", "ckpt16/step-100", world_size=16)  # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    if rank_state not in ("keep", "drop"):
+        raise UsageError(f"rank_state must be 'keep' or 'drop', got {rank_state!r}")
+    manifest = read_manifest(src, format)
+    if manifest.format != "dcp":
+        raise UsageError(
+            f"{src}: a {manifest.format} checkpoint is not sharded; use `ckpt shard` to make a "
+            "DCP checkpoint from it"
+        )
+    root = manifest.root
+    if not dry_run:
+        check_writable(out, overwrite)
+    plans: dict[str, tuple[Manifest, DcpPlan]] = {}
+    rank_items: list[str] = []
+    for sub in _parts(manifest):
+        part = read_dcp(root, subdir=sub)
+        require_plain(part)
+        objects = []
+        for fqn in part.objects:
+            if RANK_STATE_OBJECTS.search(fqn):
+                rank_items.append(f"{sub + '/' if sub else ''}{fqn}")
+                if rank_state == "drop":
+                    continue
+            objects.append(fqn)
+        plans[sub] = (part, plan_dcp(part, world_size, objects=objects))
+    aux = _aux_files(root, list(plans))
+    for name in aux:
+        if RANK_STATE_FILES.match(os.path.basename(name)):
+            rank_items.append(name)
+    copied = tuple(
+        a for a in aux if not (rank_state == "drop" and RANK_STATE_FILES.match(os.path.basename(a)))
+    )
+    summary = {sub: plan.to_dict() for sub, (_, plan) in plans.items()}
+    notes = list(manifest.notes)
+    if rank_items:
+        notes.append(
+            f"{len(rank_items)} per-rank state item(s) written by {manifest.world_size} ranks were "
+            + ("kept unchanged" if rank_state == "keep" else "dropped")
+            + " (--rank-state)"
+        )
+    if dry_run:
+        return ReshardResult(
+            src, out, world_size, summary, 0, time.perf_counter() - started, True, rank_state,
+            tuple(rank_items), copied, tuple(notes),
+        )  # fmt: skip
+    written = 0
+    with output_dir(out, overwrite=overwrite) as tmp:
+        for name in copied:
+            dst = os.path.join(tmp, name)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copy2(os.path.join(root, name), dst)
+        for sub, (part, plan) in plans.items():
+            target = os.path.join(tmp, sub) if sub else tmp
+            os.makedirs(target, exist_ok=True)
+            written += write_dcp(part, plan, target, source_root=root, workers=workers, quiet=quiet)
+        if os.path.exists(os.path.join(root, CHECKSUM_FILE)):
+            # The source was protected by a checksum manifest: so is the result.
+            write_checksums(tmp, workers=workers, quiet=True)
+    return ReshardResult(
+        src, out, world_size, summary, written, time.perf_counter() - started, False, rank_state,
+        tuple(rank_items), copied, tuple(notes),
+    )  # fmt: skip
+
+
+def _aux_files(root: str, parts: list[str]) -> list[str]:
+    """Files beside the DCP data that belong to the checkpoint (trainer_state.json, meta.pt...)."""
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        if rel_dir in parts:
+            # DCP data and marker are rewritten; anything else in a DCP directory is kept.
+            filenames = [f for f in filenames if not (f.endswith(".distcp") or f == ".metadata")]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        # ckptools' own records describe the source's bytes; they are rewritten, not copied.
+        filenames = [f for f in filenames if f not in _OWN_RECORDS]
+        out.extend(os.path.join(rel_dir, f) if rel_dir else f for f in filenames)
+    return sorted(out)
+
+
+def shard(
+    src: str,
+    out: str,
+    *,
+    world_size: int,
+    prefix: str = "model.",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    quiet: bool = False,
+    format: str | None = None,
+) -> ReshardResult:
+    """Make a DCP checkpoint for ``world_size`` ranks from a full model.
+
+    ``src`` is a Hugging Face safetensors directory or file, or a ``torch.save`` full state
+    dict; each tensor ``name`` is stored as ``prefix + name`` (key path ``("model", name)`` for
+    the default prefix), which is what ``dcp.load({"model": model_state_dict})`` reads.
+
+    Example:
+        >>> ckptools.shard("Llama-3-8B/", "ckpt/step-0", world_size=8)  # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    manifest = read_manifest(src, format)
+    if manifest.format not in ("safetensors", "torch_save"):
+        raise UsageError(
+            f"{src}: a {manifest.format} checkpoint is already sharded; use `ckpt reshard`"
+        )
+    if not dry_run:
+        check_writable(out, overwrite)
+    path = tuple(p for p in prefix.split(".") if p)
+    names = {f"{prefix}{fqn}": fqn for fqn in manifest.tensors}
+    paths = {f"{prefix}{fqn}": (*path, fqn) for fqn in manifest.tensors}
+    plan = plan_dcp(manifest, world_size, names, paths, objects=[])
+    notes = list(manifest.notes)
+    if manifest.objects:
+        notes.append(
+            f"{len(manifest.objects)} non-tensor value(s) of the source were not carried over "
+            f"(e.g. {next(iter(manifest.objects))!r})"
+        )
+    summary = {"": plan.to_dict()}
+    if dry_run:
+        return ReshardResult(
+            src, out, world_size, summary, 0, time.perf_counter() - started, True, "keep",
+            notes=tuple(notes),
+        )  # fmt: skip
+    source_root = manifest.root if os.path.isdir(manifest.root) else os.path.dirname(manifest.root)
+    with output_dir(out, overwrite=overwrite) as tmp:
+        written = write_dcp(
+            manifest, plan, tmp, source_root=source_root, workers=workers, quiet=quiet
+        )
+    return ReshardResult(
+        src, out, world_size, summary, written, time.perf_counter() - started, False, "keep",
+        notes=tuple(notes),
+    )  # fmt: skip

@@ -1,0 +1,104 @@
+"""`ckpt shard`: a full model (safetensors / torch.save) becomes a DCP checkpoint for N ranks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+import ckptools
+from ckptools.cli.main import cli
+from tests.conftest import Produced
+from tests.support.reference import load_reference, tensor_bytes
+
+
+def _run(*args: str) -> dict[str, object]:
+    result = CliRunner().invoke(cli, [*args, "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    data: dict[str, object] = json.loads(result.output)
+    return data
+
+
+@pytest.mark.parametrize("source", ["hf_sharded", "torch_save"])
+@pytest.mark.parametrize("world_size", [1, 3, 8])
+def test_shard_loads_with_dcp(
+    produced: Callable[..., Produced], tmp_path: Path, source: str, world_size: int
+) -> None:
+    p = produced(source)
+    out = tmp_path / "dcp"
+    _run("shard", str(p.path), str(out), "--world-size", str(world_size))
+    ref = load_reference(p.ref_path)["model"]
+    target = {"model": {k: torch.empty_like(v) for k, v in ref.items()}}
+    dcp.load(target, checkpoint_id=str(out), no_dist=True)
+    for k, v in ref.items():
+        assert torch.equal(tensor_bytes(target["model"][k]), tensor_bytes(v)), k
+    manifest = ckptools.read_manifest(str(out))
+    assert manifest.world_size == world_size
+    assert all(manifest.paths[f"model.{k}"] == ("model", k) for k in ref)
+
+
+def test_shard_refuses_sharded_input_and_existing_output(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    result = CliRunner().invoke(
+        cli, ["shard", str(produced("single").path), str(tmp_path / "x"), "--world-size", "2"]
+    )
+    assert result.exit_code == 2 and "ckpt reshard" in result.output
+    (tmp_path / "exists").mkdir()
+    result = CliRunner().invoke(
+        cli,
+        ["shard", str(produced("hf_sharded").path), str(tmp_path / "exists"), "--world-size", "2"],
+    )
+    assert result.exit_code == 2 and "--overwrite" in result.output
+
+
+def test_interrupted_shard_leaves_nothing(
+    produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptools.dcp_write as dw
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dw, "write_metadata", boom)
+    with pytest.raises(KeyboardInterrupt):
+        ckptools.shard(str(produced("hf_sharded").path), str(tmp_path / "out"), world_size=2)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_consolidate_shard_consolidate_is_byte_identical(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    p = produced("fsdp2", world_size=3, optimizer=True)
+    first = tmp_path / "hf1"
+    ckptools.consolidate(str(p.path), str(first), max_shard_size="100KB", quiet=True)
+    sharded = tmp_path / "dcp"
+    ckptools.shard(str(first), str(sharded), world_size=4, quiet=True)
+    second = tmp_path / "hf2"
+    ckptools.consolidate(str(sharded), str(second), max_shard_size="100KB", quiet=True)
+    names = sorted(f.name for f in first.iterdir())
+    assert names == sorted(f.name for f in second.iterdir())
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def test_reshard_rewrites_checksums_and_never_copies_markers(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(produced("single").path, src)
+    _run("checksum", str(src))
+    (src / ".ckptools-complete").write_text("{}")  # the training manager's commit marker
+    out = tmp_path / "out"
+    _run("reshard", str(src), str(out), "--world-size", "3")
+    assert not (out / ".ckptools-complete").exists()
+    report = _run("verify", str(out))
+    assert report["ok"] is True
+    assert report["checksums_checked"] is True
