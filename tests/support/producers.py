@@ -253,8 +253,10 @@ class TinyLlama(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self._embedding()(tokens)
-        for block in self.blocks():
-            x = block(x)
+        # Every layer, wrapped or not: FSDP1 and checkpoint wrappers replace the Block instances
+        # in the ModuleList, so ``blocks()`` (which finds what to wrap) must not drive forward.
+        for layer in self.model.layers if self.cfg.style == "hf" else self.layers:
+            x = layer(x)
         norm = self.model.norm if self.cfg.style == "hf" else self.norm
         logits: torch.Tensor = self._head()(norm(x))
         return logits

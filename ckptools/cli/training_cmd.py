@@ -1,0 +1,128 @@
+"""``ckpt list`` and ``ckpt prune``: a CheckpointManager root, seen and pruned by hand."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import click
+
+from .options import json_option
+from .render import dumps, human_bytes, table
+
+
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    return " ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+    )
+
+
+@click.command("list")
+@click.argument("root", type=click.Path())
+@json_option
+def list_command(root: str, as_json: bool) -> None:
+    """List the checkpoints a CheckpointManager wrote under ROOT: step, completeness, size,
+    metrics, and which one is latest (what a resume loads).
+
+    \b
+    Examples:
+      ckpt list checkpoints/
+      ckpt list checkpoints/ --json | jq '.checkpoints[] | select(.complete) | .step'
+    """
+    from ..training.store import list_checkpoints
+
+    infos = list_checkpoints(root)
+    if as_json:
+        click.echo(dumps({"root": root, "checkpoints": [c.to_dict() for c in infos]}))
+        return
+    if not infos:
+        click.echo(f"{root}: no checkpoints")
+        return
+    rows = []
+    for c in infos:
+        when = (
+            datetime.datetime.fromtimestamp(c.time).isoformat(sep=" ", timespec="seconds")
+            if c.time
+            else ""
+        )
+        state = "complete" if c.complete else f"INCOMPLETE ({c.reason})"
+        rows.append(
+            [
+                str(c.step),
+                state,
+                human_bytes(c.size_bytes),
+                str(c.world_size or ""),
+                when,
+                _metrics_text(dict(c.metrics)),
+                "latest" if c.latest else "",
+            ]
+        )
+    click.echo(root)
+    click.echo(
+        table(["step", "state", "size", "ranks", "saved", "metrics", ""], rows, align="rlrr")
+    )
+
+
+@click.command("prune")
+@click.argument("root", type=click.Path())
+@click.option("--keep-last", type=click.IntRange(min=1), default=None, help="Keep the newest N.")
+@click.option(
+    "--keep-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also keep every step divisible by K.",
+)
+@click.option(
+    "--keep-best",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also keep the N best by --metric.",
+)
+@click.option("--metric", default=None, help="Metric name recorded at save time (for --keep-best).")
+@click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True)
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@json_option
+def prune_command(
+    root: str,
+    keep_last: int | None,
+    keep_every: int | None,
+    keep_best: int | None,
+    metric: str | None,
+    mode: str,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Delete complete checkpoints under ROOT that a retention policy does not keep.
+
+    The newest complete checkpoint is always kept; incomplete ones are left alone (a training
+    job may be writing them). Run it while no job saves to ROOT.
+
+    \b
+    Examples:
+      ckpt prune checkpoints/ --keep-last 3 --dry-run
+      ckpt prune checkpoints/ --keep-last 2 --keep-every 1000
+    """
+    from ..errors import UsageError
+    from ..training.retention import RetentionPolicy
+    from ..training.store import prune
+
+    if keep_last is None and keep_every is None and keep_best is None:
+        raise UsageError("give at least one of --keep-last, --keep-every, --keep-best")
+    policy = RetentionPolicy(
+        keep_last=keep_last,
+        keep_every=keep_every,
+        keep_best=keep_best,
+        metric=metric,
+        mode="max" if mode == "max" else "min",
+    )
+    result = prune(root, policy, dry_run=dry_run)
+    if as_json:
+        click.echo(dumps(result.to_dict()))
+        return
+    d = result.decision
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"{root}: {verb} {len(d.delete)} checkpoint(s), {human_bytes(result.freed_bytes)}")
+    for step in d.delete:
+        click.echo(f"  {verb}: step-{step}")
+    for step in d.keep:
+        click.echo(f"  kept: step-{step} ({', '.join(d.reasons[step])})")

@@ -1,0 +1,349 @@
+"""``ckptools.save`` / ``ckptools.load``: one call for every way a model is wrapped.
+
+Both are thin wrappers over torch's own APIs: ``torch.distributed.checkpoint.state_dict``
+(``get_state_dict`` / ``set_state_dict``) turns the model and optimizer into FQN-keyed, sharded
+state whatever the wrapping — FSDP2 ``fully_shard`` (HSDP and TP meshes too), FSDP1 (its
+``state_dict_type`` setting is overridden for the call), DDP, ``torch.compile``, activation
+checkpointing, plain modules — and ``dcp.save`` / ``dcp.load`` write and read it in parallel. The
+saved layout is::
+
+    {"model": {fqn: tensor}, "optim": {"state": {fqn: {...}}, "param_groups": [...]},
+     "extra": {...}}
+
+so optimizer state is keyed by parameter FQN (loads at any world size), wrapper segments
+(``module.``, ``_orig_mod.``, ``_checkpoint_wrapped_module.``, ``_fsdp_wrapped_module.``) never
+reach the keys, and ckptools' own ``inspect`` / ``consolidate`` find the model at prefix
+``model.``.
+
+``extra`` holds everything else: step counters, scheduler, dataloader, RNG, a user dict. Values
+with ``state_dict()`` / ``load_state_dict()`` (torch's ``Stateful``: schedulers, stateful
+dataloaders) are saved through ``state_dict()`` and restored in place when passed to ``load``.
+Each non-tensor ``extra`` value is stored as one ``torch.save`` blob: DCP would otherwise flatten
+nested dicts and silently drop empty containers (a ``LambdaLR`` state holds ``[{}]``). Like every
+non-sharded entry of a DCP checkpoint, ``extra`` is treated as the same on every rank (rank 0's
+copy is written); key per-rank state by rank (``{"rng": {f"rank{r}": ...}}``).
+
+Trust: ``load`` unpickles non-tensor entries (optimizer ``param_groups``, ``extra``) with
+``torch.load(weights_only=True)``, which admits tensors and plain containers only; objects beyond
+that need ``trust_objects=True`` (torch's own ``dcp.load`` always unpickles without limits).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .. import _compat
+from ..errors import (
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    UsageError,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["load", "save", "state_to_save", "write_model_config"]
+
+log = logging.getLogger(__name__)
+
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+EXTRA_KEY = "extra"
+#: Stands in for a non-tensor entry until ``dcp.load`` replaces it with the stored value.
+_OBJECT_PLACEHOLDER = "<ckptools: not loaded>"
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _options() -> StateDictOptions:
+    # Sharded state (full_state_dict=False): each rank saves only its shards, nothing is gathered.
+    # Full gathering of FSDP1 with cpu_offload also segfaults on CPU in torch 2.13.
+    return StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def _plain_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise UsageError(f"extra must be a mapping of names to values, got {type(extra).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        if not isinstance(key, str):
+            raise UsageError(f"extra keys must be strings, got {key!r}")
+        if isinstance(value, Stateful):
+            value = value.state_dict()
+        if isinstance(value, torch.Tensor):
+            out[key] = value
+        else:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            buffer.seek(0)
+            out[key] = buffer
+    return out
+
+
+class _ObjectLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that unpickles non-tensor entries with ``weights_only=True``
+    unless the caller trusts the checkpoint."""
+
+    def __init__(self, path: str, trust_objects: bool) -> None:
+        super().__init__()
+        self._path = path
+        self._trust = trust_objects
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        key_path = self.mappings[fqn]
+        try:
+            obj = self._unpickle(value)
+            # ``extra`` objects were wrapped in a BytesIO by ``save`` (see module docstring).
+            if key_path[0] == EXTRA_KEY and len(key_path) == 2 and isinstance(obj, io.BytesIO):
+                obj = self._unpickle(obj)
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:
+            raise UnsafeCheckpointError(
+                f"{self._path}: entry {fqn!r} holds an object beyond tensors and plain "
+                f"containers ({str(e).splitlines()[0]}); pass trust_objects=True if you wrote "
+                "this checkpoint",
+                global_name=str(fqn),
+                path=self._path,
+            ) from e
+        _compat.set_element(self.original_state_dict, key_path, obj)
+
+    def _unpickle(self, value: io.BytesIO) -> Any:
+        if self._trust:
+            return torch.load(value, weights_only=False)
+        # io.BytesIO only restores bytes; DCP itself pickles BytesIO entries whole.
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(value, weights_only=True)
+
+
+def state_to_save(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The state dict :func:`save` writes (``{"model", "optim"?, "extra"}``). Collective for
+    FSDP1 (every rank calls it, in the same order); tensors are views of the live parameters."""
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+    else:
+        model_sd, _ = get_state_dict(model, [], options=_options())
+        state = {MODEL_KEY: model_sd}
+    state[EXTRA_KEY] = _plain_extra(extra)
+    return state
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Save model, optimizer and ``extra`` as a DCP checkpoint at ``path``.
+
+    Collective: every rank of the process group calls it with its own shard of the same model;
+    each rank writes its own files and rank 0 writes ``.metadata`` last. Without an initialised
+    process group it saves from this process alone. ``path`` is written in place (no atomic
+    commit): use :class:`~ckptools.CheckpointManager` for crash-safe saves.
+
+    Args:
+        path: the checkpoint directory (created).
+        model: the model, wrapped in any of FSDP2, FSDP1, DDP, ``torch.compile``, activation
+            checkpointing, or plain.
+        optimizer: its optimizer; state is saved keyed by parameter FQN.
+        extra: other state (step, scheduler, dataloader, RNG, a dict); ``Stateful`` values are
+            saved through ``state_dict()``.
+        process_group: the group to save over (default: the default group).
+
+    Example:
+        >>> import torch, ckptools
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> ckptools.save("/tmp/ckptools-doc/save", model, opt, extra={"step": 3})
+        >>> ckptools.load("/tmp/ckptools-doc/save", model, opt)["step"]
+        3
+    """
+    state = state_to_save(model, optimizer, extra)
+    with warnings.catch_warnings():
+        # no_dist=True is the intent without a process group; torch still warns that it assumes it.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save(
+            state,
+            checkpoint_id=os.fspath(path),
+            process_group=process_group,
+            no_dist=_no_dist(),
+        )
+
+
+def _read_metadata(path: str) -> Any:
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint directory", path=path)
+    try:
+        return FileSystemReader(path).read_metadata()
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(
+            f"{path}: no DCP .metadata (the save never finished); use the previous checkpoint",
+            path=path,
+        ) from e
+
+
+def _extra_template(metadata: Any) -> tuple[dict[str, Any], set[str]]:
+    """A nested dict shaped like the saved ``extra`` (empty tensors, placeholders), and the
+    top-level keys the checkpoint holds."""
+    template: dict[str, Any] = {}
+    tops: set[str] = set()
+    planner_data: Mapping[str, Any] = metadata.planner_data or {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        key_path = tuple(planner_data.get(fqn, (fqn,)))
+        tops.add(str(key_path[0]))
+        if key_path[0] != EXTRA_KEY:
+            continue
+        if isinstance(meta, TensorStorageMetadata):
+            value: Any = torch.empty(meta.size, dtype=meta.properties.dtype)
+        else:
+            value = _OBJECT_PLACEHOLDER
+        _compat.set_element(template, key_path, value)
+    return template.get(EXTRA_KEY, {}), tops
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    trust_objects: bool = False,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save` (at any world size) into ``model`` and
+    ``optimizer`` in place, and return its ``extra``.
+
+    Collective: every rank calls it with its freshly built (wrapped, sharded) model and optimizer;
+    each rank reads only the bytes of its own shards. Without a process group it loads in this
+    process alone.
+
+    Args:
+        path: a checkpoint directory written by :func:`save` or a manager's ``step-<n>``.
+        model: the model, wrapped as it will be trained (may differ from how it was saved).
+        optimizer: the optimizer to restore (a fresh one is fine); None skips optimizer state.
+        extra: objects to restore in place: for each key that is ``Stateful`` (scheduler,
+            dataloader), ``load_state_dict`` is called with the saved value.
+        process_group: the group to load over (default: the default group).
+        trust_objects: unpickle non-tensor entries without limits (only for checkpoints you
+            wrote that hold custom classes in ``extra``).
+
+    Returns:
+        The saved ``extra`` dict, with ``Stateful`` entries as their saved ``state_dict()``.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist.
+        IncompleteCheckpointError: no ``.metadata``, or ``optimizer`` given and no optimizer state
+            saved.
+        UnsafeCheckpointError: an entry needs more than ``weights_only`` unpickling.
+
+    Example:
+        >>> import torch, ckptools
+        >>> model = torch.nn.Linear(4, 2)
+        >>> ckptools.save("/tmp/ckptools-doc/load", model, extra={"epoch": 1})
+        >>> ckptools.load("/tmp/ckptools-doc/load", torch.nn.Linear(4, 2))
+        {'epoch': 1}
+    """
+    path = os.fspath(path)
+    metadata = _read_metadata(path)
+    extra_template, tops = _extra_template(metadata)
+    if MODEL_KEY not in tops:
+        raise IncompleteCheckpointError(
+            f"{path}: holds no 'model' entry (top-level keys: {sorted(tops)}); "
+            "it was not written by ckptools.save",
+            path=path,
+        )
+    if optimizer is not None and OPTIM_KEY not in tops:
+        raise IncompleteCheckpointError(
+            f"{path}: holds no optimizer state; load with optimizer=None to restore the model only",
+            path=path,
+        )
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+    else:
+        model_sd, _ = get_state_dict(model, [], options=_options())
+        state = {MODEL_KEY: model_sd}
+    state[EXTRA_KEY] = extra_template
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_load(
+            state,
+            checkpoint_id=path,
+            planner=_ObjectLoadPlanner(path, trust_objects),
+            process_group=process_group,
+            no_dist=_no_dist(),
+        )
+    if optimizer is not None:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state[MODEL_KEY],
+            optim_state_dict=state[OPTIM_KEY],
+            options=_options(),
+        )
+    else:
+        set_state_dict(model, [], model_state_dict=state[MODEL_KEY], optim_state_dict={})
+    loaded: dict[str, Any] = state[EXTRA_KEY]
+    for key, target in (extra or {}).items():
+        if isinstance(target, Stateful) and key in loaded:
+            target.load_state_dict(loaded[key])
+    return loaded
+
+
+def write_model_config(model: nn.Module, directory: str) -> list[str]:
+    """Write ``config.json`` (and ``generation_config.json``) when the unwrapped model is a
+    ``transformers.PreTrainedModel``, so ``ckpt consolidate`` makes a loadable model directory.
+    One rank calls it. Returns the file names written.
+    """
+    inner = _compat.unwrap_model(model)
+    config = getattr(inner, "config", None)
+    if config is None or not hasattr(config, "to_json_file"):
+        return []
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return []
+    if not isinstance(inner, PreTrainedModel):
+        return []
+    written = ["config.json"]
+    config.to_json_file(os.path.join(directory, "config.json"))
+    generation = getattr(inner, "generation_config", None)
+    if generation is not None and hasattr(generation, "to_json_file"):
+        try:
+            generation.to_json_file(os.path.join(directory, "generation_config.json"))
+            written.append("generation_config.json")
+        except (TypeError, ValueError) as e:  # an unusual generation config must not fail a save
+            log.warning("could not write generation_config.json: %s", e)
+    return written

@@ -1,0 +1,398 @@
+"""The on-disk side of :class:`~ckptools.training.manager.CheckpointManager`, torch-free.
+
+A manager root holds one directory per committed checkpoint and transient directories::
+
+    root/
+      step-100/                    committed: DCP files + config files + .ckptools-complete
+      step-200/
+      .tmp-step-300-<id>/          a save in progress (or one that crashed)
+      .tmp-delete-step-100-<id>/   a checkpoint being deleted
+
+Commit protocol (why a crash at any instant leaves nothing that looks complete): every rank writes
+into ``.tmp-step-<step>-<id>/``; after a barrier, one rank fsyncs every file, writes the marker
+``.ckptools-complete`` (JSON: step, time, world size, metrics, every file's size) last, fsyncs the
+directory, renames it to ``step-<step>/`` and fsyncs the root. Deletion first renames a checkpoint
+to ``.tmp-delete-*`` (atomic), then removes it, so a half-deleted checkpoint never keeps its name.
+A ``.tmp-step-*`` directory whose marker is complete was committed up to the rename; cleanup rolls
+it forward instead of deleting it.
+
+``ckpt list`` and ``ckpt prune`` use this module directly, so they run without importing torch.
+
+Example:
+    >>> from ckptools.training.store import list_checkpoints
+    >>> [c.step for c in list_checkpoints("checkpoints") if c.complete]  # doctest: +SKIP
+    [100, 200]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, UsageError
+from .retention import RetentionDecision, RetentionPolicy, plan_retention
+
+__all__ = [
+    "MARKER_NAME",
+    "CheckpointInfo",
+    "PruneResult",
+    "clean_stale",
+    "commit",
+    "delete_checkpoint",
+    "list_checkpoints",
+    "new_tmp_dir",
+    "prune",
+    "read_marker",
+    "step_dir",
+    "write_marker",
+]
+
+log = logging.getLogger(__name__)
+
+#: Written last into a checkpoint directory; a directory without it is incomplete.
+MARKER_NAME = ".ckptools-complete"
+_MARKER_FORMAT = "ckptools-checkpoint"
+_MARKER_VERSION = 1
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_STEP_RE = re.compile(r"^\.tmp-step-(\d+)-[0-9a-f]+$")
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a manager root.
+
+    Attributes:
+        step: the training step.
+        path: the directory.
+        complete: committed (marker present, parsable, every recorded file present at its size).
+        reason: why it is not complete (empty when complete).
+        time: commit time (seconds since the epoch), when complete.
+        world_size: ranks that wrote it, when complete.
+        metrics: the metrics passed to ``save``.
+        size_bytes: bytes of all files in the directory.
+        latest: the newest complete checkpoint (what ``latest()`` returns).
+    """
+
+    step: int
+    path: str
+    complete: bool
+    reason: str = ""
+    time: float | None = None
+    world_size: int | None = None
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    size_bytes: int = 0
+    latest: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "path": self.path,
+            "complete": self.complete,
+            "reason": self.reason,
+            "time": self.time,
+            "world_size": self.world_size,
+            "metrics": dict(self.metrics),
+            "size_bytes": self.size_bytes,
+            "latest": self.latest,
+        }
+
+
+def step_dir(root: str, step: int) -> str:
+    """``root/step-<step>``."""
+    return os.path.join(root, f"step-{step}")
+
+
+def new_tmp_dir(root: str, step: int, token: str | None = None) -> str:
+    """A fresh name ``root/.tmp-step-<step>-<id>`` (not created). ``token`` must be the same on
+    every rank, so the caller picks it on one rank and broadcasts it."""
+    return os.path.join(root, f".tmp-step-{step}-{token or secrets.token_hex(6)}")
+
+
+def _fsync_path(path: str, *, directory: bool) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # pragma: no cover - platforms that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _walk_files(directory: str) -> dict[str, int]:
+    """Relative path -> size of every regular file below ``directory``."""
+    sizes: dict[str, int] = {}
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            sizes[os.path.relpath(full, directory)] = os.path.getsize(full)
+    return sizes
+
+
+def fsync_tree(directory: str) -> None:
+    """fsync every file and directory below ``directory`` (data reaches the disk before the
+    marker that declares it complete)."""
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            _fsync_path(os.path.join(dirpath, name), directory=False)
+        _fsync_path(dirpath, directory=True)
+
+
+def _json_safe(value: Any) -> Any:
+    """Metrics as JSON can hold them: non-finite floats become strings, others via ``float``."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    try:  # numpy / 0-dim tensor scalars
+        return _json_safe(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def write_marker(
+    tmp: str,
+    *,
+    step: int,
+    world_size: int,
+    metrics: Mapping[str, Any] | None = None,
+    extra_fields: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the commit marker into ``tmp``, after fsyncing everything else. One rank calls it,
+    after every rank has finished writing (a barrier).
+
+    Returns:
+        The marker's content.
+    """
+    fsync_tree(tmp)
+    files = {k: v for k, v in _walk_files(tmp).items() if not k.startswith(MARKER_NAME)}
+    marker: dict[str, Any] = {
+        "format": _MARKER_FORMAT,
+        "version": _MARKER_VERSION,
+        "step": step,
+        "time": time.time(),
+        "world_size": world_size,
+        "metrics": _json_safe(dict(metrics or {})),
+        "files": dict(sorted(files.items())),
+        **dict(extra_fields or {}),
+    }
+    part = os.path.join(tmp, MARKER_NAME + ".part")
+    with open(part, "w", encoding="utf-8") as f:
+        json.dump(marker, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, os.path.join(tmp, MARKER_NAME))
+    _fsync_path(tmp, directory=True)
+    return marker
+
+
+def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
+    """The marker of ``directory`` if it is complete, else ``(None, why not)``.
+
+    Complete means: the marker parses, names this format, and every file it records exists with
+    the recorded size (a few ``stat`` calls; byte-level checks are ``ckpt verify``'s job).
+    """
+    path = os.path.join(directory, MARKER_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            marker = json.load(f)
+    except FileNotFoundError:
+        return None, f"no {MARKER_NAME} marker (save never committed)"
+    except (OSError, ValueError) as e:
+        return None, f"unreadable {MARKER_NAME}: {e}"
+    if not isinstance(marker, dict) or marker.get("format") != _MARKER_FORMAT:
+        return None, f"{MARKER_NAME} is not a ckptools marker"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return None, f"{MARKER_NAME} lists no files"
+    for name, size in files.items():
+        try:
+            found = os.path.getsize(os.path.join(directory, name))
+        except OSError:
+            return None, f"missing file {name}"
+        if found != size:
+            return None, f"{name} is {found} bytes, marker says {size}"
+    return marker, ""
+
+
+def list_checkpoints(root: str, *, include_tmp: bool = True) -> list[CheckpointInfo]:
+    """Every ``step-*`` directory (and, with ``include_tmp``, every in-progress save) under
+    ``root``, oldest first. Reads markers and sizes only; safe on any rank.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` does not exist.
+
+    Example:
+        >>> from ckptools.training.store import list_checkpoints
+        >>> [(c.step, c.complete) for c in list_checkpoints("ckpts")]  # doctest: +SKIP
+        [(100, True), (200, True), (300, False)]
+    """
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"{root}: no such directory", path=root)
+    infos: list[CheckpointInfo] = []
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        m = _STEP_RE.match(name)
+        tmp = _TMP_STEP_RE.match(name) if include_tmp else None
+        if not (m or tmp) or not os.path.isdir(full):
+            continue
+        step = int((m or tmp).group(1))  # type: ignore[union-attr]
+        size = sum(_walk_files(full).values())
+        if tmp:
+            infos.append(
+                CheckpointInfo(step, full, False, "save in progress or crashed", size_bytes=size)
+            )
+            continue
+        marker, why = read_marker(full)
+        if marker is None:
+            infos.append(CheckpointInfo(step, full, False, why, size_bytes=size))
+            continue
+        infos.append(
+            CheckpointInfo(
+                step,
+                full,
+                True,
+                time=marker.get("time"),
+                world_size=marker.get("world_size"),
+                metrics=marker.get("metrics") or {},
+                size_bytes=size,
+            )
+        )
+    infos.sort(key=lambda c: (c.step, c.complete))
+    complete = [c for c in infos if c.complete]
+    if complete:
+        newest = complete[-1]
+        infos = [
+            CheckpointInfo(**{**c.__dict__, "latest": True}) if c is newest else c for c in infos
+        ]
+    return infos
+
+
+def _discard(root: str, path: str, label: str) -> None:
+    """Rename ``path`` out of the way (atomic), then delete it."""
+    trash = os.path.join(root, f"{_TMP_PREFIX}delete-{label}-{secrets.token_hex(6)}")
+    os.rename(path, trash)
+    _fsync_path(root, directory=True)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def commit(tmp: str, final: str) -> None:
+    """Rename a marked ``tmp`` directory to ``final`` and fsync the parent. One rank calls it.
+
+    An existing ``final`` (the same step saved again) is moved away first; should the process die
+    between the two renames, :func:`clean_stale` rolls ``tmp`` forward.
+    """
+    root = os.path.dirname(final)
+    if os.path.exists(final):
+        log.warning("replacing existing checkpoint %s", final)
+        _discard(root, final, os.path.basename(final))
+    os.rename(tmp, final)
+    _fsync_path(root, directory=True)
+
+
+def delete_checkpoint(root: str, step: int) -> None:
+    """Delete ``root/step-<step>`` so that no partial state ever keeps its name. One rank."""
+    _discard(root, step_dir(root, step), f"step-{step}")
+
+
+def clean_stale(root: str) -> list[str]:
+    """Remove what crashed saves and deletions left, rolling committed-but-unrenamed saves
+    forward. One rank calls it, while no save of this root is in flight.
+
+    Returns:
+        The names removed or rolled forward (for logging).
+    """
+    if not os.path.isdir(root):
+        return []
+    handled: list[str] = []
+    for name in sorted(os.listdir(root)):
+        if not name.startswith(_TMP_PREFIX):
+            continue
+        full = os.path.join(root, name)
+        m = _TMP_STEP_RE.match(name)
+        if m:
+            final = step_dir(root, int(m.group(1)))
+            marker, _ = read_marker(full)
+            if marker is not None and not os.path.exists(final):
+                log.info("rolling forward committed save %s -> %s", full, final)
+                os.rename(full, final)
+                _fsync_path(root, directory=True)
+                handled.append(name)
+                continue
+        log.info("removing stale %s", full)
+        if os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(full)
+        handled.append(name)
+    return handled
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What :func:`prune` deleted (or, with ``dry_run``, would delete).
+
+    Attributes:
+        root: the manager root.
+        decision: kept and deleted steps, with the reasons.
+        dry_run: nothing was deleted.
+        freed_bytes: bytes of the deleted checkpoints.
+    """
+
+    root: str
+    decision: RetentionDecision
+    dry_run: bool
+    freed_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "keep": list(self.decision.keep),
+            "delete": list(self.decision.delete),
+            "reasons": {str(k): list(v) for k, v in self.decision.reasons.items()},
+            "dry_run": self.dry_run,
+            "freed_bytes": self.freed_bytes,
+        }
+
+
+def prune(root: str, policy: RetentionPolicy, *, dry_run: bool = False) -> PruneResult:
+    """Apply a retention policy to the complete checkpoints under ``root``. One process calls it
+    (rank 0 in training, or a person through ``ckpt prune``); incomplete directories are never
+    counted as kept nor deleted here (stale ones are :func:`clean_stale`'s).
+
+    Example:
+        >>> from ckptools.training.retention import RetentionPolicy
+        >>> from ckptools.training.store import prune
+        >>> result = prune("ckpts", RetentionPolicy(keep_last=2), dry_run=True)  # doctest: +SKIP
+        >>> result.decision.delete  # doctest: +SKIP
+        (100,)
+    """
+    if not isinstance(policy, RetentionPolicy):  # pragma: no cover - typed callers
+        raise UsageError("policy must be a RetentionPolicy")
+    complete = {c.step: c for c in list_checkpoints(root, include_tmp=False) if c.complete}
+    decision = plan_retention({s: c.metrics for s, c in complete.items()}, policy)
+    freed = sum(complete[s].size_bytes for s in decision.delete)
+    if not dry_run:
+        for s in decision.delete:
+            log.info("retention: deleting %s", complete[s].path)
+            delete_checkpoint(root, s)
+    return PruneResult(root=root, decision=decision, dry_run=dry_run, freed_bytes=freed)
