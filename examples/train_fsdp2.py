@@ -1,11 +1,13 @@
-"""Train a tiny Llama with FSDP2 on N CPU ranks and save a sharded DCP checkpoint.
+"""Train a tiny Llama with FSDP2 on N CPU ranks, checkpointing with ckptools.CheckpointManager.
 
-Run: ``python examples/train_fsdp2.py OUT_DIR --world-size 4 --steps 3``
+Run: ``python examples/train_fsdp2.py RUN_DIR --world-size 4 --steps 3 [--logits OUT.pt]``
 
 Each rank is a real process (gloo backend); the model is ``transformers``' LlamaForCausalLM with a
-small config, sharded with ``fully_shard`` per decoder layer and at the root. The checkpoint is
-written by ``torch.distributed.checkpoint.save`` as ``{"model": ..., "optim": ...}`` with FQN-keyed
-optimizer state, plus the model's ``config.json``.
+small config, sharded with ``fully_shard`` per decoder layer and at the root. Every step is saved
+with ``CheckpointManager`` (atomic ``RUN_DIR/step-N/``, keep the last 2, checksums, the model's
+``config.json``); a second run with a larger ``--steps`` resumes from the newest checkpoint.
+``--logits`` writes the final model's logits on a fixed input, to compare with what
+``transformers`` computes from the consolidated model.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+VOCAB = 251  # odd sizes: shards of uneven length on 4 ranks
+
 
 def tiny_llama_config():  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=251,  # odd sizes: shards of uneven length on 4 ranks
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=172,
         num_hidden_layers=2,
@@ -34,58 +38,73 @@ def tiny_llama_config():  # type: ignore[no-untyped-def]
     )
 
 
-def _worker(rank: int, world_size: int, out: str, steps: int, init_file: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def probe_input() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(99))
+
+
+def _worker(
+    rank: int, world_size: int, run: str, steps: int, logits: str | None, init_file: str
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
+
+    import ckptools
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     torch.manual_seed(0)
-    config = tiny_llama_config()
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(tiny_llama_config())
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1234 + rank)
-    for step in range(steps):
-        ids = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+    manager = ckptools.CheckpointManager(run, keep_last=2)
+    restored = manager.restore(model, optim)
+    start = restored[0] if restored else 0
+    if rank == 0 and restored:
+        print(f"resumed from {manager.latest()} (step {start})", flush=True)
+    data = torch.randint(0, VOCAB, (100, 8, 16), generator=torch.Generator().manual_seed(1234))
+    per = 8 // world_size
+    for step in range(start, steps):
+        ids = data[step, rank * per : (rank + 1) * per]
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optim.step()
         optim.zero_grad()
+        manager.save(step + 1, model, optim, extra={"step": step + 1},
+                     metrics={"loss": loss.item()})  # fmt: skip
         if rank == 0:
-            print(f"step {step}: loss {loss.item():.4f}", flush=True)
-    model_sd, optim_sd = get_state_dict(model, optim)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": steps}, checkpoint_id=out)
-    if rank == 0:
-        config.save_pretrained(out)
+            print(f"step {step + 1}: loss {loss.item():.4f} -> {manager.latest()}", flush=True)
+    manager.close()
+    if logits:
+        with torch.no_grad():
+            out = model(input_ids=probe_input()).logits
+        if rank == 0:
+            torch.save(out, logits)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
+    parser.add_argument("run")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--logits", default=None)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         mp.spawn(
             _worker,
-            args=(args.world_size, args.out, args.steps, init_file),
+            args=(args.world_size, args.run, args.steps, args.logits, init_file),
             nprocs=args.world_size,
             join=True,
         )
-    print(f"saved FSDP2 checkpoint ({args.world_size} ranks) to {args.out}")
 
 
 if __name__ == "__main__":

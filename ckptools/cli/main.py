@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 from typing import Any
@@ -14,6 +15,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_DIFFERENCES = 3
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class _Group(click.Group):
@@ -27,6 +29,15 @@ class _Group(click.Group):
                 raise
             click.echo(f"error: {e}", err=True)
             ctx.exit(EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR)
+        except OSError as e:
+            # The environment's refusals (disk full, quota, read-only, permissions) are the
+            # user's to fix, not bugs: one line, naming the file. Writers have already removed
+            # their temporary output, so nothing that looks complete is left.
+            if e.errno not in _ENVIRONMENT_ERRNOS or (ctx.obj and ctx.obj.get("debug")):
+                raise
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"error: {where}{e.strerror}; nothing was written", err=True)
+            ctx.exit(EXIT_ERROR)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,9 +56,17 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import inspect_cmd
+    from . import consolidate_cmd, inspect_cmd, reshard_cmd, training_cmd, verify_cmd
 
     cli.add_command(inspect_cmd.inspect_command)
+    cli.add_command(consolidate_cmd.consolidate_command)
+    cli.add_command(verify_cmd.verify_command)
+    cli.add_command(verify_cmd.diff_command)
+    cli.add_command(verify_cmd.checksum_command)
+    cli.add_command(reshard_cmd.reshard_command)
+    cli.add_command(reshard_cmd.shard_command)
+    cli.add_command(training_cmd.list_command)
+    cli.add_command(training_cmd.prune_command)
 
 
 _register()

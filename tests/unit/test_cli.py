@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from ckptools.cli.main import cli
@@ -42,3 +44,15 @@ def test_unknown_directory_lists_each_layouts_reason(tmp_path: object) -> None:
     for name in ("dcp", "safetensors", "torch_save", "accelerate", "trainer", "lightning"):
         assert f"  {name}: " in result.output
     assert "Traceback" not in result.output
+
+
+def test_disk_full_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/out/model.safetensors")
+
+    monkeypatch.setattr("ckptools.inspection.inspect", full)
+    result = CliRunner().invoke(cli, ["inspect", "x"])
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        "error: /data/out/model.safetensors: No space left on device; nothing was written"
+    )
