@@ -10,14 +10,14 @@ offsets), so :func:`ckptools.verify` can tell that a chunk's bytes are no longer
 The file (``.ckptools-checksums.json`` inside a checkpoint directory, or
 ``<file>.ckptools-checksums.json`` beside a single-file checkpoint) holds::
 
-    {"format": "ckptools-checksums", "version": 1, "algorithm": "blake2b-128",
+    {"format": "ckptools-checksums", "version": 1, "algorithm": "xxh3-128",
      "files":   {"__0_0.distcp": {"size": 1234, "digest": "<hex>"}},
      "chunks":  {"model.w": [{"offsets": [0, 0], "file": "__0_0.distcp", "offset": 0,
                               "length": 1500, "digest": "<hex>"}]},
      "objects": {"extra.step": {"file": ..., "offset": ..., "length": ..., "digest": ...}}}
 
-A chunk's digest is BLAKE2b-128 of its stored bytes (for a DCP item, the whole ``torch.save``
-archive at its byte range). A file's digest is BLAKE2b-128 of the file's bytes *with each recorded
+A chunk's digest is XXH3-128 of its stored bytes (for a DCP item, the whole ``torch.save``
+archive at its byte range). A file's digest is XXH3-128 of the file's bytes *with each recorded
 chunk replaced by its 16-byte digest* (chunks chosen in file order, skipping any that overlap an
 earlier one): every byte of the file still influences it, yet each byte is hashed once, so writing
 and checking checksums costs one hash pass over the data, not two.
@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import uuid
@@ -43,13 +42,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from .errors import CorruptCheckpointError
 from .manifest import Manifest
 
 CHECKSUM_FILE = ".ckptools-checksums.json"
 FORMAT_NAME = "ckptools-checksums"
 FORMAT_VERSION = 1
-ALGORITHM = "blake2b-128"
+#: XXH3-128 (the ``xxhash`` package): ~20 GB/s per core, against ~0.9 GB/s for BLAKE2b, so a
+#: manifest costs a save or a verify almost nothing beyond reading the bytes. It detects
+#: corruption and swapped data; it is not a defence against a deliberate forger.
+ALGORITHM = "xxh3-128"
 #: 16 bytes: collisions among a checkpoint's millions of chunks stay out of reach (2^-64 by the
 #: birthday bound at 2^32 chunks), and the digest stays small in the JSON.
 DIGEST_BYTES = 16
@@ -59,8 +63,8 @@ ItemKey = tuple[str, tuple[int, ...] | None]
 
 
 def new_hasher() -> Any:
-    """The hash every digest in the manifest uses (``hashlib`` releases the GIL on big buffers)."""
-    return hashlib.blake2b(digest_size=DIGEST_BYTES)
+    """The hash every digest in the manifest uses."""
+    return xxhash.xxh3_128()
 
 
 def checksum_path(manifest: Manifest) -> str:

@@ -28,6 +28,7 @@ from .layouts import read_manifest
 from .manifest import Manifest
 from .plan import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
 from .sizes import parse_size
+from .tunables import WORKERS_ENV, env_int
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,6 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 #: A few threads keep one disk busy (reads of one chunk overlap writes of another); more mostly
 #: add contention on small machines. Override with ``workers=`` or ``CKPTOOLS_WORKERS``.
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
-WORKERS_ENV = "CKPTOOLS_WORKERS"
 #: Files beside a checkpoint that make a loadable model directory.
 MODEL_FILES = (
     "config.json",
@@ -286,16 +286,6 @@ def _same_written_bytes(out_dir: str, plan: ConsolidationPlan, a: str, b: str) -
     return True
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError as e:
-        raise UsageError(f"{name}={value!r} is not an integer") from e
-
-
 def consolidate(
     src: str,
     out: str,
@@ -355,7 +345,7 @@ def consolidate(
         not dtypes.is_dtype_name(dtype) or not dtypes.dtype(dtype).is_floating
     ):
         raise UsageError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32")
-    n_workers = workers if workers is not None else _env_int(WORKERS_ENV, DEFAULT_WORKERS)
+    n_workers = workers if workers is not None else env_int(WORKERS_ENV, DEFAULT_WORKERS)
     if n_workers < 1:
         raise UsageError(f"workers must be at least 1, got {n_workers}")
     budget_value = memory_budget or os.environ.get(MEMORY_BUDGET_ENV) or DEFAULT_MEMORY_BUDGET_BYTES

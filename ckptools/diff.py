@@ -22,16 +22,16 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import dtypes, keys
 from .errors import UsageError
-from .manifest import Chunk, Manifest, TensorEntry
+from .manifest import Chunk, TensorEntry
 from .reader import resolve_chunk
 from .storage import LocalReader
+from .tunables import env_int
 
 if TYPE_CHECKING:
     import torch
@@ -171,21 +171,9 @@ class DiffReport:
         }
 
 
-def _block_bytes() -> int:
-    raw = os.environ.get(BLOCK_BYTES_ENV, "")
-    if not raw:
-        return DEFAULT_BLOCK_BYTES
-    try:
-        value = int(raw)
-    except ValueError as e:
-        raise UsageError(f"{BLOCK_BYTES_ENV}={raw!r}: expected a positive integer") from e
-    if value < 1:
-        raise UsageError(f"{BLOCK_BYTES_ENV}={raw!r}: expected a positive integer")
-    return value
-
-
-def _root_dir(manifest: Manifest) -> str:
-    return manifest.root if os.path.isdir(manifest.root) else os.path.dirname(manifest.root)
+def resolve_block_bytes() -> int:
+    """``CKPTOOLS_DIFF_BLOCK_BYTES`` > :data:`DEFAULT_BLOCK_BYTES`."""
+    return env_int(BLOCK_BYTES_ENV, DEFAULT_BLOCK_BYTES)
 
 
 class _SlabReader:
@@ -414,10 +402,10 @@ def diff(
     t0 = time.perf_counter()
     ma, mb = read_manifest(a, format_a), read_manifest(b, format_b)
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
-    block = _block_bytes()
+    block = resolve_block_bytes()
     out: list[TensorDiff] = []
     compared = 0
-    with LocalReader(_root_dir(ma)) as ra, LocalReader(_root_dir(mb)) as rb:
+    with LocalReader(ma.data_dir()) as ra, LocalReader(mb.data_dir()) as rb:
         for name, fqn_a in names_a.items():
             ta = ma.tensors[fqn_a]
             fqn_b = names_b.get(name)

@@ -298,7 +298,7 @@ def execute(
     Example:
         >>> stats = execute(plan, manifest, "out.tmp-1", workers=4)  # doctest: +SKIP
     """
-    root = manifest.root if os.path.isdir(manifest.root) else os.path.dirname(manifest.root)
+    root = manifest.data_dir()
     tasks = [(f, t, c) for f in plan.files for t in f.tensors for c in t.chunks]
     if share is None:
         create_files(plan, out_dir)

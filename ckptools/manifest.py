@@ -17,6 +17,7 @@ Byte locations come in two encodings:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -130,6 +131,11 @@ class Manifest:
     def __iter__(self) -> Iterator[str]:
         yield from self.tensors
         yield from self.objects
+
+    def data_dir(self) -> str:
+        """The directory that ``files`` (and every chunk's ``file``) are relative to: ``root``,
+        or the directory holding it when the checkpoint is a single file."""
+        return self.root if os.path.isdir(self.root) else os.path.dirname(self.root)
 
     @property
     def total_bytes(self) -> int:

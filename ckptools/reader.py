@@ -73,7 +73,7 @@ def read_tensor(manifest: Manifest, fqn: str, reader: LocalReader | None = None)
 
     tensor = manifest.tensors[fqn]
     own = reader is None
-    reader = reader or LocalReader(_root_dir(manifest))
+    reader = reader or LocalReader(manifest.data_dir())
     try:
         out = torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype))
         for chunk in tensor.chunks:
@@ -102,16 +102,10 @@ def read_object(manifest: Manifest, fqn: str, reader: LocalReader | None = None)
         return entry.value
     assert entry.file is not None
     own = reader is None
-    reader = reader or LocalReader(_root_dir(manifest))
+    reader = reader or LocalReader(manifest.data_dir())
     try:
         archive = torch_archive.read_archive(reader, entry.file, entry.offset, entry.length)
         return safe_pickle.unwrap(torch_archive.load_pickle(reader, archive))
     finally:
         if own:
             reader.close()
-
-
-def _root_dir(manifest: Manifest) -> str:
-    import os
-
-    return manifest.root if os.path.isdir(manifest.root) else os.path.dirname(manifest.root)

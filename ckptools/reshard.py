@@ -227,7 +227,7 @@ def shard(
             src, out, world_size, summary, 0, time.perf_counter() - started, True, "keep",
             notes=tuple(notes),
         )  # fmt: skip
-    source_root = manifest.root if os.path.isdir(manifest.root) else os.path.dirname(manifest.root)
+    source_root = manifest.data_dir()
     with output_dir(out, overwrite=overwrite) as tmp:
         written = write_dcp(
             manifest, plan, tmp, source_root=source_root, workers=workers, quiet=quiet

@@ -63,6 +63,7 @@ from .errors import (
 )
 from .manifest import Chunk, Manifest, TensorEntry
 from .storage import LocalReader
+from .tunables import WORKERS_ENV, env_int
 
 if TYPE_CHECKING:
     from .diff import DiffReport
@@ -90,27 +91,13 @@ FindingKind = Literal[
 #: spent in crc32/hash; small enough that ``workers`` buffers stay a few tens of MiB.
 DEFAULT_BLOCK_BYTES = 8 * 2**20
 BLOCK_BYTES_ENV = "CKPTOOLS_VERIFY_BLOCK_BYTES"
-#: Threads reading files in parallel; crc32 and blake2b release the GIL, so threads scale until
+#: Threads reading files in parallel; zlib's crc32 releases the GIL, so threads scale until
 #: the disk (or the cores) is saturated. 4 keeps a laptop responsive.
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
-WORKERS_ENV = "CKPTOOLS_WORKERS"
 #: Gaps between wanted byte ranges shorter than this are read through rather than skipped: one
 #: sequential read beats a seek for small gaps (zip headers between DCP items).
 _SKIP_GAP_BYTES = 1 * 2**20
 _ZIP_MAGIC = b"PK\x03\x04"
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError as e:
-        raise UsageError(f"{name}={raw!r}: expected a positive integer") from e
-    if value < 1:
-        raise UsageError(f"{name}={raw!r}: expected a positive integer")
-    return value
 
 
 def resolve_workers(workers: int | None) -> int:
@@ -119,12 +106,12 @@ def resolve_workers(workers: int | None) -> int:
         if workers < 1:
             raise UsageError(f"workers={workers}: expected at least 1")
         return workers
-    return _env_int(WORKERS_ENV, DEFAULT_WORKERS)
+    return env_int(WORKERS_ENV, DEFAULT_WORKERS)
 
 
 def resolve_block_bytes() -> int:
     """``CKPTOOLS_VERIFY_BLOCK_BYTES`` > :data:`DEFAULT_BLOCK_BYTES` (rounded to 64 bytes)."""
-    value = _env_int(BLOCK_BYTES_ENV, DEFAULT_BLOCK_BYTES)
+    value = env_int(BLOCK_BYTES_ENV, DEFAULT_BLOCK_BYTES)
     return max(64, value - value % 64)
 
 
@@ -373,10 +360,6 @@ def _items(manifest: Manifest) -> list[_Item]:
             rank = info.rank if info is not None else None
             out.append(_Item((o.fqn, None), o.file, o.offset, o.length, o.encoding, rank))
     return out
-
-
-def _root_dir(manifest: Manifest) -> str:
-    return manifest.root if os.path.isdir(manifest.root) else os.path.dirname(manifest.root)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1133,7 +1116,7 @@ def verify(
             path, None, None, quick, check_finite, tuple(findings),
             seconds=time.perf_counter() - t0, diff=diff_report,
         )  # fmt: skip
-    root = _root_dir(manifest)
+    root = manifest.data_dir()
     items = _items(manifest)
     structure, sizes, bad = _structure(manifest, items, root)
     findings.extend(structure)

@@ -77,6 +77,6 @@ def test_block_bytes_env(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(UsageError):
         verify_module.resolve_block_bytes()
     monkeypatch.delenv(diff_module.BLOCK_BYTES_ENV, raising=False)
-    assert diff_module._block_bytes() == diff_module.DEFAULT_BLOCK_BYTES
+    assert diff_module.resolve_block_bytes() == diff_module.DEFAULT_BLOCK_BYTES
     monkeypatch.setenv(diff_module.BLOCK_BYTES_ENV, "4096")
-    assert diff_module._block_bytes() == 4096
+    assert diff_module.resolve_block_bytes() == 4096
