@@ -89,14 +89,6 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     return module
 
 
-def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """DCP's per-item storage record (``filesystem._StorageInfo``, private), as torch pickles it
-    into ``.metadata``; ckptools' DCP writer builds ``.metadata`` from torch's own classes."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    return _StorageInfo(relative_path, offset, length)
-
-
 def create_cpu_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Allocate CPU tensors shaped like every tensor (DTensor, ShardedTensor local shards
     included) of ``state_dict``: the reusable staging buffer of async saves."""
