@@ -9,9 +9,12 @@ the tensors, which :func:`sharding_summary` reports.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from .. import dtypes, safe_pickle
@@ -78,7 +81,27 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
     """
     directory = os.path.join(root, subdir) if subdir else root
     meta_path = os.path.join(directory, METADATA_FILE)
-    md = load_metadata(meta_path)
+    with _gc_paused():
+        md = load_metadata(meta_path)
+        return _build_checked(md, root, subdir, directory, meta_path, check_files)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Parsing builds millions of small acyclic objects (3 records and 3 tuples per chunk); the
+    cyclic collector would rescan them again and again: 25 s -> 6 s for 878k chunks."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build_checked(
+    md: Any, root: str, subdir: str, directory: str, meta_path: str, check_files: bool
+) -> Manifest:
     try:
         return _build(md, root, subdir, directory, meta_path, check_files)
     except (AttributeError, TypeError, ValueError, KeyError) as e:
