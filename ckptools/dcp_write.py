@@ -31,8 +31,10 @@ from typing import Any
 
 from . import dtypes, torch_archive
 from .boxes import copy_runs, fsdp2_rows, intersect
+from .crc32 import crc32_combine
 from .dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
-from .errors import UsageError
+from .errors import CorruptCheckpointError, UsageError
+from .execute import kernel_copy
 from .manifest import Chunk, Manifest, TensorEntry
 from .plan import unique_chunks
 from .progress import ByteProgress
@@ -371,6 +373,12 @@ def _write_tensor(
     _pwrite_all(fd, layout.head, item.offset)
     itemsize = dtypes.dtype(item.dtype).itemsize
     pos = item.offset + layout.data_offset
+    whole = _whole_records(item, cache)
+    if whole is not None:
+        crc = _copy_whole_records(fd, pos, whole, reader, progress)
+        _pwrite_all(fd, layout.tail(crc), pos + layout.nbytes)
+        writeback.written(fd, item.offset + item.length)
+        return
     crc = 0
     if item.sizes == ():
         blocks: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
@@ -394,6 +402,56 @@ def _write_tensor(
         progress.update(nbytes)
     _pwrite_all(fd, layout.tail(crc), pos)
     writeback.written(fd, item.offset + item.length)
+
+
+def _whole_records(item: TensorItem, cache: _SourceCache) -> list[Chunk] | None:
+    """The raw sources when the piece is whole source records stacked on dim 0, else None.
+
+    That is the case of merges (4 -> 2 ranks) and unchanged layouts: the piece's CRC is then
+    combined from the records' CRCs and its bytes move inside the kernel, never through memory.
+    """
+    if not item.sources:
+        return None
+    raws = [cache.raw(item.source_fqn, src) for src in item.sources]
+    rows = 0
+    end = item.offsets[0] if item.offsets else 0
+    for src, raw in zip(item.sources, raws, strict=True):
+        if raw.strides is not None or raw.crc32 is None:
+            return None
+        if src.offsets[1:] != item.offsets[1:] or src.sizes[1:] != item.sizes[1:]:
+            return None
+        if src.offsets and src.offsets[0] != end:
+            return None
+        end += src.sizes[0] if src.sizes else 0
+        rows += src.sizes[0] if src.sizes else 1
+    if rows != (item.sizes[0] if item.sizes else 1):
+        return None
+    return raws
+
+
+def _copy_whole_records(
+    fd: int, pos: int, raws: list[Chunk], reader: LocalReader, progress: ByteProgress
+) -> int:
+    crc: int | None = None
+    for raw in raws:
+        try:
+            copied = kernel_copy(reader.fileno(raw.file), fd, raw.offset, pos, raw.length,
+                                 progress.update)  # fmt: skip
+        except EOFError as e:
+            raise CorruptCheckpointError(
+                f"{reader.root}/{raw.file}: file is truncated at byte {e.args[0]}", path=raw.file
+            ) from e
+        if not copied:
+            done = 0
+            while done < raw.length:
+                n = min(BLOCK_BYTES, raw.length - done)
+                _pwrite_all(fd, reader.read(raw.file, raw.offset + done, n), pos + done)
+                done += n
+            progress.update(raw.length)
+        assert raw.crc32 is not None
+        crc = raw.crc32 if crc is None else crc32_combine(crc, raw.crc32, raw.length)
+        pos += raw.length
+    return crc or 0
 
 
 def _copy_object(fd: int, item: ObjectItem, reader: LocalReader) -> None:

@@ -168,27 +168,19 @@ class _Copier:
 
     def _copy_range(self, raw: Chunk, src_off: int, fd: int, dst_off: int, nbytes: int) -> bool:
         """Kernel copy; False (nothing copied) where copy_file_range is not supported."""
-        src_fd = self.reader.fileno(raw.file)
-        done = 0
-        while done < nbytes:
-            if self.stop.is_set():
-                return True
-            step = min(nbytes - done, KERNEL_COPY_STEP_BYTES)
-            try:
-                n = os.copy_file_range(src_fd, fd, step, src_off + done, dst_off + done)
-            except OSError as e:
-                if e.errno in _NO_COPY_RANGE and done == 0:
-                    log.debug("copy_file_range unavailable (%s); using pread/pwrite", e)
-                    self.copy_range_ok = False
-                    return False
-                raise
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"{self.reader.root}/{raw.file}: file is truncated at byte {src_off + done}",
-                    path=raw.file,
-                )
-            done += n
-            self.progress.update(n)
+        try:
+            copied = kernel_copy(
+                self.reader.fileno(raw.file), fd, src_off, dst_off, nbytes,
+                self.progress.update, self.stop,
+            )  # fmt: skip
+        except EOFError as e:
+            raise CorruptCheckpointError(
+                f"{self.reader.root}/{raw.file}: file is truncated at byte {e.args[0]}",
+                path=raw.file,
+            ) from e
+        if not copied:
+            self.copy_range_ok = False
+            return False
         with self._lock:
             self.kernel_copied += nbytes
         return True
@@ -226,6 +218,41 @@ class _Copier:
                 at = (src - first) * dst_isz
                 _pwrite_all(fd, mem[at : at + n * dst_isz], tensor.begin + dst * dst_isz)
             self.progress.update(count * dst_isz)
+
+
+def kernel_copy(
+    src_fd: int,
+    dst_fd: int,
+    src_off: int,
+    dst_off: int,
+    nbytes: int,
+    on_progress: Callable[[int], None],
+    stop: threading.Event | None = None,
+) -> bool:
+    """Copy ``nbytes`` between files inside the kernel (``os.copy_file_range``).
+
+    Returns False, having copied nothing, where the kernel or filesystem does not support it (the
+    caller falls back to reads and writes). Raises ``EOFError(offset)`` at a short source.
+    """
+    if not hasattr(os, "copy_file_range"):
+        return False
+    done = 0
+    while done < nbytes:
+        if stop is not None and stop.is_set():
+            return True
+        step = min(nbytes - done, KERNEL_COPY_STEP_BYTES)
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, step, src_off + done, dst_off + done)
+        except OSError as e:
+            if e.errno in _NO_COPY_RANGE and done == 0:
+                log.debug("copy_file_range unavailable (%s); using pread/pwrite", e)
+                return False
+            raise
+        if n == 0:
+            raise EOFError(src_off + done)
+        done += n
+        on_progress(n)
+    return True
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -39,6 +39,9 @@ class Chunk:
     encoding: Encoding = "raw"
     rank: int | None = None  # the rank that wrote it, when the layout records one
     strides: tuple[int, ...] | None = None  # element strides for raw data; None = contiguous
+    # CRC-32 of exactly this chunk's raw bytes, when the container records one (a DCP item whose
+    # storage is the chunk); lets writers combine CRCs instead of re-reading bytes.
+    crc32: int | None = None
 
     @property
     def numel(self) -> int:

@@ -43,12 +43,14 @@ def resolve_chunk(reader: LocalReader, tensor: TensorEntry, chunk: Chunk) -> Chu
     itemsize = dtypes.dtype(ref.dtype).itemsize
     start = torch_archive.record_data_offset(reader, archive, rec) + ref.storage_offset * itemsize
     span = chunk.numel * itemsize if ref.is_contiguous else rec.size - ref.storage_offset * itemsize
+    whole_record = ref.is_contiguous and ref.storage_offset == 0 and span == rec.size
     return replace(
         chunk,
         offset=start,
         length=span,
         encoding="raw",
         strides=None if ref.is_contiguous else ref.strides,
+        crc32=rec.crc32 if whole_record else None,
     )
 
 
