@@ -418,6 +418,37 @@ def _describe(model: nn.Module) -> dict[str, str]:
     return described
 
 
+def _train_save_reference(
+    rank: int,
+    model: nn.Module,
+    cfg: ModelConfig,
+    optimizer: bool,
+    out: str,
+    ref_path: str | os.PathLike[str],
+) -> dict[str, str]:
+    """Train (with ``optimizer``), ``dcp.save`` ``{"model", "optim"}``, gather the reference on
+    rank 0. Collective: every rank calls it on its wrapped model."""
+    opt = None
+    if optimizer:
+        opt, _ = _make_optimizer(model)
+        _train(model, cfg, opt)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=out)
+
+    ref_model, ref_optim = _gather_reference(model, opt)
+    if rank == 0:
+        layout: Layout = {
+            "model": (".", ("model",)),
+            "optim": (".", ("optim",)) if optimizer else None,
+            "extra": None,
+        }
+        _save_reference(ref_path, ref_model, ref_optim, layout)
+    return _describe(model)
+
+
 def _fresh_dir(path: str | os.PathLike[str]) -> str:
     """Rank 0 empties ``path``; everyone waits. Called by every rank (collective when
     initialised)."""
@@ -599,25 +630,7 @@ def hsdp(
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = TinyLlama(cfg)
     _fsdp2_wrap(model, mesh)
-    opt = None
-    if optimizer:
-        opt, _ = _make_optimizer(model)
-        _train(model, cfg, opt)
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=out)
-
-    ref_model, ref_optim = _gather_reference(model, opt)
-    if rank == 0:
-        layout: Layout = {
-            "model": (".", ("model",)),
-            "optim": (".", ("optim",)) if optimizer else None,
-            "extra": None,
-        }
-        _save_reference(ref_path, ref_model, ref_optim, layout)
-    return _describe(model)
+    return _train_save_reference(rank, model, cfg, optimizer, out, ref_path)
 
 
 def _tp_plan(cfg: ModelConfig) -> dict[str, Any]:
@@ -661,25 +674,7 @@ def tp_fsdp(
     for block in model.blocks():
         parallelize_module(block, mesh["tp"], plan)
     _fsdp2_wrap(model, mesh["dp"])
-    opt = None
-    if optimizer:
-        opt, _ = _make_optimizer(model)
-        _train(model, cfg, opt)
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=out)
-
-    ref_model, ref_optim = _gather_reference(model, opt)
-    if rank == 0:
-        layout: Layout = {
-            "model": (".", ("model",)),
-            "optim": (".", ("optim",)) if optimizer else None,
-            "extra": None,
-        }
-        _save_reference(ref_path, ref_model, ref_optim, layout)
-    return _describe(model)
+    return _train_save_reference(rank, model, cfg, optimizer, out, ref_path)
 
 
 # --------------------------------------------------------------------------------------------------
