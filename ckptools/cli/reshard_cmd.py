@@ -13,7 +13,7 @@ from .render import dumps, human_bytes
 def _common(f: Any) -> Any:
     f = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")(f)
     f = click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
-                     help="Output files written at once.")(f)  # fmt: skip
+                     help="Copy threads (pieces are written in parallel).")(f)  # fmt: skip
     f = click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")(f)
     f = click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")(f)
     f = click.option("--world-size", type=click.IntRange(min=1), required=True,
