@@ -489,6 +489,52 @@ def write_metadata(out_dir: str, plan: DcpPlan) -> None:
     os.replace(tmp, os.path.join(out_dir, METADATA_FILE))
 
 
+class _OutputFiles:
+    """The ``__r_0.distcp`` files, each open only while it has items left to write.
+
+    Items run in (rank, offset) order, so only about ``workers`` files are open at once: a
+    reshard to 1,024 ranks never holds 1,024 descriptors (a common ``ulimit -n``). A file is
+    created (empty, even when it gets no item, as DCP writes one per rank), and fsynced and
+    closed after its last item.
+    """
+
+    def __init__(self, out_dir: str, tasks: Sequence[TensorItem | ObjectItem]) -> None:
+        self._dir = out_dir
+        self._left: dict[int, int] = {}
+        for item in tasks:
+            self._left[item.rank] = self._left.get(item.rank, 0) + 1
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> _OutputFiles:
+        return self
+
+    def acquire(self, rank: int) -> int:
+        with self._lock:
+            fd = self._fds.get(rank)
+            if fd is None:
+                path = os.path.join(self._dir, file_name(rank))
+                fd = self._fds[rank] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            return fd
+
+    def release(self, rank: int) -> None:
+        with self._lock:
+            self._left[rank] -= 1
+            if self._left[rank]:
+                return
+            fd = self._fds.pop(rank)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():  # only left after an error: the temp dir is discarded
+            os.close(fd)
+
+
 def write_dcp(
     manifest: Manifest,
     plan: DcpPlan,
@@ -508,36 +554,34 @@ def write_dcp(
     tasks: list[TensorItem | ObjectItem] = sorted(
         [*plan.objects, *plan.tensors], key=lambda item: (item.rank, item.offset)
     )
-    fds: dict[int, int] = {}
+    for rank in range(plan.world_size):
+        # Every rank's file exists, as DCP writes one per rank even when it holds nothing.
+        open(os.path.join(out_dir, file_name(rank)), "wb").close()
     local = threading.local()
-    try:
-        for rank in range(plan.world_size):
-            path = os.path.join(out_dir, file_name(rank))
-            fds[rank] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with (
-            LocalReader(source_root) as reader,
-            ByteProgress(total, "reshard", quiet=quiet) as bar,
-        ):
-            cache = _SourceCache(reader, manifest)
-            writeback = _Writeback()
+    with (
+        _OutputFiles(out_dir, tasks) as files,
+        LocalReader(source_root) as reader,
+        ByteProgress(total, "reshard", quiet=quiet) as bar,
+    ):
+        cache = _SourceCache(reader, manifest)
+        writeback = _Writeback()
 
-            def run(item: TensorItem | ObjectItem) -> None:
+        def run(item: TensorItem | ObjectItem) -> None:
+            fd = files.acquire(item.rank)
+            try:
                 if isinstance(item, ObjectItem):
-                    _copy_object(fds[item.rank], item, reader)
+                    _copy_object(fd, item, reader)
                     bar.update(item.length)
                     return
                 scratch = getattr(local, "scratch", None)
                 if scratch is None:
                     scratch = local.scratch = _Scratch()
-                _write_tensor(fds[item.rank], item, cache, reader, bar, scratch, writeback)
+                _write_tensor(fd, item, cache, reader, bar, scratch, writeback)
+            finally:
+                files.release(item.rank)
 
-            with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-                for future in [pool.submit(run, item) for item in tasks]:
-                    future.result()
-        for fd in fds.values():
-            os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for future in [pool.submit(run, item) for item in tasks]:
+                future.result()
     write_metadata(out_dir, plan)
     return total

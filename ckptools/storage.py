@@ -7,14 +7,40 @@ bare ``EOFError`` torch gives.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 
 
 def join(root: str, rel: str) -> str:
     return rel if not root else os.path.join(root, rel)
+
+
+def _open_read(path: str) -> int:
+    """``os.open`` for reading; a checkpoint of many ranks keeps one descriptor per rank file
+    open, so on EMFILE the soft ``RLIMIT_NOFILE`` is raised to the hard limit once and the open
+    retried, and past that the error says what to do."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            try:
+                return os.open(path, os.O_RDONLY)
+            except OSError as again:
+                if again.errno != errno.EMFILE:
+                    raise
+        raise CkptError(
+            f"{path}: too many open files (limit {soft}/{hard}); raise it with `ulimit -n`",
+            path=path,
+        ) from e
 
 
 class LocalReader:
@@ -37,7 +63,7 @@ class LocalReader:
             if fd is None:
                 path = join(self.root, rel)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = _open_read(path)
                 except FileNotFoundError as e:
                     raise CheckpointNotFoundError(
                         f"{path}: file is missing (the checkpoint metadata refers to it)",

@@ -118,3 +118,29 @@ def test_merging_reshard_combines_record_crcs(
     assert _run("verify", str(out))["ok"] is True
     ref = load_reference(p.ref_path)
     assert_bitwise_equal(load_with_dcp(out, ref), expected_checkpoints(ref))
+
+
+def test_many_ranks_under_a_low_open_files_limit(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    # A reshard to 64 ranks and a consolidate of it, in a process whose soft RLIMIT_NOFILE is
+    # 40: the writer keeps only the files it is writing open; the reader, which keeps one
+    # descriptor per rank file, raises the soft limit to the hard one when it runs out.
+    import subprocess
+    import sys
+
+    src = produced("fsdp2", world_size=2)
+    code = (
+        "import resource, sys, ckptools\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (40, hard))\n"
+        "ckptools.reshard(sys.argv[1], sys.argv[2], world_size=64, quiet=True)\n"
+        "ckptools.consolidate(sys.argv[2], sys.argv[3], quiet=True)\n"
+    )
+    wide, hf = tmp_path / "ws64", tmp_path / "hf"
+    subprocess.run([sys.executable, "-c", code, str(src.path), str(wide), str(hf)], check=True)
+    assert len(list(wide.glob("__*_0.distcp"))) == 64
+    assert _run("verify", str(wide))["ok"] is True
+    result = CliRunner().invoke(cli, ["diff", str(src.path), str(hf), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["identical"] is True

@@ -418,6 +418,25 @@ def _describe(model: nn.Module) -> dict[str, str]:
     return described
 
 
+def _reference_and_describe(
+    rank: int,
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    ref_path: str | os.PathLike[str],
+) -> dict[str, str]:
+    """Gather the reference of a ``{"model", "optim"}`` checkpoint (rank 0 writes it) and
+    describe this rank's shards. Collective."""
+    ref_model, ref_optim = _gather_reference(model, opt)
+    if rank == 0:
+        layout: Layout = {
+            "model": (".", ("model",)),
+            "optim": (".", ("optim",)) if opt is not None else None,
+            "extra": None,
+        }
+        _save_reference(ref_path, ref_model, ref_optim, layout)
+    return _describe(model)
+
+
 def _train_save_reference(
     rank: int,
     model: nn.Module,
@@ -438,15 +457,7 @@ def _train_save_reference(
         state = {"model": get_model_state_dict(model)}
     dcp.save(state, checkpoint_id=out)
 
-    ref_model, ref_optim = _gather_reference(model, opt)
-    if rank == 0:
-        layout: Layout = {
-            "model": (".", ("model",)),
-            "optim": (".", ("optim",)) if optimizer else None,
-            "extra": None,
-        }
-        _save_reference(ref_path, ref_model, ref_optim, layout)
-    return _describe(model)
+    return _reference_and_describe(rank, model, opt, ref_path)
 
 
 def _fresh_dir(path: str | os.PathLike[str]) -> str:
@@ -599,15 +610,7 @@ def fsdp1(
         state["optim"] = optim_sd
     dcp.save(state, checkpoint_id=out)
 
-    ref_model, ref_optim = _gather_reference(model, opt)
-    if rank == 0:
-        layout: Layout = {
-            "model": (".", ("model",)),
-            "optim": (".", ("optim",)) if optimizer else None,
-            "extra": None,
-        }
-        _save_reference(ref_path, ref_model, ref_optim, layout)
-    return _describe(model)
+    return _reference_and_describe(rank, model, opt, ref_path)
 
 
 def hsdp(
