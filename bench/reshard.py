@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--targets", default="8,2")
     ap.add_argument("--workdir", default="/tmp/ckbench-reshard")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--no-native", action="store_true", help="skip the native runs (quick ckpt-vs-cp checks)"
+    )
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     src = os.path.join(args.workdir, "src")
@@ -109,7 +112,8 @@ def main() -> None:
         for m in (int(x) for x in args.targets.split(",")):
             run(f"ckpt reshard 4->{m}", lambda m=m: gen._measure(
                 [ckpt, "reshard", src, dst, "--world-size", str(m), "--quiet"]))  # fmt: skip
-            run(f"native 4->{m}", lambda m=m: _native(src, dst, m, args.workdir))
+            if not args.no_native:
+                run(f"native 4->{m}", lambda m=m: _native(src, dst, m, args.workdir))
     shutil.rmtree(dst, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
@@ -132,7 +136,7 @@ def main() -> None:
             f"| {name} | {wall:.2f} | {nbytes / wall / 1e9:.2f} | {rss / 2**20:.0f} | "
             f"{wall / floor:.2f}x |"
         )
-    for m in (int(x) for x in args.targets.split(",")):
+    for m in (int(x) for x in args.targets.split(",") if not args.no_native):
         ours = statistics.median(w for w, _ in results[f"ckpt reshard 4->{m}"])
         native = statistics.median(w for w, _ in results[f"native 4->{m}"])
         lines.append(f"\n4 -> {m}: ckpt reshard is {native / ours:.1f}x faster than native.")

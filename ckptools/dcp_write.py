@@ -19,21 +19,21 @@ reading only its own file.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import os
 import threading
 import uuid
-import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from . import dtypes, torch_archive
 from .boxes import copy_runs, fsdp2_rows, intersect
-from .crc32 import crc32_combine
+from .crc32 import crc32, crc32_combine
 from .dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
-from .errors import CorruptCheckpointError, UsageError
+from .errors import CkptError, CorruptCheckpointError, UsageError
 from .execute import kernel_copy
 from .manifest import Chunk, Manifest, TensorEntry
 from .plan import unique_chunks
@@ -368,14 +368,16 @@ def _write_tensor(
     progress: ByteProgress,
     scratch: _Scratch,
     writeback: _Writeback,
+    segments: list[_Segment] | None = None,
+    crcs: _SplitCrcs | None = None,
 ) -> None:
     layout = torch_archive.tensor_archive_layout(item.dtype, item.sizes)
     _pwrite_all(fd, layout.head, item.offset)
     itemsize = dtypes.dtype(item.dtype).itemsize
     pos = item.offset + layout.data_offset
-    whole = _whole_records(item, cache)
-    if whole is not None:
-        crc = _copy_whole_records(fd, pos, whole, reader, progress)
+    if segments is not None:
+        assert crcs is not None
+        crc = _copy_segments(fd, pos, segments, reader, progress, scratch, crcs)
         _pwrite_all(fd, layout.tail(crc), pos + layout.nbytes)
         writeback.written(fd, item.offset + item.length)
         return
@@ -396,7 +398,7 @@ def _write_tensor(
             continue
         view = scratch.view(nbytes)
         _fill_block(view, item, offs, box, cache, reader, itemsize)
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
         _pwrite_all(fd, view, pos)
         pos += nbytes
         progress.update(nbytes)
@@ -404,54 +406,213 @@ def _write_tensor(
     writeback.written(fd, item.offset + item.length)
 
 
-def _whole_records(item: TensorItem, cache: _SourceCache) -> list[Chunk] | None:
-    """The raw sources when the piece is whole source records stacked on dim 0, else None.
+_SegmentMode = Literal["whole", "derive", "read"]
 
-    That is the case of merges (4 -> 2 ranks) and unchanged layouts: the piece's CRC is then
-    combined from the records' CRCs and its bytes move inside the kernel, never through memory.
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """A byte range of one source record that lands, unchanged, in an output piece.
+
+    ``mode`` says where its CRC comes from: ``whole`` (the entire record: its stored CRC),
+    ``derive`` (the record's last range: the stored CRC minus the ranges before it, which other
+    pieces compute, so its bytes are never read), ``read`` (computed while copying).
     """
-    if not item.sources:
-        return None
-    raws = [cache.raw(item.source_fqn, src) for src in item.sources]
-    rows = 0
-    end = item.offsets[0] if item.offsets else 0
-    for src, raw in zip(item.sources, raws, strict=True):
-        if raw.strides is not None or raw.crc32 is None:
-            return None
-        if src.offsets[1:] != item.offsets[1:] or src.sizes[1:] != item.sizes[1:]:
-            return None
-        if src.offsets and src.offsets[0] != end:
-            return None
-        end += src.sizes[0] if src.sizes else 0
-        rows += src.sizes[0] if src.sizes else 1
-    if rows != (item.sizes[0] if item.sizes else 1):
-        return None
-    return raws
+
+    raw: Chunk
+    start: int
+    length: int
+    mode: _SegmentMode
 
 
-def _copy_whole_records(
-    fd: int, pos: int, raws: list[Chunk], reader: LocalReader, progress: ByteProgress
+def _row_ranges(item: TensorItem, cache: _SourceCache) -> list[tuple[Chunk, int, int]] | None:
+    """``(raw record, start byte, length)`` per source when the piece is whole dim-0 rows of
+    plain (non-strided) records stacked in order -- every FSDP/FSDP2 dim-0 reshard -- else None.
+    """
+    if not item.sources or math.prod(item.sizes) == 0:
+        return None
+    itemsize = dtypes.dtype(item.dtype).itemsize
+    if item.sizes == ():
+        raw = cache.raw(item.source_fqn, item.sources[0])
+        ok = len(item.sources) == 1 and item.sources[0].sizes == () and raw.strides is None
+        return [(raw, 0, raw.length)] if ok and raw.length == itemsize else None
+    row_bytes = math.prod(item.sizes[1:]) * itemsize
+    first, rows = item.offsets[0], item.sizes[0]
+    ranges = []
+    end = first
+    for src in sorted(item.sources, key=lambda c: c.offsets):
+        raw = cache.raw(item.source_fqn, src)
+        if raw.strides is not None or src.sizes[1:] != item.sizes[1:]:
+            return None
+        if src.offsets[1:] != item.offsets[1:] or raw.length != src.sizes[0] * row_bytes:
+            return None
+        lo, hi = max(src.offsets[0], first), min(src.offsets[0] + src.sizes[0], first + rows)
+        if lo != end or hi <= lo:
+            return None
+        ranges.append((raw, (lo - src.offsets[0]) * row_bytes, (hi - lo) * row_bytes))
+        end = hi
+    return ranges if end == first + rows else None
+
+
+class _SplitCrcs:
+    """CRCs of the leading ranges of split records, handed from the pieces that read them to
+    the piece that derives the last range's CRC (``crc32(last) = crc32(record) ^
+    crc32_combine(crc32(leading), 0, len(last))``, from the linearity of CRC-32).
+
+    A deriving piece always comes after the pieces it waits for in the one work queue, so the
+    wait ends; a failure anywhere releases every waiter with an error.
+    """
+
+    def __init__(self, leading: dict[tuple[str, int], tuple[int, ...]]) -> None:
+        self._leading = leading  # record -> start bytes of the ranges before its last one
+        self._done: dict[tuple[str, int, int], tuple[int, int]] = {}
+        self._cond = threading.Condition()
+        self._failed = False
+
+    def wanted(self, raw: Chunk, start: int) -> bool:
+        return (raw.file, raw.offset) in self._leading and start in self._leading[
+            (raw.file, raw.offset)
+        ]
+
+    def put(self, raw: Chunk, start: int, crc: int, length: int) -> None:
+        with self._cond:
+            self._done[(raw.file, raw.offset, start)] = (crc, length)
+            self._cond.notify_all()
+
+    def fail(self) -> None:
+        with self._cond:
+            self._failed = True
+            self._cond.notify_all()
+
+    def leading(self, raw: Chunk) -> int:
+        """CRC-32 of the record's bytes before its last range (waits for the pieces)."""
+        keys = [(raw.file, raw.offset, s) for s in self._leading[(raw.file, raw.offset)]]
+        with self._cond:
+            self._cond.wait_for(lambda: self._failed or all(k in self._done for k in keys))
+            if self._failed:
+                raise CkptError("another piece of the reshard failed (see its error)")
+            parts = [self._done[k] for k in keys]
+        crc = 0
+        for part_crc, length in parts:
+            crc = crc32_combine(crc, part_crc, length)
+        return crc
+
+
+def _plan_segments(
+    tasks: Sequence[TensorItem | ObjectItem], cache: _SourceCache
+) -> tuple[dict[int, list[_Segment]], _SplitCrcs]:
+    """Per task index, the segments of pieces made of whole rows; and which CRCs to hand on.
+
+    A record split over several pieces gets its last range's CRC derived only when the pieces
+    holding the other ranges run earlier in ``tasks`` (and in this process): then its bytes
+    move in the kernel and are never read. Otherwise every range is read for its CRC.
+    """
+    ranges: dict[int, list[tuple[Chunk, int, int]]] = {}
+    parts: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # record -> (task, start, len)
+    for index, item in enumerate(tasks):
+        if isinstance(item, ObjectItem):
+            continue
+        found = _row_ranges(item, cache)
+        if found is None:
+            continue
+        ranges[index] = found
+        for raw, start, length in found:
+            if length != raw.length:
+                parts.setdefault((raw.file, raw.offset), []).append((index, start, length))
+    records = {(raw.file, raw.offset): raw for found in ranges.values() for raw, _, _ in found}
+    derived: set[tuple[str, int, int]] = set()
+    leading: dict[tuple[str, int], tuple[int, ...]] = {}
+    for key, split in parts.items():
+        split.sort(key=lambda p: p[1])
+        raw = records[key]
+        tiles = [start for _, start, _ in split] == list(
+            itertools.accumulate((length for _, _, length in split[:-1]), initial=0)
+        ) and split[-1][1] + split[-1][2] == raw.length
+        last = split[-1]
+        if raw.crc32 is not None and tiles and all(p[0] < last[0] for p in split[:-1]):
+            derived.add((*key, last[1]))
+            leading[key] = tuple(start for _, start, _ in split[:-1])
+    segments: dict[int, list[_Segment]] = {}
+    for index, found in ranges.items():
+        segments[index] = [
+            _Segment(
+                raw, start, length,
+                "whole" if length == raw.length and raw.crc32 is not None
+                else "derive" if (raw.file, raw.offset, start) in derived
+                else "read",
+            )
+            for raw, start, length in found
+        ]  # fmt: skip
+    return segments, _SplitCrcs(leading)
+
+
+def _copy_segments(
+    fd: int,
+    pos: int,
+    segments: list[_Segment],
+    reader: LocalReader,
+    progress: ByteProgress,
+    scratch: _Scratch,
+    crcs: _SplitCrcs,
 ) -> int:
+    """Copy the segments to ``fd`` at ``pos`` on; return the CRC-32 of the bytes written.
+
+    ``whole`` and ``derive`` segments move inside the kernel (``copy_file_range``) and their CRC
+    comes from the record's stored one; ``read`` segments pass through the block buffer once,
+    CRC computed on the way. A source record whose bytes no longer match its stored CRC thus
+    gives an output that fails ``ckpt verify`` (possibly on the sibling piece of the same
+    record); ``ckpt verify SRC`` localises it.
+    """
     crc: int | None = None
-    for raw in raws:
-        try:
-            copied = kernel_copy(reader.fileno(raw.file), fd, raw.offset, pos, raw.length,
-                                 progress.update)  # fmt: skip
-        except EOFError as e:
-            raise CorruptCheckpointError(
-                f"{reader.root}/{raw.file}: file is truncated at byte {e.args[0]}", path=raw.file
-            ) from e
-        if not copied:
+    for seg in segments:
+        raw = seg.raw
+        if seg.mode == "read":
+            part = 0
             done = 0
-            while done < raw.length:
-                n = min(BLOCK_BYTES, raw.length - done)
-                _pwrite_all(fd, reader.read(raw.file, raw.offset + done, n), pos + done)
+            while done < seg.length:
+                n = min(BLOCK_BYTES, seg.length - done)
+                view = scratch.view(n)
+                reader.readinto(raw.file, raw.offset + seg.start + done, view)
+                part = crc32(view, part)
+                _pwrite_all(fd, view, pos + done)
                 done += n
-            progress.update(raw.length)
-        assert raw.crc32 is not None
-        crc = raw.crc32 if crc is None else crc32_combine(crc, raw.crc32, raw.length)
-        pos += raw.length
+                progress.update(n)
+            if crcs.wanted(raw, seg.start):
+                crcs.put(raw, seg.start, part, seg.length)
+        else:
+            _kernel_copy_range(fd, pos, raw, seg.start, seg.length, reader, progress)
+            assert raw.crc32 is not None
+            if seg.mode == "whole":
+                part = raw.crc32
+            else:
+                part = raw.crc32 ^ crc32_combine(crcs.leading(raw), 0, seg.length)
+        crc = part if crc is None else crc32_combine(crc, part, seg.length)
+        pos += seg.length
     return crc or 0
+
+
+def _kernel_copy_range(
+    fd: int,
+    pos: int,
+    raw: Chunk,
+    start: int,
+    length: int,
+    reader: LocalReader,
+    progress: ByteProgress,
+) -> None:
+    src = raw.offset + start
+    try:
+        copied = kernel_copy(reader.fileno(raw.file), fd, src, pos, length, progress.update)
+    except EOFError as e:
+        raise CorruptCheckpointError(
+            f"{reader.root}/{raw.file}: file is truncated at byte {e.args[0]}", path=raw.file
+        ) from e
+    if not copied:
+        done = 0
+        while done < length:
+            n = min(BLOCK_BYTES, length - done)
+            _pwrite_all(fd, reader.read(raw.file, src + done, n), pos + done)
+            done += n
+        progress.update(length)
 
 
 def _copy_object(fd: int, item: ObjectItem, reader: LocalReader) -> None:
@@ -565,8 +726,9 @@ def write_dcp(
     ):
         cache = _SourceCache(reader, manifest)
         writeback = _Writeback()
+        segments, crcs = _plan_segments(tasks, cache)
 
-        def run(item: TensorItem | ObjectItem) -> None:
+        def run(index: int, item: TensorItem | ObjectItem) -> None:
             fd = files.acquire(item.rank)
             try:
                 if isinstance(item, ObjectItem):
@@ -576,12 +738,18 @@ def write_dcp(
                 scratch = getattr(local, "scratch", None)
                 if scratch is None:
                     scratch = local.scratch = _Scratch()
-                _write_tensor(fd, item, cache, reader, bar, scratch, writeback)
+                _write_tensor(
+                    fd, item, cache, reader, bar, scratch, writeback, segments.get(index), crcs
+                )
+            except BaseException:
+                crcs.fail()  # a piece waiting for this one's CRC must not wait forever
+                raise
             finally:
                 files.release(item.rank)
 
+        # One FIFO queue: a piece that derives its CRC waits only for pieces queued before it.
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            for future in [pool.submit(run, item) for item in tasks]:
+            for future in [pool.submit(run, i, item) for i, item in enumerate(tasks)]:
                 future.result()
     write_metadata(out_dir, plan)
     return total

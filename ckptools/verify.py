@@ -35,7 +35,6 @@ import math
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from .checksum import (
     load_checksums,
     new_hasher,
 )
+from .crc32 import crc32
 from .errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -585,7 +585,7 @@ class _Crc(_Sink):
         self.on_mismatch = on_mismatch
 
     def feed(self, data: memoryview) -> None:
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
 
     def finish(self) -> None:
         if self.crc != self.expected:
