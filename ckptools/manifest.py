@@ -17,12 +17,11 @@ Byte locations come in two encodings:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import dtypes
+from . import dtypes, storage
 
 Encoding = Literal["raw", "torch_save"]
 
@@ -138,7 +137,7 @@ class Manifest:
     def data_dir(self) -> str:
         """The directory that ``files`` (and every chunk's ``file``) are relative to: ``root``,
         or the directory holding it when the checkpoint is a single file."""
-        return self.root if os.path.isdir(self.root) else os.path.dirname(self.root)
+        return self.root if storage.isdir(self.root) else storage.dirname(self.root)
 
     @property
     def total_bytes(self) -> int:

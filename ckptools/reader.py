@@ -14,16 +14,30 @@ from typing import TYPE_CHECKING, Any
 from . import dtypes, safe_pickle, torch_archive
 from .errors import CorruptCheckpointError
 from .manifest import Chunk, Manifest, ObjectEntry, TensorEntry
-from .storage import LocalReader
+from .storage import Reader, open_reader
 
 if TYPE_CHECKING:
     import torch
 
+#: Bytes at the start of a DCP item holding its pickle and the record headers before the tensor
+#: data (torch.save aligns data to 64 bytes after ~400-700 bytes of them).
+_ARCHIVE_HEAD_BYTES = 2048
 
-def resolve_chunk(reader: LocalReader, tensor: TensorEntry, chunk: Chunk) -> Chunk:
+
+def prefetch_archive(reader: Reader, file: str, offset: int, length: int) -> None:
+    """Announce the reads that parsing the archive at ``[offset, offset+length)`` makes: its first
+    few hundred bytes (pickle, record headers) and its zip directory at the end. An object store
+    fetches both in one concurrent round trip instead of ~6 sequential ones; a disk ignores it."""
+    head = min(length, _ARCHIVE_HEAD_BYTES)
+    tail = min(length, reader.archive_tail_bytes)
+    reader.prefetch(file, [(offset, head), (offset + length - tail, tail)])
+
+
+def resolve_chunk(reader: Reader, tensor: TensorEntry, chunk: Chunk) -> Chunk:
     """The raw location of ``chunk``'s elements (a no-op for raw chunks)."""
     if chunk.encoding == "raw":
         return chunk
+    prefetch_archive(reader, chunk.file, chunk.offset, chunk.length)
     archive = torch_archive.read_archive(reader, chunk.file, chunk.offset, chunk.length)
     ref = torch_archive.load_pickle(reader, archive)
     where = f"{reader.root}/{chunk.file}@{chunk.offset}"
@@ -54,7 +68,7 @@ def resolve_chunk(reader: LocalReader, tensor: TensorEntry, chunk: Chunk) -> Chu
     )
 
 
-def _chunk_tensor(reader: LocalReader, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
+def _chunk_tensor(reader: Reader, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
     import torch
 
     raw = resolve_chunk(reader, tensor, chunk)
@@ -69,13 +83,13 @@ def _chunk_tensor(reader: LocalReader, tensor: TensorEntry, chunk: Chunk) -> tor
     return flat.as_strided(raw.sizes, raw.strides).contiguous()
 
 
-def read_tensor(manifest: Manifest, fqn: str, reader: LocalReader | None = None) -> torch.Tensor:
+def read_tensor(manifest: Manifest, fqn: str, reader: Reader | None = None) -> torch.Tensor:
     """Assemble the full tensor ``fqn`` from its chunks (needs torch; memory = tensor size)."""
     import torch
 
     tensor = manifest.tensors[fqn]
     own = reader is None
-    reader = reader or LocalReader(manifest.data_dir())
+    reader = reader or open_reader(manifest.data_dir())
     try:
         out = torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype))
         for chunk in tensor.chunks:
@@ -90,7 +104,7 @@ def read_tensor(manifest: Manifest, fqn: str, reader: LocalReader | None = None)
             reader.close()
 
 
-def read_object(manifest: Manifest, fqn: str, reader: LocalReader | None = None) -> Any:
+def read_object(manifest: Manifest, fqn: str, reader: Reader | None = None) -> Any:
     """Decode the non-tensor entry ``fqn`` through the allowlist (never runs checkpoint code).
 
     Returns plain Python values; ``io.BytesIO`` as :class:`~ckptools.safe_pickle.BytesValue`,
@@ -104,7 +118,7 @@ def read_object(manifest: Manifest, fqn: str, reader: LocalReader | None = None)
         return entry.value
     assert entry.file is not None
     own = reader is None
-    reader = reader or LocalReader(manifest.data_dir())
+    reader = reader or open_reader(manifest.data_dir())
     try:
         archive = torch_archive.read_archive(reader, entry.file, entry.offset, entry.length)
         return safe_pickle.unwrap(torch_archive.load_pickle(reader, archive))

@@ -20,13 +20,12 @@ from typing import Any
 
 from . import safe_pickle
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .storage import LocalReader
+from .storage import Reader
 
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOCATOR = b"PK\x06\x07"
 _CDIR = b"PK\x01\x02"
 _LOCAL = b"PK\x03\x04"
-_TAIL_BYTES = 64 * 1024  # central directory of a torch.save archive: ~100 bytes a record
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _CDIR_HEADER = struct.Struct("<4sHHHHHHIIIHHHHHII")
 
@@ -77,12 +76,13 @@ def _parse_zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tup
     return usize, csize, offset
 
 
-def read_archive(reader: LocalReader, file: str, start: int, length: int) -> Archive:
+def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
     """Parse the zip central directory of the archive at ``[start, start+length)`` of ``file``."""
     where = f"{file}@{start}"
     if length < 22:
         raise CorruptCheckpointError(f"{where}: record of {length} bytes is no torch.save archive")
-    tail_len = min(length, _TAIL_BYTES)
+    # the reader's window: generous on a disk, small on an object store where bytes are fetched
+    tail_len = min(length, reader.archive_tail_bytes)
     tail = reader.read(file, start + length - tail_len, tail_len)
     eocd = tail.rfind(_EOCD)
     if eocd < 0:
@@ -133,7 +133,7 @@ def read_archive(reader: LocalReader, file: str, start: int, length: int) -> Arc
     return Archive(file, start, length, prefix, records)
 
 
-def record_data_offset(reader: LocalReader, archive: Archive, rec: Record) -> int:
+def record_data_offset(reader: Reader, archive: Archive, rec: Record) -> int:
     """Absolute file offset of a record's bytes (reads its 30-byte local header)."""
     if rec.method != 0:
         raise UnsupportedCheckpointError(
@@ -156,12 +156,12 @@ def record_data_offset(reader: LocalReader, archive: Archive, rec: Record) -> in
     return data
 
 
-def read_record(reader: LocalReader, archive: Archive, name: str) -> bytes:
+def read_record(reader: Reader, archive: Archive, name: str) -> bytes:
     rec = archive.record(name)
     return reader.read(archive.file, record_data_offset(reader, archive, rec), rec.size)
 
 
-def load_pickle(reader: LocalReader, archive: Archive) -> Any:
+def load_pickle(reader: Reader, archive: Archive) -> Any:
     """Unpickle the archive's ``data.pkl`` through the allowlist (tensors as TensorRef)."""
     byteorder = archive.records.get("byteorder")
     if byteorder is not None and read_record(reader, archive, "byteorder") != b"little":
