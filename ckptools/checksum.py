@@ -44,6 +44,7 @@ from typing import Any
 
 import xxhash
 
+from . import storage
 from .errors import CorruptCheckpointError
 from .manifest import Manifest
 
@@ -69,8 +70,8 @@ def new_hasher() -> Any:
 
 def checksum_path(manifest: Manifest) -> str:
     """Where the checksum manifest of ``manifest``'s checkpoint lives."""
-    if os.path.isdir(manifest.root):
-        return os.path.join(manifest.root, CHECKSUM_FILE)
+    if storage.isdir(manifest.root):
+        return storage.join(manifest.root, CHECKSUM_FILE)
     return manifest.root + CHECKSUM_FILE
 
 
@@ -127,8 +128,7 @@ def load_checksums(path: str) -> Checksums:
         CorruptCheckpointError: the file is not a checksum manifest ckptools can use.
     """
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(storage.read_bytes(path))
         if data.get("format") != FORMAT_NAME or data.get("algorithm") != ALGORITHM:
             raise ValueError(f"format {data.get('format')!r}, algorithm {data.get('algorithm')!r}")
         if int(data.get("version", 0)) > FORMAT_VERSION:
@@ -151,7 +151,12 @@ def load_checksums(path: str) -> Checksums:
 
 
 def save_checksums(sums: Checksums) -> None:
-    """Write ``sums`` to ``sums.path`` atomically (temporary file, fsync, rename)."""
+    """Write ``sums`` to ``sums.path`` atomically (temporary file, fsync, rename; on an object
+    store one PUT, which appears whole or not at all)."""
+    if storage.is_url(sums.path):
+        text = json.dumps(sums.to_json(), indent=1, sort_keys=False) + "\n"
+        storage.write_bytes(sums.path, text.encode())
+        return
     directory = os.path.dirname(os.path.abspath(sums.path))
     tmp = os.path.join(directory, f".{os.path.basename(sums.path)}.tmp-{uuid.uuid4().hex[:8]}")
     try:

@@ -30,7 +30,7 @@ from . import dtypes, keys
 from .errors import UsageError
 from .manifest import Chunk, TensorEntry
 from .reader import resolve_chunk
-from .storage import LocalReader
+from .storage import Reader, open_reader
 from .tunables import env_int
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ def resolve_block_bytes() -> int:
 class _SlabReader:
     """Reads rows ``[r0, r1)`` of one tensor from its stored chunks (replicas read once)."""
 
-    def __init__(self, reader: LocalReader, tensor: TensorEntry) -> None:
+    def __init__(self, reader: Reader, tensor: TensorEntry) -> None:
         import torch
 
         self.reader = reader
@@ -255,8 +255,8 @@ def _compare(
     name: str,
     ta: TensorEntry,
     tb: TensorEntry,
-    ra: LocalReader,
-    rb: LocalReader,
+    ra: Reader,
+    rb: Reader,
     atol: float | None,
     rtol: float | None,
     block: int,
@@ -405,7 +405,7 @@ def diff(
     block = resolve_block_bytes()
     out: list[TensorDiff] = []
     compared = 0
-    with LocalReader(ma.data_dir()) as ra, LocalReader(mb.data_dir()) as rb:
+    with open_reader(ma.data_dir()) as ra, open_reader(mb.data_dir()) as rb:
         for name, fqn_a in names_a.items():
             ta = ma.tensors[fqn_a]
             fqn_b = names_b.get(name)

@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
@@ -40,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import dtypes, safe_pickle, torch_archive
+from . import dtypes, safe_pickle, storage, torch_archive
 from .checksum import (
     CHECKSUM_FILE,
     Checksums,
@@ -62,7 +61,8 @@ from .errors import (
     UsageError,
 )
 from .manifest import Chunk, Manifest, TensorEntry
-from .storage import LocalReader
+from .reader import prefetch_archive
+from .storage import Reader, open_reader
 from .tunables import WORKERS_ENV, env_int
 
 if TYPE_CHECKING:
@@ -411,25 +411,23 @@ def _structure(
     """Findings, the size of each present file, and the ids of items that cannot be read."""
     findings: list[Finding] = []
     for marker in manifest.markers:
-        if not os.path.exists(os.path.join(root, marker)):
+        if not storage.exists(storage.join(root, marker)):
             findings.append(
                 Finding(
                     "no_marker",
-                    f"{os.path.join(root, marker)}: commit marker is missing: the save never "
+                    f"{storage.join(root, marker)}: commit marker is missing: the save never "
                     "finished; do not use this checkpoint",
                     marker,
                 )
             )
-    sizes: dict[str, int] = {}
-    for rel in sorted({*manifest.files, *(i.file for i in items)}):
-        with contextlib.suppress(FileNotFoundError):
-            sizes[rel] = os.stat(os.path.join(root, rel)).st_size
+    # one listing on an object store, a stat per file on a disk
+    sizes = storage.file_sizes(root, sorted({*manifest.files, *(i.file for i in items)}))
     by_file: dict[str, list[_Item]] = {}
     for item in items:
         by_file.setdefault(item.file, []).append(item)
     bad: set[int] = set()
     for rel, file_items in by_file.items():
-        full = os.path.join(root, rel)
+        full = storage.join(root, rel)
         if rel not in sizes:
             bad.update(id(i) for i in file_items)
             rank = next((i.rank for i in file_items if i.rank is not None), None)
@@ -537,10 +535,9 @@ def _index_findings(manifest: Manifest, root: str) -> list[Finding]:
 
     if manifest.format != "safetensors" or not manifest.markers:
         return []
-    index = os.path.join(root, manifest.markers[0])
+    index = storage.join(root, manifest.markers[0])
     try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = json.loads(storage.read_bytes(index))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError):
         return []  # reading the manifest already checked it
     out = []
@@ -672,7 +669,7 @@ class _Scanner:
 
     def __init__(
         self,
-        reader: LocalReader,
+        reader: Reader,
         *,
         check_finite: bool,
         digests: bool,
@@ -695,7 +692,7 @@ class _Scanner:
     def scan_file(self, rel: str, items: list[_Item], size: int, whole_file: bool) -> _FileResult:
         res = _FileResult()
         segments: list[_Segment] = []
-        full = os.path.join(self.reader.root, rel)
+        full = storage.join(self.reader.root, rel)
         try:
             self._archive_segments(rel, items, size, full, segments, res)
         except CkptError as e:
@@ -782,6 +779,7 @@ class _Scanner:
         rel = item.file
         chunk_at = item.chunk.offsets if item.chunk is not None else None
         try:
+            prefetch_archive(self.reader, rel, item.offset, item.length)
             archive = torch_archive.read_archive(self.reader, rel, item.offset, item.length)
             data_record = None
             ref = None
@@ -1122,7 +1120,7 @@ def verify(
     findings.extend(structure)
     sums_path = checksum_path(manifest)
     sums: Checksums | None = None
-    if os.path.exists(sums_path) and not _collect_digests:
+    if storage.exists(sums_path) and not _collect_digests:
         try:
             sums = load_checksums(sums_path)
         except CorruptCheckpointError as e:
@@ -1133,7 +1131,7 @@ def verify(
                 findings.append(
                     Finding(
                         "checksum",
-                        f"{os.path.join(root, rel)}: {sizes[rel]} bytes, but the checksum "
+                        f"{storage.join(root, rel)}: {sizes[rel]} bytes, but the checksum "
                         f"manifest recorded {rec.size}",
                         rel,
                     )
@@ -1155,8 +1153,8 @@ def verify(
         whole -= {i.file for i in items if id(i) in bad}
         if want_digests:
             for marker in manifest.markers:
-                if marker in sizes or os.path.exists(os.path.join(root, marker)):
-                    sizes.setdefault(marker, os.path.getsize(os.path.join(root, marker)))
+                if marker in sizes or storage.exists(storage.join(root, marker)):
+                    sizes.setdefault(marker, storage.size(storage.join(root, marker)))
                     whole.add(marker)
                     files.setdefault(marker, [])
         for rel in whole:
@@ -1242,7 +1240,7 @@ def _scan(
 
     order = sorted(files, key=lambda rel: -sizes.get(rel, 0))  # biggest first: even finish
     total = sum(sizes.get(rel, 0) for rel in order)
-    with LocalReader(root) as reader, ByteProgress(total, "verify", quiet=quiet) as bar:
+    with open_reader(root) as reader, ByteProgress(total, "verify", quiet=quiet) as bar:
         scanner = _Scanner(
             reader, check_finite=check_finite, digests=digests, block=block, progress=bar
         )

@@ -52,9 +52,9 @@ def detect(path: str, format: str | None = None) -> Layout:
         CheckpointNotFoundError: ``path`` does not exist.
         UnknownFormatError: no layout matched; the message lists each layout's reason.
     """
-    import os
+    from .. import storage
 
-    if not os.path.exists(path):
+    if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     if format is not None:
         for layout in _REGISTRY:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .. import dtypes, safe_pickle
+from .. import dtypes, safe_pickle, storage
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -59,8 +59,7 @@ def _tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
 def load_metadata(path: str) -> Any:
     """Read a DCP ``.metadata`` file through the allowlist; returns the ``Metadata`` stand-in."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = storage.read_bytes(path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(
             f"{path}: missing: the DCP save never committed (or the file was deleted)", path=path
@@ -79,8 +78,8 @@ def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manife
     With ``check_files`` every referenced file must exist and be long enough for every byte range
     recorded in the metadata (one ``stat`` per file).
     """
-    directory = os.path.join(root, subdir) if subdir else root
-    meta_path = os.path.join(directory, METADATA_FILE)
+    directory = storage.join(root, subdir) if subdir else root
+    meta_path = storage.join(directory, METADATA_FILE)
     with _gc_paused():
         md = load_metadata(meta_path)
         return _build_checked(md, root, subdir, directory, meta_path, check_files)
@@ -191,20 +190,21 @@ def _build(
         tensors[fqn] = TensorEntry(fqn, dtypes.canonical(dtype), shape, tuple(chunks))
 
     files: dict[str, FileInfo] = {}
-    listed = {n for n in _listdir(directory) if n.endswith(".distcp")}
+    if storage.is_url(directory):
+        present = storage.file_sizes(directory)  # one listing, not a request per rank file
+        listed = {n for n in present if n.endswith(".distcp")}
+    else:
+        listed = {n for n in _listdir(directory) if n.endswith(".distcp")}
+        present = storage.file_sizes(directory, sorted(set(extents) | listed))
     for name in sorted(set(extents) | listed):
-        full = os.path.join(directory, name)
-        try:
-            size: int | None = os.stat(full).st_size
-        except FileNotFoundError as e:
-            if check_files:
-                raise CheckpointNotFoundError(
-                    f"{full}: data file is missing (rank {rank_of(name)}; "
-                    f"{meta_path} refers to it)",
-                    path=full,
-                    rank=rank_of(name),
-                ) from e
-            size = None
+        full = storage.join(directory, name)
+        size: int | None = present.get(name)
+        if size is None and check_files:
+            raise CheckpointNotFoundError(
+                f"{full}: data file is missing (rank {rank_of(name)}; {meta_path} refers to it)",
+                path=full,
+                rank=rank_of(name),
+            )
         if check_files and size is not None and size < extents.get(name, 0):
             raise CorruptCheckpointError(
                 f"{full}: file is truncated: {size} bytes, but the metadata records data up to "
@@ -242,8 +242,8 @@ def _build(
 
 def _listdir(path: str) -> list[str]:
     try:
-        return os.listdir(path)
-    except FileNotFoundError:
+        return storage.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 
@@ -276,7 +276,7 @@ class DcpLayout(Layout):
     description = "torch.distributed.checkpoint directory (.metadata + __<rank>_<n>.distcp)"
 
     def probe(self, path: str) -> str | None:
-        if not os.path.isdir(path):
+        if not storage.isdir(path):
             return "not a directory"
         names = _listdir(path)
         if METADATA_FILE in names:

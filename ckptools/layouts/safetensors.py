@@ -9,34 +9,56 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Any
 
-from .. import dtypes
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
+from .. import dtypes, storage
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
 from ..manifest import Chunk, FileInfo, Manifest, TensorEntry
 from .base import Layout, register
 
 INDEX_SUFFIX = ".safetensors.index.json"
+#: transformers' shard names, ``model-00001-of-00003.safetensors``
+_SHARD_NAME = re.compile(r"^.+-\d{5}-of-\d{5}\.safetensors$")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+#: First read of a safetensors file on an object store: headers of models with a few hundred
+#: tensors fit, so one round trip suffices; at most this is fetched beyond the header.
+_REMOTE_FIRST_READ_BYTES = 64 * 1024
 
 
 def read_header(path: str) -> tuple[dict[str, Any], int, int]:
     """Return (header dict, data start offset, file size) of a safetensors file."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            size = os.fstat(f.fileno()).st_size
-            if len(head) < 8:
-                raise CorruptCheckpointError(f"{path}: too short for a safetensors file", path=path)
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER_BYTES or 8 + n > size:
-                raise CorruptCheckpointError(
-                    f"{path}: safetensors header length {n} does not fit a {size}-byte file "
-                    "(truncated or not safetensors)",
-                    path=path,
-                )
-            raw = f.read(n)
+        if storage.is_url(path):
+            # One ranged GET usually holds the header too; a second fetches the rest if not.
+            size = storage.size(path)
+            head = storage.read_range(path, 0, min(size, _REMOTE_FIRST_READ_BYTES))
+        else:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                size = os.fstat(f.fileno()).st_size
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"{path}: too short for a safetensors file", path=path)
+        (n,) = struct.unpack("<Q", head[:8])
+        if n > _MAX_HEADER_BYTES or 8 + n > size:
+            raise CorruptCheckpointError(
+                f"{path}: safetensors header length {n} does not fit a {size}-byte file "
+                "(truncated or not safetensors)",
+                path=path,
+            )
+        if len(head) >= 8 + n:
+            raw = head[8 : 8 + n]
+        elif storage.is_url(path):
+            raw = head[8:] + storage.read_range(path, len(head), 8 + n - len(head))
+        else:
+            with open(path, "rb") as f:
+                raw = os.pread(f.fileno(), n, 8)
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(f"{path}: file is missing", path=path) from e
     try:
@@ -93,7 +115,7 @@ def _entries(path: str, rel: str) -> tuple[list[TensorEntry], FileInfo, dict[str
 
 
 def _index_file(directory: str) -> str | None:
-    names = sorted(n for n in os.listdir(directory) if n.endswith(INDEX_SUFFIX))
+    names = sorted(n for n in storage.listdir(directory) if n.endswith(INDEX_SUFFIX))
     if "model" + INDEX_SUFFIX in names:
         return "model" + INDEX_SUFFIX
     return names[0] if names else None
@@ -101,44 +123,53 @@ def _index_file(directory: str) -> str | None:
 
 def read_safetensors(path: str) -> Manifest:
     """Manifest of a safetensors file or model directory (sharded or not)."""
-    if os.path.isfile(path):
-        root, files = os.path.dirname(path), [os.path.basename(path)]
+    if storage.isfile(path):
+        root, files = storage.dirname(path), [storage.basename(path)]
         index_name = None
     else:
         root = path
         index_name = _index_file(path)
         if index_name is not None:
-            index_path = os.path.join(path, index_name)
+            index_path = storage.join(path, index_name)
             try:
-                with open(index_path) as f:
-                    index = json.load(f)
+                index = json.loads(storage.read_bytes(index_path))
                 weight_map = index["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptCheckpointError(
                     f"{index_path}: not a valid safetensors index ({e})", path=index_path
                 ) from e
             files = sorted(set(weight_map.values()))
+            present = storage.file_sizes(path, files)
             for name in files:
-                if not os.path.exists(os.path.join(path, name)):
+                if name not in present:
                     raise CheckpointNotFoundError(
-                        f"{os.path.join(path, name)}: shard is missing ({index_name} names it)",
-                        path=os.path.join(path, name),
+                        f"{storage.join(path, name)}: shard is missing ({index_name} names it)",
+                        path=storage.join(path, name),
                     )
         else:
-            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            files = sorted(n for n in storage.listdir(path) if n.endswith(".safetensors"))
+            sharded = [n for n in files if _SHARD_NAME.match(n)]
+            if sharded:
+                # transformers' shard names without their index: a sharded save that never
+                # committed (the index is written last), not a model to read a part of.
+                raise IncompleteCheckpointError(
+                    f"{path}: holds {sharded[0]} but no {'model' + INDEX_SUFFIX}: the save "
+                    "never finished (the index is written last); write it again",
+                    path=path,
+                )
     tensors: dict[str, TensorEntry] = {}
     infos: dict[str, FileInfo] = {}
     metadata: dict[str, dict[str, str]] = {}
     for name in files:
-        entries, info, meta = _entries(os.path.join(root, name), name)
+        entries, info, meta = _entries(storage.join(root, name), name)
         infos[name] = info
         metadata[name] = meta
         for entry in entries:
             if entry.fqn in tensors:
                 raise CorruptCheckpointError(
-                    f"{os.path.join(root, name)}: tensor {entry.fqn!r} also appears in "
+                    f"{storage.join(root, name)}: tensor {entry.fqn!r} also appears in "
                     f"{tensors[entry.fqn].chunks[0].file}",
-                    path=os.path.join(root, name),
+                    path=storage.join(root, name),
                     fqn=entry.fqn,
                 )
             tensors[entry.fqn] = entry
@@ -146,15 +177,15 @@ def read_safetensors(path: str) -> Manifest:
         for fqn, name in weight_map.items():
             if fqn not in tensors or tensors[fqn].chunks[0].file != name:
                 raise CorruptCheckpointError(
-                    f"{os.path.join(root, index_name)}: index puts {fqn!r} in {name}, "
+                    f"{storage.join(root, index_name)}: index puts {fqn!r} in {name}, "
                     "but that shard does not hold it",
-                    path=os.path.join(root, index_name),
+                    path=storage.join(root, index_name),
                     fqn=fqn,
                 )
     return Manifest(
         root=path,
         format="safetensors",
-        layout="hf" if index_name or os.path.isdir(path) else "safetensors",
+        layout="hf" if index_name or root == path else "safetensors",
         tensors=tensors,
         objects={},
         files=infos,
@@ -170,10 +201,10 @@ class SafetensorsLayout(Layout):
     description = "Hugging Face safetensors file or model directory (sharded with an index)"
 
     def probe(self, path: str) -> str | None:
-        if os.path.isfile(path):
+        if storage.isfile(path):
             return None if path.endswith(".safetensors") else "not a .safetensors file"
-        if os.path.isdir(path):
-            names = os.listdir(path)
+        if storage.isdir(path):
+            names = storage.listdir(path)
             if any(n.endswith(INDEX_SUFFIX) or n.endswith(".safetensors") for n in names):
                 return None
             return "no *.safetensors files or model.safetensors.index.json"

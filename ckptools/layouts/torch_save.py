@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
-from .. import safe_pickle, torch_archive
+from .. import safe_pickle, storage, torch_archive
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from ..manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
-from ..storage import LocalReader
+from ..storage import Reader, open_reader
 from .base import Layout, register
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -55,10 +54,10 @@ def _span_bytes(ref: safe_pickle.TensorRef, itemsize: int) -> int:
 
 
 def read_torch_save_file(
-    reader: LocalReader, rel: str
+    reader: Reader, rel: str
 ) -> tuple[list[TensorEntry], list[ObjectEntry], dict[str, tuple[str, ...]], FileInfo]:
     """Tensors (as raw chunks), plain values and key paths of one ``torch.save`` file."""
-    path = os.path.join(reader.root, rel)
+    path = storage.join(reader.root, rel)
     size = reader.size(rel)
     head = reader.read(rel, 0, min(4, size))
     if not torch_archive.is_zip(head):
@@ -116,16 +115,16 @@ def read_torch_save_file(
 
 def read_torch_save(path: str) -> Manifest:
     """Manifest of a ``torch.save`` file, or of an HF directory of ``pytorch_model*.bin``."""
-    if os.path.isfile(path):
-        root, files = os.path.dirname(path), [os.path.basename(path)]
+    if storage.isfile(path):
+        root, files = storage.dirname(path), [storage.basename(path)]
         marker: tuple[str, ...] = ()
     else:
         root = path
-        index_path = os.path.join(path, BIN_INDEX)
-        if os.path.exists(index_path):
+        index_path = storage.join(path, BIN_INDEX)
+        if storage.exists(index_path):
             try:
-                with open(index_path) as f:
-                    files = sorted(set(json.load(f)["weight_map"].values()))
+                weight_map = json.loads(storage.read_bytes(index_path))["weight_map"]
+                files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptCheckpointError(f"{index_path}: not a valid index ({e})") from e
             marker = (BIN_INDEX,)
@@ -136,11 +135,12 @@ def read_torch_save(path: str) -> Manifest:
     objects: dict[str, ObjectEntry] = {}
     paths: dict[str, tuple[str, ...]] = {}
     infos: dict[str, FileInfo] = {}
-    with LocalReader(root) as reader:
+    present = storage.file_sizes(root, files)
+    with open_reader(root) as reader:
         for rel in files:
-            if not os.path.exists(os.path.join(root, rel)):
+            if rel not in present:
                 raise CheckpointNotFoundError(
-                    f"{os.path.join(root, rel)}: file is missing", path=os.path.join(root, rel)
+                    f"{storage.join(root, rel)}: file is missing", path=storage.join(root, rel)
                 )
             ts, objs, ps, info = read_torch_save_file(reader, rel)
             tensors.update((t.fqn, t) for t in ts)
@@ -165,15 +165,14 @@ class TorchSaveLayout(Layout):
     description = "full state dict saved with torch.save (.pt/.pth/.bin), or an HF .bin directory"
 
     def probe(self, path: str) -> str | None:
-        if os.path.isfile(path):
+        if storage.isfile(path):
             if path.endswith(SUFFIXES):
                 return None
-            with open(path, "rb") as f:
-                if torch_archive.is_zip(f.read(4)):
-                    return None
+            if torch_archive.is_zip(storage.read_range(path, 0, 4)):
+                return None
             return f"file is not a zip archive and its name does not end in {SUFFIXES}"
-        if os.path.isdir(path):
-            names = set(os.listdir(path))
+        if storage.isdir(path):
+            names = set(storage.listdir(path))
             if BIN_INDEX in names or "pytorch_model.bin" in names:
                 return None
             return "no pytorch_model.bin or its index"

@@ -14,11 +14,11 @@ merge their manifests (file paths stay relative to the outer directory):
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import replace
 
+from .. import storage
 from ..errors import IncompleteCheckpointError
 from ..manifest import FileInfo, Manifest, ObjectEntry, TensorEntry
 from .base import Layout, register
@@ -35,13 +35,13 @@ LIGHTNING_META = "meta.pt"
 
 def _listdir(path: str) -> list[str]:
     try:
-        return sorted(os.listdir(path))
+        return sorted(storage.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return []
 
 
 def _is_dcp(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    return storage.isfile(storage.join(path, METADATA_FILE))
 
 
 def _is_titan_step(path: str) -> bool:
@@ -49,9 +49,8 @@ def _is_titan_step(path: str) -> bool:
     # state always includes its ``train_state`` Stateful, whose key is found in the metadata
     # bytes without unpickling them.
     try:
-        with open(os.path.join(path, METADATA_FILE), "rb") as f:
-            return b"train_state" in f.read()
-    except FileNotFoundError:
+        return b"train_state" in storage.read_bytes(storage.join(path, METADATA_FILE))
+    except (FileNotFoundError, NotADirectoryError):
         return False
 
 
@@ -59,7 +58,7 @@ def _accelerate_parts(path: str) -> list[str]:
     return [
         n
         for n in _listdir(path)
-        if (_ACCEL_MODEL.match(n) or _ACCEL_OPTIM.match(n)) and os.path.isdir(os.path.join(path, n))
+        if (_ACCEL_MODEL.match(n) or _ACCEL_OPTIM.match(n)) and storage.isdir(storage.join(path, n))
     ]
 
 
@@ -100,12 +99,12 @@ def _newest(path: str, pattern: re.Pattern[str], complete: object) -> tuple[str,
     found = []
     for name in _listdir(path):
         m = pattern.match(name)
-        if m and os.path.isdir(os.path.join(path, name)):
+        if m and storage.isdir(storage.join(path, name)):
             found.append((int(m.group(1)), name))
     if not found:
         return None
     found.sort()
-    usable = [n for _, n in found if complete(os.path.join(path, n))]  # type: ignore[operator]
+    usable = [n for _, n in found if complete(storage.join(path, n))]  # type: ignore[operator]
     skipped = [n for _, n in found if n not in usable]
     if not usable:
         raise IncompleteCheckpointError(
@@ -130,7 +129,7 @@ class TrainerLayout(Layout):
     description = "transformers Trainer checkpoint-N/ (FSDP sharded), or its output_dir"
 
     def probe(self, path: str) -> str | None:
-        if _accelerate_parts(path) and os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        if _accelerate_parts(path) and storage.isfile(storage.join(path, TRAINER_STATE)):
             return None
         if any(_TRAINER_CKPT.match(n) for n in _listdir(path)):
             return None
@@ -145,12 +144,12 @@ class TrainerLayout(Layout):
             _TRAINER_CKPT,
             lambda p: (
                 bool(_accelerate_parts(p))
-                and all(_is_dcp(os.path.join(p, s)) for s in _accelerate_parts(p))
+                and all(_is_dcp(storage.join(p, s)) for s in _accelerate_parts(p))
             ),
         )
         assert found is not None
         chosen, skipped = found
-        inner = os.path.join(path, chosen)
+        inner = storage.join(path, chosen)
         return _with_note(
             merge(inner, self.name, _accelerate_parts(inner)), path, chosen, len(names), skipped
         )
@@ -178,15 +177,13 @@ class LightningLayout(Layout):
     description = "Lightning FSDPStrategy sharded checkpoint (DCP files + meta.pt)"
 
     def probe(self, path: str) -> str | None:
-        if _is_dcp(path) and os.path.isfile(os.path.join(path, LIGHTNING_META)):
+        if _is_dcp(path) and storage.isfile(storage.join(path, LIGHTNING_META)):
             return None
         return "no DCP .metadata with a meta.pt beside it"
 
     def read_manifest(self, path: str) -> Manifest:
-        from ..storage import LocalReader
-
         manifest = read_dcp(path)
-        with LocalReader(path) as reader:
+        with storage.open_reader(path) as reader:
             tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)
         # meta.pt holds the rest of the Lightning checkpoint (epoch, global_step, loops, hparams).
         extra_objects = {f"meta.{o.fqn}": replace(o, fqn=f"meta.{o.fqn}") for o in objects}
@@ -210,25 +207,25 @@ class TorchtitanLayout(Layout):
     description = "torchtitan step-N/ DCP checkpoint, or the checkpoint folder holding them"
 
     def probe(self, path: str) -> str | None:
-        base = os.path.basename(os.path.normpath(path))
+        base = storage.basename(path)
         if _TITAN_STEP.match(base):
             if _is_titan_step(path):
                 return None
             return "a step-N/ directory without torchtitan's train_state entry"
         steps = [n for n in _listdir(path) if _TITAN_STEP.match(n)]
-        if steps and any(_is_titan_step(os.path.join(path, n)) for n in steps):
+        if steps and any(_is_titan_step(storage.join(path, n)) for n in steps):
             return None
         return "not a torchtitan step-N/ directory and holds none"
 
     def read_manifest(self, path: str) -> Manifest:
-        base = os.path.basename(os.path.normpath(path))
+        base = storage.basename(path)
         if _TITAN_STEP.match(base):
             return replace(read_dcp(path), layout=self.name)
         names = [n for n in _listdir(path) if _TITAN_STEP.match(n)]
         found = _newest(path, _TITAN_STEP, _is_dcp)
         assert found is not None
         chosen, skipped = found
-        inner = replace(read_dcp(os.path.join(path, chosen)), layout=self.name)
+        inner = replace(read_dcp(storage.join(path, chosen)), layout=self.name)
         return _with_note(inner, path, chosen, len(names), skipped)
 
 
