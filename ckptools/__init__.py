@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .consolidate import ConsolidateResult, consolidate
 from .diff import diff
 from .errors import CkptError
+from .hub import PushResult, push_to_hub
 from .inspection import InspectReport, inspect
 from .layouts import read_manifest
 from .manifest import Manifest
@@ -33,6 +34,7 @@ __all__ = [
     "ConsolidateResult",
     "InspectReport",
     "Manifest",
+    "PushResult",
     "ReshardResult",
     "VerifyReport",
     "__version__",
@@ -40,6 +42,7 @@ __all__ = [
     "diff",
     "inspect",
     "load",
+    "push_to_hub",
     "read_manifest",
     "read_object",
     "read_tensor",

@@ -1,23 +1,64 @@
-"""Atomic output directories: write into ``<out>.tmp-<id>/`` beside OUT, then rename.
+"""Output locations and their commit: local directories by rename, object stores by marker last.
 
-Every writer commits this way. The caller writes its marker (DCP ``.metadata``, the safetensors
-index) last inside the temporary directory; :func:`output_dir` then fsyncs and renames it onto
-OUT. An exception, Ctrl-C or full disk removes the temporary directory, so nothing that looks
-complete is ever left behind (a kill -9 leaves only a ``*.tmp-*`` directory, never OUT).
+Every writer (consolidate, reshard, shard, ``save_pretrained``, the training manager) goes
+through the same four steps, whatever OUT is:
+
+* :func:`check_writable` (before any work): refuse an OUT that exists (locally) or that holds a
+  checkpoint or foreign objects (object store), unless ``overwrite``;
+* :func:`make_tmp_dir` returns the *staging location* to write into: locally a fresh
+  ``<out>.tmp-<id>/`` beside OUT (same filesystem, so rename works); on an object store, which
+  has no rename, OUT itself, after an in-progress note (:data:`IN_PROGRESS`) is written and
+  whatever an earlier run or ``overwrite`` left there is removed, commit markers first;
+* the writer writes its files there, its marker (DCP ``.metadata``, the safetensors index,
+  ``.ckptools-complete``) last. Writers accept a URL as their output directory: they write each
+  file into a local spool and upload it once complete (:class:`Uploader`);
+* :func:`commit` publishes: locally fsync and rename (an existing OUT is moved aside first); on an
+  object store the marker is already the commit, and the in-progress note is removed.
+  :func:`discard` removes the staging location on failure.
+
+An exception, Ctrl-C or full disk removes the staging location, so nothing that looks complete is
+ever left behind: locally a kill -9 leaves only a ``*.tmp-*`` directory, never OUT; on an object
+store it leaves OUT without its marker (every uploaded object is whole: a PUT or multipart
+upload appears only when complete), which readers treat as incomplete and a later run clears.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import shutil
+import socket
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
+from . import storage
 from .errors import UsageError
+
+#: Written first into an object-store OUT and removed after the commit: marks a prefix as an
+#: unfinished ckptools write, which a later run may clear without ``overwrite``.
+IN_PROGRESS = ".ckptools-writing"
+#: Files whose presence commits a checkpoint directory: written last, deleted first.
+MARKER_NAMES = frozenset(
+    {".metadata", "model.safetensors.index.json", "pytorch_model.bin.index.json",
+     ".ckptools-complete"}
+)  # fmt: skip
+#: A single-file Hugging Face model: the object is whole or absent, so it is its own marker.
+_WHOLE_MODEL_FILES = frozenset({"model.safetensors", "pytorch_model.bin"})
+SPOOL_DIR_ENV = "CKPTOOLS_SPOOL_DIR"
+#: Uploads queued or running before a writer waits for one to finish: local spool space is
+#: bounded by (this + the file being written) x the largest output file.
+MAX_PENDING_UPLOADS = 2
 
 
 def fsync_dir(path: str) -> None:
+    if storage.is_url(path):
+        return  # an object store has no directory entries to make durable
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -25,14 +66,62 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _is_marker(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return name in MARKER_NAMES or name in _WHOLE_MODEL_FILES
+
+
 def check_writable(out: str, overwrite: bool) -> None:
-    """Refuse an existing OUT unless ``overwrite`` (checked before any work starts)."""
-    if os.path.lexists(out) and not overwrite:
-        raise UsageError(f"{out}: already exists; pass --overwrite to replace it", path=out)
+    """Refuse an existing OUT unless ``overwrite`` (checked before any work starts).
+
+    On an object store OUT is a prefix: one that holds nothing, or only what an interrupted
+    ckptools write left (the in-progress note and no marker), is writable; one that holds a
+    committed checkpoint or anything else needs ``overwrite``.
+    """
+    if not storage.is_url(out):
+        if os.path.lexists(out) and not overwrite:
+            raise UsageError(f"{out}: already exists; pass --overwrite to replace it", path=out)
+        return
+    if overwrite:
+        return
+    held = storage.walk_files(out)
+    if not held:
+        return
+    markers = sorted(rel for rel in held if _is_marker(rel))
+    if markers:
+        raise UsageError(
+            f"{out}: already holds a checkpoint ({markers[0]}); pass --overwrite to replace it",
+            path=out,
+        )
+    if IN_PROGRESS not in held:
+        raise UsageError(
+            f"{out}: not empty ({len(held)} objects, e.g. {sorted(held)[0]}); pass --overwrite "
+            "to replace them",
+            path=out,
+        )
+
+
+def _clear_remote(out: str) -> None:
+    """Remove everything under ``out`` but the in-progress note, commit markers first (so a
+    checkpoint being replaced stops looking complete before any of its data goes)."""
+    held = storage.walk_files(out)
+    for rel in sorted((r for r in held if _is_marker(r)), key=lambda r: -r.count("/")):
+        storage.remove(storage.join(out, rel))
+    for rel in held:
+        if rel != IN_PROGRESS and not _is_marker(rel):
+            storage.remove(storage.join(out, rel))
 
 
 def commit(tmp: str, out: str, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` (with ``overwrite``) is moved aside first."""
+    """Publish the staging location ``tmp`` as ``out``.
+
+    Locally ``tmp`` is renamed onto ``out`` (an existing ``out``, with ``overwrite``, is moved
+    aside first). On an object store ``tmp`` is ``out``, whose marker the writer has written
+    last; only the in-progress note is left to remove.
+    """
+    if storage.is_url(out):
+        storage.remove(storage.join(out, IN_PROGRESS))
+        return
     old = None
     if os.path.lexists(out):
         if not overwrite:
@@ -49,7 +138,17 @@ def commit(tmp: str, out: str, overwrite: bool) -> None:
 
 
 def make_tmp_dir(out: str) -> str:
-    """Create and return ``<out>.tmp-<random>/`` beside ``out`` (same filesystem: rename works)."""
+    """Create and return the staging location for ``out`` (see the module docstring).
+
+    Locally ``<out>.tmp-<random>/`` beside ``out`` (same filesystem: rename works). On an object
+    store ``out`` itself, holding only the in-progress note; call :func:`check_writable` first,
+    since whatever else is there is removed.
+    """
+    if storage.is_url(out):
+        note = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        storage.write_bytes(storage.join(out, IN_PROGRESS), json.dumps(note).encode())
+        _clear_remote(out)
+        return out.rstrip("/")
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
@@ -57,17 +156,108 @@ def make_tmp_dir(out: str) -> str:
     return tmp
 
 
+def discard(tmp: str) -> None:
+    """Remove a staging location after a failure (everything under it is this run's)."""
+    if storage.is_url(tmp):
+        with contextlib.suppress(Exception):  # best effort: the missing marker already tells
+            storage.remove_tree(tmp)
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_file_synced(path: str, data: bytes) -> None:
-    """Write a new small file (an index, a marker) and fsync it before anyone relies on it."""
+    """Write a new small file (an index, a marker) and make it durable before anyone relies on
+    it: fsynced locally, one whole PUT on an object store."""
+    if storage.is_url(path):
+        storage.write_bytes(path, data)
+        return
     with open(path, "xb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
+def copy_into(src: str, dst: str) -> None:
+    """Copy the file ``src`` (local or URL) to ``dst`` (local or URL), durably."""
+    if not storage.is_url(dst):
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+        if storage.is_url(src):
+            storage.get_file(src, dst)
+        else:
+            shutil.copy2(src, dst)
+        with open(dst, "rb") as f:
+            os.fsync(f.fileno())
+        return
+    if not storage.is_url(src):
+        storage.put_file(src, dst)
+        return
+    with spool_dir() as spool:
+        local = os.path.join(spool, "copy")
+        storage.get_file(src, local)
+        storage.put_file(local, dst)
+
+
+@contextmanager
+def spool_dir() -> Iterator[str]:
+    """A private local directory for files on their way to an object store (``CKPTOOLS_SPOOL_DIR``
+    or the system temporary directory), removed afterwards."""
+    base = os.environ.get(SPOOL_DIR_ENV) or None
+    if base:
+        os.makedirs(base, exist_ok=True)
+    path = tempfile.mkdtemp(prefix="ckptools-spool-", dir=base)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Uploader:
+    """Uploads finished local files in the background, deleting each once it is up.
+
+    ``put`` blocks while :data:`MAX_PENDING_UPLOADS` uploads are pending, so a writer never
+    runs further ahead of the network than that many files; ``wait`` raises the first failure.
+    """
+
+    def __init__(self, max_pending: int = MAX_PENDING_UPLOADS) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max_pending, thread_name_prefix="ckpt-up")
+        self._slots = threading.Semaphore(max_pending)
+        self._futures: list[Future[None]] = []
+
+    def put(self, local: str, url: str) -> None:
+        self._slots.acquire()
+
+        def run() -> None:
+            try:
+                storage.put_file(local, url)
+                os.remove(local)
+            finally:
+                self._slots.release()
+
+        self._futures.append(self._pool.submit(run))
+        for fut in self._futures:
+            if fut.done() and fut.exception() is not None:
+                self.wait()
+
+    def wait(self) -> None:
+        futures, self._futures = self._futures, []
+        errors = [fut.exception() for fut in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Uploader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @contextmanager
 def output_dir(out: str, *, overwrite: bool = False) -> Iterator[str]:
-    """Yield a fresh temporary directory beside ``out``; commit it to ``out`` on success.
+    """Yield the staging location for ``out``; commit it on success, discard it on failure.
 
     Example:
         >>> with output_dir("/tmp/model-out", overwrite=True) as tmp:   # doctest: +SKIP
@@ -80,5 +270,5 @@ def output_dir(out: str, *, overwrite: bool = False) -> Iterator[str]:
         fsync_dir(tmp)
         commit(tmp, out, overwrite)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise

@@ -20,8 +20,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import dtypes, keys
-from .commit import check_writable, commit, fsync_dir, make_tmp_dir, write_file_synced
+from . import dtypes, keys, storage
+from .commit import (
+    check_writable,
+    commit,
+    copy_into,
+    discard,
+    fsync_dir,
+    make_tmp_dir,
+    write_file_synced,
+)
 from .errors import CkptError, UsageError
 from .execute import DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_BUDGET_ENV, create_files, execute
 from .layouts import read_manifest
@@ -194,7 +202,8 @@ def select_tensors(
 
 
 def _config_dir_files(directory: str) -> list[str]:
-    return [n for n in MODEL_FILES if os.path.isfile(os.path.join(directory, n))]
+    present = storage.file_sizes(directory, MODEL_FILES)  # one listing on an object store
+    return [n for n in MODEL_FILES if n in present]
 
 
 def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
@@ -208,21 +217,26 @@ def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
         UsageError: ``config`` names nothing usable.
     """
     if config is not None:
-        if os.path.isfile(config):
+        if storage.isfile(config):
             return [(config, "config.json")]
-        if os.path.isdir(config):
+        if storage.isdir(config):
             found = _config_dir_files(config)
             if not found:
                 raise UsageError(
                     f"--config {config}: directory holds none of {', '.join(MODEL_FILES[:3])}..."
                 )
-            return [(os.path.join(config, n), n) for n in found]
+            return [(storage.join(config, n), n) for n in found]
         raise UsageError(f"--config {config}: no such file or directory")
-    here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
-    for directory in (here, os.path.dirname(os.path.abspath(here))):
+    if storage.is_url(src):
+        here = src.rstrip("/") if storage.isdir(src) else storage.dirname(src)
+        parent = storage.dirname(here)
+    else:
+        here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+        parent = os.path.dirname(os.path.abspath(here))
+    for directory in (here, parent):
         found = _config_dir_files(directory)
         if "config.json" in found:
-            return [(os.path.join(directory, n), n) for n in found]
+            return [(storage.join(directory, n), n) for n in found]
     return []
 
 
@@ -230,8 +244,7 @@ def tie_setting(files: list[tuple[str, str]]) -> bool | None:
     for path, name in files:
         if name == "config.json":
             try:
-                with open(path, encoding="utf-8") as f:
-                    cfg = json.load(f)
+                cfg = json.loads(storage.read_bytes(path))
             except (OSError, ValueError) as e:
                 raise UsageError(f"{path}: cannot read the model config: {e}") from e
             value = cfg.get("tie_word_embeddings")
@@ -270,17 +283,16 @@ def _same_written_bytes(out_dir: str, plan: ConsolidationPlan, a: str, b: str) -
     for f in plan.files:
         for t in f.tensors:
             if t.name in (a, b):
-                where[t.name] = (os.path.join(out_dir, f.name), t)
+                where[t.name] = (f.name, t)
     (pa, ta), (pb, tb) = where[a], where[b]
     if ta.nbytes != tb.nbytes:
         return False
-    with open(pa, "rb") as fa, open(pb, "rb") as fb:
+    # out_dir is a local directory, or the object-store prefix the files were uploaded to
+    with storage.open_reader(out_dir) as reader:
         done = 0
         while done < ta.nbytes:
             n = min(_COMPARE_BLOCK_BYTES, ta.nbytes - done)
-            if os.pread(fa.fileno(), n, ta.begin + done) != os.pread(
-                fb.fileno(), n, tb.begin + done
-            ):
+            if reader.read(pa, ta.begin + done, n) != reader.read(pb, tb.begin + done, n):
                 return False
             done += n
     return True
@@ -414,13 +426,11 @@ def consolidate(
                     + ", ".join(f"{a} = {b}" for a, b in tied)
                 )
         for path, name in model_files:
-            shutil.copyfile(path, os.path.join(tmp, name))
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
+            copy_into(path, storage.join(tmp, name))
         if plan.index is not None:
             # The index commits a sharded model directory: written last, after every shard.
             index = (json.dumps(plan.index, indent=2) + "\n").encode()
-            write_file_synced(os.path.join(tmp, INDEX_NAME), index)
+            write_file_synced(storage.join(tmp, INDEX_NAME), index)
         fsync_dir(tmp)
         commit(tmp, out, overwrite)
         return tuple(tied)
@@ -448,7 +458,7 @@ def consolidate(
         stats = execute(plan, manifest, tmp, workers=n_workers, memory_budget=budget, quiet=quiet)
         tied = finish(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return result(stats.bytes_written, tied, copied)
 

@@ -67,3 +67,44 @@ class UnsupportedCheckpointError(CkptError, NotImplementedError):
 
 class UsageError(CkptError, ValueError):
     """Arguments that cannot work together (the CLI exits with code 2)."""
+
+
+class HubError(CkptError):
+    """The Hugging Face Hub refused or failed a request (the message says what to do).
+
+    Attributes:
+        repo_id: the repository the request was about.
+        status: the HTTP status the Hub answered, or None when it was not reached.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        repo_id: str | None = None,
+        status: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.repo_id = repo_id
+        self.status = status
+
+
+class HubAuthError(HubError, PermissionError):
+    """401/403: no token, an invalid one, or one without write access to the repository."""
+
+
+class HubNotFoundError(HubError, FileNotFoundError):
+    """404: the repository or revision does not exist (or the token may not see it)."""
+
+
+class HubConflictError(HubError):
+    """409: the repository changed or was busy while pushing; re-running resumes."""
+
+
+class HubConnectionError(HubError, ConnectionError):
+    """The Hub could not be reached (network down, wrong endpoint, offline mode)."""
+
+
+class HubFileTooLargeError(HubError, ValueError):
+    """A file is over the Hub's per-file limit; nothing was uploaded."""

@@ -30,13 +30,13 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from . import dtypes
+from . import dtypes, storage
 from .errors import CorruptCheckpointError
 from .manifest import Chunk, Manifest
 from .plan import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
 from .progress import ByteProgress
 from .reader import resolve_chunk
-from .storage import LocalReader
+from .storage import Reader, open_reader
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _Copier:
     def __init__(
         self,
         manifest: Manifest,
-        reader: LocalReader,
+        reader: Reader,
         out_fds: dict[str, int],
         block: int,
         progress: ByteProgress,
@@ -221,7 +221,7 @@ class _Copier:
 
 
 def kernel_copy(
-    src_fd: int,
+    src_fd: int | None,
     dst_fd: int,
     src_off: int,
     dst_off: int,
@@ -231,10 +231,11 @@ def kernel_copy(
 ) -> bool:
     """Copy ``nbytes`` between files inside the kernel (``os.copy_file_range``).
 
-    Returns False, having copied nothing, where the kernel or filesystem does not support it (the
-    caller falls back to reads and writes). Raises ``EOFError(offset)`` at a short source.
+    Returns False, having copied nothing, where the kernel or filesystem does not support it, or
+    the source has no descriptor (``src_fd`` None: an object store); the caller falls back to
+    reads and writes. Raises ``EOFError(offset)`` at a short source.
     """
-    if not hasattr(os, "copy_file_range"):
+    if src_fd is None or not hasattr(os, "copy_file_range"):
         return False
     done = 0
     while done < nbytes:
@@ -322,9 +323,17 @@ def execute(
         share: ``(rank, world_size)``: copy only this rank's share of the chunks into files
             another rank created.
 
+    ``out_dir`` may be a URL (an object-store prefix): each file is then written into a local
+    spool, one at a time, and uploaded while the next is written (:func:`_execute_to_store`).
+
     Example:
         >>> stats = execute(plan, manifest, "out.tmp-1", workers=4)  # doctest: +SKIP
     """
+    if storage.is_url(out_dir):
+        return _execute_to_store(
+            plan, manifest, out_dir, workers=workers, memory_budget=memory_budget, quiet=quiet,
+            share=share,
+        )  # fmt: skip
     root = manifest.data_dir()
     tasks = [(f, t, c) for f in plan.files for t in f.tensors for c in t.chunks]
     if share is None:
@@ -332,7 +341,7 @@ def execute(
     else:
         tasks = share_of(tasks, *share)
     total = sum(c.numel * dtypes.dtype(t.dtype).itemsize for _, t, c in tasks)
-    reader = LocalReader(root)
+    reader = open_reader(root)
     fds: dict[str, int] = {}
     try:
         # Every file is fsynced, also those this rank writes nothing into: the header is in them.
@@ -349,6 +358,46 @@ def execute(
         for fd in fds.values():
             os.close(fd)
         reader.close()
+
+
+def _execute_to_store(
+    plan: ConsolidationPlan,
+    manifest: Manifest,
+    out_url: str,
+    *,
+    workers: int,
+    memory_budget: int,
+    quiet: bool,
+    share: tuple[int, int] | None,
+) -> ExecuteStats:
+    """:func:`execute` into an object-store prefix: the positional writes need a local file, so
+    each output file is written whole into a local spool, then uploaded (a multipart upload for
+    big files, which appears only once complete) and deleted while the next file is written.
+    Local disk use stays within a few output files (:data:`ckptools.commit.MAX_PENDING_UPLOADS`).
+    """
+    from dataclasses import replace
+
+    from .commit import Uploader, spool_dir
+    from .errors import UsageError
+
+    if share is not None:
+        raise UsageError(
+            f"{out_url}: ranks cannot share output files on an object store; consolidate "
+            "into a local or shared directory under torchrun, or run one process"
+        )
+    written = chunks = kernel = 0
+    with spool_dir() as spool, Uploader() as uploader:
+        for f in plan.files:
+            stats = execute(
+                replace(plan, files=(f,)), manifest, spool, workers=workers,
+                memory_budget=memory_budget, quiet=quiet,
+            )  # fmt: skip
+            uploader.put(os.path.join(spool, f.name), storage.join(out_url, f.name))
+            written += stats.bytes_written
+            chunks += stats.chunks
+            kernel += stats.kernel_copied_bytes
+        uploader.wait()
+    return ExecuteStats(written, chunks, kernel)
 
 
 def _run_all(

@@ -30,3 +30,21 @@ def env_int(name: str, default: int) -> int:
     if value < 1:
         raise UsageError(f"{name}={raw!r}: expected a positive integer")
     return value
+
+
+def env_size(name: str, default: int) -> int:
+    """The byte size in environment variable ``name`` (``"50GB"``, ``"300KB"``, ``1024``), or
+    ``default`` when unset/empty.
+
+    Raises:
+        UsageError: the variable holds anything but a positive size.
+    """
+    from .sizes import parse_size
+
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return parse_size(raw)
+    except UsageError as e:
+        raise UsageError(f"{name}={raw!r}: {e}") from e

@@ -56,7 +56,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import consolidate_cmd, inspect_cmd, reshard_cmd, training_cmd, verify_cmd
+    from . import consolidate_cmd, inspect_cmd, push_cmd, reshard_cmd, training_cmd, verify_cmd
 
     cli.add_command(inspect_cmd.inspect_command)
     cli.add_command(consolidate_cmd.consolidate_command)
@@ -67,6 +67,7 @@ def _register() -> None:
     cli.add_command(reshard_cmd.shard_command)
     cli.add_command(training_cmd.list_command)
     cli.add_command(training_cmd.prune_command)
+    cli.add_command(push_cmd.push_command)
 
 
 _register()
