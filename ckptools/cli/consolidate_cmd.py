@@ -45,6 +45,12 @@ from .render import dumps, human_bytes, table
 )
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Copy threads.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--push-to-hub",
+    metavar="REPO_ID",
+    default=None,
+    help="Then publish OUT to this Hub repository (as ckpt push OUT REPO_ID --source SRC).",
+)
 @format_option
 @json_option
 def consolidate_command(
@@ -59,6 +65,7 @@ def consolidate_command(
     dry_run: bool,
     workers: int | None,
     quiet: bool,
+    push_to_hub: str | None,
     format: str | None,
     as_json: bool,
 ) -> None:
@@ -73,9 +80,14 @@ def consolidate_command(
       ckpt consolidate out/checkpoint-500 hf_model --max-shard-size 2GB --dtype bfloat16
       ckpt consolidate ckpt hf_model --dry-run
       torchrun --nproc-per-node 4 -m ckptools consolidate ckpt hf_model
+      ckpt consolidate checkpoints/step-1000 hf_model --push-to-hub me/my-model
     """
     from ..consolidate import consolidate
 
+    if push_to_hub is not None:
+        from .push_cmd import check_push_option
+
+        check_push_option(push_to_hub, max_shard_size)
     result = consolidate(
         src,
         out,
@@ -93,6 +105,11 @@ def consolidate_command(
     if os.environ.get("RANK", "0") != "0":
         return  # under torchrun every rank ran its share; rank 0 reports
     data = result.to_dict()
+    if push_to_hub is not None:
+        from .push_cmd import push_consolidated
+
+        push_consolidated(data, push_to_hub, as_json=as_json, quiet=quiet, render=_render)
+        return
     click.echo(dumps(data) if as_json else _render(data))
 
 

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from ckptools.errors import UsageError
 from ckptools.integrations.transformers import CkptoolsCallback
 from tests.support.dist import run_ranks
 from tests.support.producers import hf_config_dict, produce
@@ -99,11 +98,6 @@ def test_on_save_ignores_a_checkpoint_that_is_not_sharded(tmp_path: Path) -> Non
     assert callback.on_save(_args(str(tmp_path)), state, control, model=_llama()) is None
     assert callback.last_result is None
     assert sorted(os.listdir(checkpoint)) == ["model.safetensors"]
-
-
-def test_push_to_hub_is_not_available_yet() -> None:
-    with pytest.raises(UsageError, match="Hub issue"):
-        CkptoolsCallback(push_to_hub="me/model")
 
 
 def _on_save_on_every_rank(rank: int, world_size: int, root: str) -> tuple[int, int]:
