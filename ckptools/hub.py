@@ -664,6 +664,18 @@ def hub_error(
             repo_id=repo_id,
             status=status,
         )
+    if isinstance(e, ValueError) and str(e).startswith("Invalid metadata in README.md"):
+        # The client's own check of a README.md front matter (a 400 of /api/validate-yaml).
+        details = " ".join(line.lstrip("- ") for line in str(e).splitlines()[1:3])
+        return HubError(
+            f"{repo_id}: the Hub refused the metadata of README.md ({details}): fix its YAML front "
+            "matter, or remove README.md to have ckptools write a model card",
+            repo_id=repo_id,
+            status=400,
+        )
+    if isinstance(e, ValueError) and str(e).startswith("LFS batch API returned errors"):
+        said = " ".join(str(e).splitlines()[1:3])
+        return HubError(f"{repo_id}: the Hub refused an upload ({said}); {resume}", repo_id=repo_id)
     if isinstance(e, _network_errors()):
         return HubConnectionError(
             f"{endpoint}: cannot reach the Hub ({type(e).__name__}: {_first_line(str(e))}): check "

@@ -312,6 +312,15 @@ def test_own_readme_is_uploaded_as_it_is(tmp_path: Path, hub: HubServer) -> None
     assert hub.files_at(REPO)["README.md"] == b"---\nlicense: mit\n---\n# mine\n"
 
 
+def test_own_readme_with_invalid_yaml_is_one_line(tmp_path: Path, hub: HubServer) -> None:
+    model = write_model(tmp_path / "m", shards=1)
+    (model / "README.md").write_text("---\nlicense: [mit\n---\n# mine\n")
+    with pytest.raises(HubError) as e:
+        ckptools.push_to_hub(str(model), REPO, endpoint=hub.url, token=TOKEN, quiet=True)
+    assert "metadata of README.md" in str(e.value) and "invalid YAML" in str(e.value)
+    assert "\n" not in str(e.value) and hub.commits == []
+
+
 def test_no_token_is_401_saying_how_to_log_in(tmp_path: Path, hub: HubServer) -> None:
     model = write_model(tmp_path / "m", shards=1)
     with pytest.raises(HubAuthError) as e:
