@@ -44,7 +44,7 @@ from typing import Any
 
 import xxhash
 
-from . import storage
+from . import collective, storage
 from .errors import CorruptCheckpointError
 from .manifest import Manifest
 
@@ -183,6 +183,7 @@ def write_checksums(
     format: str | None = None,
     workers: int | None = None,
     quiet: bool = False,
+    distributed: bool = False,
 ) -> Checksums:
     """Hash every chunk and file of the checkpoint at ``path`` and write its checksum manifest.
 
@@ -194,6 +195,10 @@ def write_checksums(
         format: force a layout (as ``ckpt inspect --format``).
         workers: files read in parallel (default ``CKPTOOLS_WORKERS`` or up to 4).
         quiet: no progress bar.
+        distributed: under torchrun, or called by every rank of an initialised process group:
+            every rank hashes a share of the files (as :func:`ckptools.verify` does) and rank 0
+            writes the manifest. Default: this process alone (what one rank of a training job
+            calls).
 
     Returns:
         The written :class:`Checksums`; ``.path`` is where it went.
@@ -208,7 +213,10 @@ def write_checksums(
     """
     from .verify import verify
 
-    report = verify(path, format=format, workers=workers, quiet=quiet, _collect_digests=True)
+    report = verify(
+        path, format=format, workers=workers, quiet=quiet, distributed=distributed,
+        _collect_digests=True,
+    )  # fmt: skip
     problems = [f for f in report.findings if f.kind != "checksum"]
     if problems:
         raise CorruptCheckpointError(
@@ -227,5 +235,5 @@ def write_checksums(
         created=now,
         extra={"layout": report.layout},
     )
-    save_checksums(sums)
+    collective.current(distributed).from_root(lambda: save_checksums(sums), "checksum")
     return sums

@@ -14,13 +14,13 @@ import logging
 import os
 import resource
 import shutil
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import dtypes, keys, storage
+from . import collective, dtypes, keys, storage
+from .collective import Ranks
 from .commit import (
     check_writable,
     commit,
@@ -30,7 +30,7 @@ from .commit import (
     make_tmp_dir,
     write_file_synced,
 )
-from .errors import CkptError, UsageError
+from .errors import UsageError
 from .execute import DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_BUDGET_ENV, create_files, execute
 from .layouts import read_manifest
 from .manifest import Manifest
@@ -313,6 +313,7 @@ def consolidate(
     memory_budget: str | int | None = None,
     format: str | None = None,
     quiet: bool = False,
+    distributed: bool = True,
 ) -> ConsolidateResult:
     """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
 
@@ -337,6 +338,9 @@ def consolidate(
         memory_budget: bytes of copy buffers (default ``CKPTOOLS_MEMORY_BUDGET`` or 256 MiB).
         format: force the source layout instead of detecting it.
         quiet: no progress bar.
+        distributed: under torchrun, or called by every rank of an initialised process group,
+            split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
+            False: this process writes everything alone.
 
     Returns:
         A :class:`ConsolidateResult`; ``to_dict()`` gives plain JSON-able data.
@@ -435,21 +439,19 @@ def consolidate(
         commit(tmp, out, overwrite)
         return tuple(tied)
 
-    group = _rank_and_world()
-    if group is not None:
-        rank, world = group
-        notes.append(f"written by {world} ranks")
+    ranks = collective.current(distributed)
+    if ranks.world_size > 1:
+        notes.append(f"written by {ranks.world_size} ranks")
         tied = _write_distributed(
+            ranks,
             plan,
             manifest,
             out,
             overwrite,
-            rank,
-            world,
             finish,
             workers=n_workers,
             memory_budget=budget,
-            quiet=quiet or rank != 0,
+            quiet=quiet or not ranks.is_root,
         )
         return result(plan.bytes_to_write, tied, copied)
 
@@ -463,38 +465,12 @@ def consolidate(
     return result(stats.bytes_written, tied, copied)
 
 
-def _rank_and_world() -> tuple[int, int] | None:
-    """``(rank, world_size)`` when running as one of several ranks, else None.
-
-    Several ranks means: a process group of more than one rank is already initialised (the
-    caller's training script), or torchrun's environment (``WORLD_SIZE`` > 1 with ``RANK`` and
-    ``MASTER_ADDR``), in which case a gloo group is initialised here. torch is imported only then.
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        world = int(dist.get_world_size())
-        return (int(dist.get_rank()), world) if world > 1 else None
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ:
-        if "MASTER_ADDR" not in os.environ:
-            return None
-        import atexit
-
-        import torch.distributed as tdist
-
-        tdist.init_process_group("gloo")
-        # The group is ours: tear it down at exit (the caller may still use it until then).
-        atexit.register(tdist.destroy_process_group)
-        return int(tdist.get_rank()), int(tdist.get_world_size())
-    return None
-
-
 def _write_distributed(
+    ranks: Ranks,
     plan: ConsolidationPlan,
     manifest: Manifest,
     out: str,
     overwrite: bool,
-    rank: int,
-    world: int,
     finish: Callable[[str], tuple[tuple[str, str], ...]],
     *,
     workers: int,
@@ -503,61 +479,31 @@ def _write_distributed(
 ) -> tuple[tuple[str, str], ...]:
     """Every rank copies its share of the chunks; rank 0 creates the files first and commits last.
 
-    Called by every rank, in the same order: broadcast (rank 0's temporary directory, or its
-    error), all-reduce of a failure flag once each rank has written and fsynced its share, then
-    broadcast of rank 0's commit outcome. On any rank's failure rank 0 removes the temporary
-    directory and every rank raises.
+    Called by every rank, in the same order (:mod:`ckptools.collective`): rank 0 creates the
+    temporary directory and every file (headers written, final sizes) and hands out its name;
+    every rank copies the chunks of its byte share (:func:`ckptools.execute.share_of`) and
+    fsyncs; once all have, rank 0 runs ``finish`` (model files, index last, rename). On any
+    rank's failure rank 0 removes the temporary directory and every rank raises.
     """
-    import torch
-    import torch.distributed as dist
 
-    setup: list[Any] = [None, None]
-    if rank == 0:
-        made = None
+    def prepare() -> str:
+        check_writable(out, overwrite)
+        made = make_tmp_dir(out)
         try:
-            check_writable(out, overwrite)
-            made = make_tmp_dir(out)
             create_files(plan, made)
-            setup = [made, None]
-        except (CkptError, OSError) as e:
-            if made is not None:
-                shutil.rmtree(made, ignore_errors=True)
-            setup = [None, str(e)]
-    dist.broadcast_object_list(setup, src=0)
-    tmp, error = setup
-    if error is not None:
-        raise UsageError(error)
-    failure: BaseException | None = None
-    try:
-        execute(
-            plan,
-            manifest,
-            tmp,
-            workers=workers,
-            memory_budget=memory_budget,
-            quiet=quiet,
-            share=(rank, world),
-        )
-    except Exception as e:  # reported to the other ranks below, then re-raised
-        failure = e
-    flag = torch.tensor([0 if failure is None else 1])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag.item()):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None:
-            raise failure
-        raise CkptError("consolidate failed on another rank (see its error); nothing was written")
-    outcome: list[Any] = [None, ()]
-    if rank == 0:
-        try:
-            outcome = [None, finish(tmp)]
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            outcome = [f"{type(e).__name__}: {e}", ()]
-            dist.broadcast_object_list(outcome, src=0)
+        except BaseException:
+            shutil.rmtree(made, ignore_errors=True)
             raise
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise CkptError(f"rank 0 could not commit {out}: {outcome[0]}")
-    return tuple(tuple(p) for p in outcome[1])  # type: ignore[misc]
+        return made
+
+    def discard(tmp: str) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    with ranks.staged(prepare, discard, "consolidate") as tmp:
+        share = (ranks.rank, ranks.world_size)
+        ranks.from_all(
+            lambda: execute(plan, manifest, tmp, workers=workers, memory_budget=memory_budget,
+                            quiet=quiet, share=share),
+            "consolidate",
+        )  # fmt: skip
+        return ranks.from_root(lambda: finish(tmp), "consolidate")

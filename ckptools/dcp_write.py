@@ -24,7 +24,7 @@ import math
 import os
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -704,18 +704,26 @@ def write_dcp(
     source_root: str,
     workers: int = 2,
     quiet: bool = True,
+    only_files: Collection[int] | None = None,
 ) -> int:
     """Write the planned ``.distcp`` files into ``out_dir`` (existing, empty), then ``.metadata``.
 
     Returns the bytes written. Items are independent byte ranges, so ``workers`` threads take
     them in file order from one queue (each thread with its own block buffer) whatever the
     number of files; every file is fsynced before ``.metadata`` commits the checkpoint.
+
+    With ``only_files`` (indices r of the ``__r_0.distcp`` files: this process's share under
+    torchrun, see :mod:`ckptools.collective`) only those files are written, and no
+    ``.metadata``: rank 0 writes it (:func:`write_metadata`) once every process is done.
     """
-    total = plan.total_bytes
-    tasks: list[TensorItem | ObjectItem] = sorted(
-        [*plan.objects, *plan.tensors], key=lambda item: (item.rank, item.offset)
+    mine = range(plan.world_size) if only_files is None else sorted(set(only_files))
+    wanted = set(mine)
+    total = sum(plan.file_sizes[r] for r in mine)
+    items: list[TensorItem | ObjectItem] = [*plan.objects, *plan.tensors]
+    tasks = sorted(
+        [i for i in items if i.rank in wanted], key=lambda item: (item.rank, item.offset)
     )
-    for rank in range(plan.world_size):
+    for rank in mine:
         # Every rank's file exists, as DCP writes one per rank even when it holds nothing.
         open(os.path.join(out_dir, file_name(rank)), "wb").close()
     local = threading.local()
@@ -751,5 +759,6 @@ def write_dcp(
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             for future in [pool.submit(run, i, item) for i, item in enumerate(tasks)]:
                 future.result()
-    write_metadata(out_dir, plan)
+    if only_files is None:
+        write_metadata(out_dir, plan)
     return total

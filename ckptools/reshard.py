@@ -19,11 +19,14 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import collective, dcp_write
 from .checksum import CHECKSUM_FILE, write_checksums
-from .commit import check_writable, output_dir
+from .collective import Ranks
+from .commit import check_writable, commit, fsync_dir, make_tmp_dir
 from .dcp_write import DcpPlan, plan_dcp, write_dcp
 from .errors import UsageError
 from .layouts import read_manifest
@@ -88,6 +91,7 @@ def reshard(
     workers: int = DEFAULT_WORKERS,
     quiet: bool = False,
     format: str | None = None,
+    distributed: bool = True,
 ) -> ReshardResult:
     """Rewrite the DCP checkpoint ``src`` into ``out`` laid out for ``world_size`` FSDP2 ranks.
 
@@ -98,6 +102,9 @@ def reshard(
         world_size: ranks of the target layout.
         rank_state: ``"keep"`` or ``"drop"`` per-rank state that cannot be split (see module).
         dry_run: plan only; write nothing.
+        distributed: under torchrun, or called by every rank of an initialised process group,
+            split the output files over the ranks (:func:`_write`; every rank must call it);
+            False: this process writes everything alone.
 
     Example:
         >>> ckptools.reshard("ckpt/step-100", "ckpt16/step-100", world_size=16)  # doctest: +SKIP
@@ -147,23 +154,96 @@ def reshard(
             src, out, world_size, summary, 0, time.perf_counter() - started, True, rank_state,
             tuple(rank_items), copied, tuple(notes),
         )  # fmt: skip
-    written = 0
-    with output_dir(out, overwrite=overwrite) as tmp:
-        for name in copied:
-            dst = os.path.join(tmp, name)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            shutil.copy2(os.path.join(root, name), dst)
-        for sub, (part, plan) in plans.items():
-            target = os.path.join(tmp, sub) if sub else tmp
-            os.makedirs(target, exist_ok=True)
-            written += write_dcp(part, plan, target, source_root=root, workers=workers, quiet=quiet)
-        if os.path.exists(os.path.join(root, CHECKSUM_FILE)):
-            # The source was protected by a checksum manifest: so is the result.
-            write_checksums(tmp, workers=workers, quiet=True)
+    ranks = collective.current(distributed)
+    if ranks.world_size > 1:
+        notes.append(f"written by {ranks.world_size} ranks")
+    written = _write(
+        ranks, out, overwrite, plans, root, copied,
+        # The source was protected by a checksum manifest: so is the result.
+        checksums=os.path.exists(os.path.join(root, CHECKSUM_FILE)),
+        workers=workers, quiet=quiet,
+    )  # fmt: skip
     return ReshardResult(
         src, out, world_size, summary, written, time.perf_counter() - started, False, rank_state,
         tuple(rank_items), copied, tuple(notes),
     )  # fmt: skip
+
+
+def _write(
+    ranks: Ranks,
+    out: str,
+    overwrite: bool,
+    parts: Mapping[str, tuple[Manifest, DcpPlan]],
+    source_root: str,
+    copied: Sequence[str] = (),
+    *,
+    checksums: bool,
+    workers: int,
+    quiet: bool,
+) -> int:
+    """Write ``parts`` (DCP subdirectory -> source, plan) and ``copied`` into ``out``, atomically.
+
+    Called by every rank, in this order (:mod:`ckptools.collective`; one process is rank 0 of 1):
+    rank 0 creates the temporary directory and copies ``copied`` (files beside the DCP data)
+    into it; every rank writes the ``__r_0.distcp`` files :meth:`Ranks.mine` gives it (balanced
+    by bytes over the files of all parts); once all are written, rank 0 writes each part's
+    ``.metadata``; with ``checksums`` every rank hashes a share of the files and rank 0 writes
+    the checksum manifest (:func:`ckptools.checksum.write_checksums`); rank 0 renames last. On
+    any rank's failure rank 0 removes the temporary directory and every rank raises.
+
+    Returns the bytes of all ``.distcp`` files (every rank's).
+    """
+    units = [(sub, r) for sub, (_, plan) in parts.items() for r in range(plan.world_size)]
+    mine: dict[str, list[int]] = {sub: [] for sub in parts}
+    for i in ranks.mine([parts[sub][1].file_sizes[r] for sub, r in units]):
+        mine[units[i][0]].append(units[i][1])
+
+    def prepare() -> str:
+        check_writable(out, overwrite)
+        tmp = make_tmp_dir(out)
+        try:
+            for name in copied:
+                dst = os.path.join(tmp, name)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copy2(os.path.join(source_root, name), dst)
+            for sub in parts:
+                os.makedirs(_target(tmp, sub), exist_ok=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp
+
+    def write_share(tmp: str) -> int:
+        return sum(
+            write_dcp(part, plan, _target(tmp, sub), source_root=source_root, workers=workers,
+                      quiet=quiet or not ranks.is_root, only_files=mine[sub])
+            for sub, (part, plan) in parts.items()
+        )  # fmt: skip
+
+    def markers(tmp: str) -> None:
+        for sub, (_, plan) in parts.items():
+            # through the module: tests interrupt a run here
+            dcp_write.write_metadata(_target(tmp, sub), plan)
+
+    def rename(tmp: str) -> None:
+        fsync_dir(tmp)
+        commit(tmp, out, overwrite)
+
+    with ranks.staged(prepare, _discard, "reshard") as tmp:
+        written = sum(ranks.from_all(lambda: write_share(tmp), "reshard"))
+        ranks.from_root(lambda: markers(tmp), "reshard")
+        if checksums:
+            write_checksums(tmp, workers=workers, quiet=True, distributed=ranks.world_size > 1)
+        ranks.from_root(lambda: rename(tmp), "reshard")
+    return written
+
+
+def _target(tmp: str, sub: str) -> str:
+    return os.path.join(tmp, sub) if sub else tmp
+
+
+def _discard(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _aux_files(root: str, parts: list[str]) -> list[str]:
@@ -193,12 +273,14 @@ def shard(
     workers: int = DEFAULT_WORKERS,
     quiet: bool = False,
     format: str | None = None,
+    distributed: bool = True,
 ) -> ReshardResult:
     """Make a DCP checkpoint for ``world_size`` ranks from a full model.
 
     ``src`` is a Hugging Face safetensors directory or file, or a ``torch.save`` full state
     dict; each tensor ``name`` is stored as ``prefix + name`` (key path ``("model", name)`` for
     the default prefix), which is what ``dcp.load({"model": model_state_dict})`` reads.
+    Under torchrun the output files are split over the ranks, as :func:`reshard` does.
 
     Example:
         >>> ckptools.shard("Llama-3-8B/", "ckpt/step-0", world_size=8)  # doctest: +SKIP
@@ -227,11 +309,13 @@ def shard(
             src, out, world_size, summary, 0, time.perf_counter() - started, True, "keep",
             notes=tuple(notes),
         )  # fmt: skip
-    source_root = manifest.data_dir()
-    with output_dir(out, overwrite=overwrite) as tmp:
-        written = write_dcp(
-            manifest, plan, tmp, source_root=source_root, workers=workers, quiet=quiet
-        )
+    ranks = collective.current(distributed)
+    if ranks.world_size > 1:
+        notes.append(f"written by {ranks.world_size} ranks")
+    written = _write(
+        ranks, out, overwrite, {"": (manifest, plan)}, manifest.data_dir(),
+        checksums=False, workers=workers, quiet=quiet,
+    )  # fmt: skip
     return ReshardResult(
         src, out, world_size, summary, written, time.perf_counter() - started, False, "keep",
         notes=tuple(notes),

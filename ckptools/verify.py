@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import dtypes, safe_pickle, storage, torch_archive
+from . import collective, dtypes, safe_pickle, storage, torch_archive
 from .checksum import (
     CHECKSUM_FILE,
     Checksums,
@@ -1068,6 +1068,7 @@ def verify(
     rtol: float | None = None,
     format: str | None = None,
     quiet: bool = False,
+    distributed: bool = False,
     _collect_digests: bool = False,
 ) -> VerifyReport:
     """Check that the checkpoint at ``path`` is whole; report every problem found.
@@ -1088,9 +1089,15 @@ def verify(
         rtol: relative tolerance for ``against`` (default: bit-exact).
         format: force the layout of ``path`` (as ``ckpt inspect --format``).
         quiet: no progress bar.
+        distributed: under torchrun (``torchrun -m ckptools verify``), or called by every rank
+            of an initialised process group: the files to read are split over the ranks by
+            bytes and the findings gathered, so every rank returns the report one process would
+            (:mod:`ckptools.collective`). Off by default, because one rank of a training job
+            calling ``verify`` alone is the common case.
 
     Returns:
-        A :class:`VerifyReport`; ``report.ok`` is True when nothing was found.
+        A :class:`VerifyReport`; ``report.ok`` is True when nothing was found (the same on
+        every rank).
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist.
@@ -1107,9 +1114,11 @@ def verify(
     t0 = time.perf_counter()
     n_workers = resolve_workers(workers)
     block = resolve_block_bytes()
+    ranks = collective.current(distributed)
+    quiet = quiet or not ranks.is_root
     manifest, findings = _read(path, format)
     if manifest is None:
-        diff_report = _diff(path, against, atol, rtol, format) if against is not None else None
+        diff_report = _diff(ranks, path, against, atol, rtol, format)
         return VerifyReport(
             path, None, None, quick, check_finite, tuple(findings),
             seconds=time.perf_counter() - t0, diff=diff_report,
@@ -1159,9 +1168,9 @@ def verify(
                     files.setdefault(marker, [])
         for rel in whole:
             files.setdefault(rel, [])
-        results, bytes_read = _scan(
-            root, files, sizes, whole if want_digests else set(), check_finite, want_digests,
-            block, n_workers, quiet,
+        results, bytes_read = _scan_shared(
+            ranks, root, files, sizes, whole if want_digests else set(), check_finite,
+            want_digests, block, n_workers, quiet,
         )  # fmt: skip
         nonfinite: dict[str, list[int]] = {}
         where: dict[str, _Item] = {}
@@ -1197,7 +1206,7 @@ def verify(
             digests = Digests(item_digests, file_digests)
         if sums is not None and digests is not None:
             findings.extend(_compare_checksums(sums, digests, items, set(file_digests)))
-    diff_report = _diff(path, against, atol, rtol, format) if against is not None else None
+    diff_report = _diff(ranks, path, against, atol, rtol, format)
     return VerifyReport(
         path=path,
         format=manifest.format,
@@ -1218,11 +1227,21 @@ def verify(
 
 
 def _diff(
-    path: str, against: str, atol: float | None, rtol: float | None, format: str | None
-) -> DiffReport:
+    ranks: collective.Ranks,
+    path: str,
+    against: str | None,
+    atol: float | None,
+    rtol: float | None,
+    format: str | None,
+) -> DiffReport | None:
+    """The comparison with ``against`` (rank 0 compares; every rank gets its report)."""
+    if against is None:
+        return None
     from .diff import diff
 
-    return diff(path, against, atol=atol, rtol=rtol, format_a=format)
+    return ranks.from_root(
+        lambda: diff(path, against, atol=atol, rtol=rtol, format_a=format), "verify --against"
+    )
 
 
 def _scan(
@@ -1254,6 +1273,36 @@ def _scan(
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-verify") as ex:
                 results = list(ex.map(one, order))
     return results, sum(r.bytes_read for _, r in results)
+
+
+def _scan_shared(
+    ranks: collective.Ranks,
+    root: str,
+    files: dict[str, list[_Item]],
+    sizes: dict[str, int],
+    whole: set[str],
+    check_finite: bool,
+    digests: bool,
+    block: int,
+    workers: int,
+    quiet: bool,
+) -> tuple[list[tuple[str, _FileResult]], int]:
+    """:func:`_scan` of this rank's share of the files (balanced by bytes); every rank gets the
+    results of all files in :func:`_scan`'s own order, so the report is one process's.
+
+    Collective when ``ranks.world_size`` > 1: every rank calls it (one all-gather).
+    """
+    if ranks.world_size == 1:
+        return _scan(root, files, sizes, whole, check_finite, digests, block, workers, quiet)
+    names = list(files)
+    share = {names[i]: files[names[i]] for i in ranks.mine([sizes.get(n, 0) for n in names])}
+    parts = ranks.from_all(
+        lambda: _scan(root, share, sizes, whole, check_finite, digests, block, workers, quiet),
+        "verify",
+    )
+    by_file = {rel: res for results, _ in parts for rel, res in results}
+    order = sorted(files, key=lambda rel: -sizes.get(rel, 0))  # as _scan orders them
+    return [(rel, by_file[rel]) for rel in order], sum(n for _, n in parts)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import click
@@ -82,6 +81,7 @@ def consolidate_command(
       torchrun --nproc-per-node 4 -m ckptools consolidate ckpt hf_model
       ckpt consolidate checkpoints/step-1000 hf_model --push-to-hub me/my-model
     """
+    from ..collective import reports_here
     from ..consolidate import consolidate
 
     if push_to_hub is not None:
@@ -102,7 +102,7 @@ def consolidate_command(
         format=format,
         quiet=quiet or as_json,
     )
-    if os.environ.get("RANK", "0") != "0":
+    if not reports_here():
         return  # under torchrun every rank ran its share; rank 0 reports
     data = result.to_dict()
     if push_to_hub is not None:

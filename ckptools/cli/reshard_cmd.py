@@ -52,8 +52,10 @@ def reshard_command(
     be the outer directory of accelerate / Trainer / Lightning / torchtitan checkpoints.
 
     \b
-    Example:
+    Examples:
       ckpt reshard ckpt/step-1000 ckpt-16/step-1000 --world-size 16
+      torchrun --nproc-per-node 4 -m ckptools reshard ckpt/step-1000 ckpt-16/step-1000 \
+          --world-size 16
     """
     from ..reshard import reshard
 
@@ -105,6 +107,10 @@ def shard_command(
 
 
 def _render(d: dict[str, Any], as_json: bool) -> None:
+    from ..collective import reports_here
+
+    if not reports_here():
+        return  # under torchrun every rank wrote its files; rank 0 reports
     if as_json:
         click.echo(dumps(d))
         return

@@ -59,7 +59,9 @@ def verify_command(
       ckpt verify checkpoints/step-1000 --quick
       ckpt verify checkpoints/step-1000 --check-finite --json
       ckpt verify checkpoints/step-1000 --against hf_model
+      torchrun --nproc-per-node 4 -m ckptools verify checkpoints/step-1000
     """
+    from ..collective import reports_here
     from ..verify import verify
     from .main import EXIT_DIFFERENCES
 
@@ -73,9 +75,11 @@ def verify_command(
         rtol=rtol,
         format=format,
         quiet=quiet or as_json,
+        distributed=True,
     )
-    data = report.to_dict()
-    click.echo(dumps(data) if as_json else _render_verify(data))
+    if reports_here():  # under torchrun every rank has the same report; rank 0 prints it
+        data = report.to_dict()
+        click.echo(dumps(data) if as_json else _render_verify(data))
     if not report.ok:
         ctx.exit(EXIT_DIFFERENCES)
 
@@ -215,10 +219,16 @@ def checksum_command(
     \b
     Examples:
       ckpt checksum checkpoints/step-1000
+      torchrun --nproc-per-node 4 -m ckptools checksum checkpoints/step-1000
     """
     from ..checksum import write_checksums
+    from ..collective import reports_here
 
-    sums = write_checksums(path, format=format, workers=workers, quiet=quiet or as_json)
+    sums = write_checksums(
+        path, format=format, workers=workers, quiet=quiet or as_json, distributed=True
+    )
+    if not reports_here():
+        return  # under torchrun every rank hashed its share; rank 0 reports
     data = {"path": path, "checksum_file": sums.path, "chunks": len(sums.items),
             "files": len(sums.files), "algorithm": sums.algorithm}  # fmt: skip
     if as_json:

@@ -1,0 +1,357 @@
+"""``torchrun -m ckptools consolidate | reshard | shard | verify``: the real torchrun launcher (c10d
+rendezvous on loopback) with 1, 2 and 4 processes, and 2 "nodes" (two launchers sharing one
+rendezvous), gives the bytes and the report of one process; a failure on one rank makes every
+rank exit non-zero and leaves nothing that looks complete.
+
+The truth is the single-process command, itself proven bit-exact against torch's own loaders by
+``tests/integration/test_consolidate.py`` and ``tests/distributed/test_reshard.py``; the resharded
+output is also loaded here with torch's ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from ckptools.checksum import CHECKSUM_FILE, write_checksums
+from ckptools.cli.main import cli
+from tests.conftest import Produced
+from tests.support.producers import flip_bit, iter_files
+from tests.support.reference import (
+    assert_bitwise_equal,
+    expected_checkpoints,
+    load_reference,
+    load_with_dcp,
+)
+
+pytestmark = pytest.mark.distributed
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+#: (nodes, processes per node): 1, 2 and 4 processes on one node, and 2 nodes of 2 processes.
+TOPOLOGIES = [
+    pytest.param(1, 1, id="1proc"),
+    pytest.param(1, 2, id="2procs"),
+    pytest.param(1, 4, id="4procs", marks=pytest.mark.slow),
+    pytest.param(2, 2, id="2nodes"),
+]
+_UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_LAUNCH_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Launch:
+    """What the torchrun launchers of one job did."""
+
+    returncodes: list[int]  # one per launcher (node)
+    output: str  # the launchers' own output (torch's failure summary)
+    stdout: list[str]  # every worker's stdout
+    stderr: list[str]  # every worker's stderr
+
+    def worker_exitcodes(self) -> dict[int, int]:
+        """Global rank -> exit code of every failed worker, from torchrun's failure summary."""
+        found = re.findall(
+            r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)", self.output
+        )
+        return {int(r): int(c) for r, c in found}
+
+
+def torchrun(args: list[str], tmp: Path, *, nodes: int = 1, nproc: int = 2) -> Launch:
+    """Run ``torchrun ... -m ckptools ARGS``: ``nodes`` launchers on localhost (``--nnodes`` and
+    ``--node-rank``, one c10d rendezvous endpoint), ``nproc`` workers each; every worker's output
+    goes to its own log file."""
+    port = _free_port()
+    logs = [tmp / f"torchrun-logs-{port}-{n}" for n in range(nodes)]
+    env = dict(os.environ, CKPTOOLS_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+    procs = []
+    for node in range(nodes):
+        cmd = [
+            TORCHRUN, f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=ckpt-{port}",
+            "--max-restarts=0",
+            # Long enough that when one worker fails the others finish raising on their own
+            # before the launcher would stop them: their exit codes are what is tested.
+            "--monitor-interval=2",
+            f"--log-dir={logs[node]}", "--redirects=3", "-m", "ckptools", *args,
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=_LAUNCH_TIMEOUT_S)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    stdout = [
+        Path(f).read_text()
+        for f in sorted(glob.glob(f"{tmp}/torchrun-logs-{port}-*/*/*/*/stdout.log"))
+    ]
+    stderr = [
+        Path(f).read_text()
+        for f in sorted(glob.glob(f"{tmp}/torchrun-logs-{port}-*/*/*/*/stderr.log"))
+    ]
+    assert len(stdout) == len(stderr) == nodes * nproc, "\n".join(outputs)
+    return Launch([p.returncode for p in procs], "\n".join(outputs), stdout, stderr)
+
+
+def _ok(launch: Launch) -> dict[str, Any]:
+    """The launch succeeded on every worker; exactly one (rank 0) printed, its JSON is returned."""
+    assert launch.returncodes == [0] * len(launch.returncodes), launch.output + "".join(
+        launch.stderr
+    )
+    printed = [s for s in launch.stdout if s.strip()]
+    assert len(printed) == 1, launch.stdout  # non-zero ranks print nothing
+    data: dict[str, Any] = json.loads(printed[0])
+    return data
+
+
+def _one_process(args: list[str]) -> tuple[int, dict[str, Any]]:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code in (0, 3), result.output
+    return result.exit_code, json.loads(result.output)
+
+
+def _tree(root: Path) -> dict[str, Any]:
+    """Every file's bytes; DCP's ``save_id`` (a fresh uuid per save) masked in ``.metadata``, and
+    the checksum manifest's creation time and digest of ``.metadata`` left out."""
+    out: dict[str, Any] = {}
+    for rel in iter_files(root):
+        data = (root / rel).read_bytes()
+        if os.path.basename(rel) == ".metadata":
+            masked, n = _UUID.subn(b"0" * 36, data)
+            assert n == 1, rel  # exactly the save_id
+            out[rel] = masked
+        elif os.path.basename(rel) == CHECKSUM_FILE:
+            sums = json.loads(data)
+            sums.pop("created")
+            sums["files"] = {k: v for k, v in sums["files"].items() if not k.endswith(".metadata")}
+            out[rel] = sums
+        else:
+            out[rel] = data
+    return out
+
+
+def _assert_same_tree(got: Path, expected: Path) -> None:
+    a, b = _tree(got), _tree(expected)
+    assert sorted(a) == sorted(b)
+    for rel in b:
+        assert a[rel] == b[rel], f"{rel} differs from the single-process output"
+    assert not glob.glob(f"{got}.tmp-*")
+
+
+def _same_report(got: dict[str, Any], expected: dict[str, Any], world: int, *drop: str) -> None:
+    """The report of ``world`` processes is one process's, apart from timings and the note that
+    says how many processes wrote."""
+    if "notes" in got:
+        shared = f"written by {world} ranks"
+        assert (shared in got["notes"]) == (world > 1), got["notes"]
+        assert [n for n in got["notes"] if n != shared] == expected["notes"]
+    for key in ("seconds", "notes", *drop):
+        got.pop(key, None)
+        expected.pop(key, None)
+    assert got == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# Identical output at any number of processes and nodes
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("nodes", "nproc"), TOPOLOGIES)
+def test_consolidate_is_byte_identical(
+    produced: Callable[..., Produced], tmp_path: Path, nodes: int, nproc: int
+) -> None:
+    src = str(produced("fsdp2", world_size=4, optimizer=False).path)
+    args = ["consolidate", src, "{out}", "--max-shard-size", "4KB", "--json", "-q"]
+    single = tmp_path / "single"
+    _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
+    assert len(expected["files"]) >= 3  # several output files, so the ranks' shares differ
+
+    out = tmp_path / "scaled"
+    got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nodes=nodes,
+                       nproc=nproc))  # fmt: skip
+    _assert_same_tree(out, single)
+    _same_report(got, expected, nodes * nproc, "peak_rss_bytes", "gb_per_s", "out")
+
+
+@pytest.fixture
+def checksummed(produced: Callable[..., Produced], tmp_path: Path) -> Produced:
+    """An FSDP2 model + optimizer checkpoint (2 ranks) protected by a checksum manifest: its
+    reshard writes one too, hashed by every rank."""
+    p = produced("fsdp2", world_size=2, optimizer=True)
+    src = tmp_path / "src"
+    shutil.copytree(p.path, src)
+    write_checksums(str(src), quiet=True)
+    return Produced(src, p.ref_path)
+
+
+@pytest.mark.parametrize(("nodes", "nproc"), TOPOLOGIES)
+def test_reshard_is_byte_identical(
+    checksummed: Produced, tmp_path: Path, nodes: int, nproc: int
+) -> None:
+    # 5 target files over up to 4 processes: some write two, the balance is by bytes.
+    args = ["reshard", str(checksummed.path), "{out}", "--world-size", "5", "--json", "-q"]
+    single = tmp_path / "single"
+    _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
+    assert (single / CHECKSUM_FILE).exists()
+
+    out = tmp_path / "scaled"
+    got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nodes=nodes,
+                       nproc=nproc))  # fmt: skip
+    _assert_same_tree(out, single)
+    _same_report(got, expected, nodes * nproc, "out")
+    if nproc * nodes == 4:
+        # And, independently: torch's own dcp.load reads every entry back bit-exactly.
+        ref = load_reference(checksummed.ref_path)
+        assert_bitwise_equal(load_with_dcp(out, ref), expected_checkpoints(ref))
+        # The checksum manifest the ranks hashed together is one verify accepts.
+        code, report = _one_process(["verify", str(out), "--json", "-q"])
+        assert code == 0 and report["checksums_checked"], report["findings"]
+
+
+def test_shard_is_byte_identical(produced: Callable[..., Produced], tmp_path: Path) -> None:
+    src = str(produced("hf_sharded").path)
+    args = ["shard", src, "{out}", "--world-size", "3", "--json", "-q"]
+    single = tmp_path / "single"
+    _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
+    out = tmp_path / "scaled"
+    got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2))
+    _assert_same_tree(out, single)
+    _same_report(got, expected, 2, "out")
+
+
+# --------------------------------------------------------------------------------------------------
+# verify: the report of one process, damage included
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def damaged(checksummed: Produced, tmp_path: Path) -> Path:
+    """The checksummed checkpoint with a bit flipped in a tensor of each rank file: CRC and
+    checksum findings in files that different ranks read."""
+    import ckptools
+
+    src = tmp_path / "damaged"
+    shutil.copytree(checksummed.path, src)
+    manifest = ckptools.read_manifest(str(src))
+    for rank_file in ("__0_0.distcp", "__1_0.distcp"):
+        chunk = max(
+            (c for t in manifest.tensors.values() for c in t.chunks if c.file == rank_file),
+            key=lambda c: c.length,
+        )
+        flip_bit(src / rank_file, chunk.offset + chunk.length // 2)
+    return src
+
+
+@pytest.mark.parametrize("state", ["whole", "damaged"])
+@pytest.mark.parametrize(("nodes", "nproc"), TOPOLOGIES)
+def test_verify_reports_what_one_process_reports(
+    checksummed: Produced, damaged: Path, tmp_path: Path, nodes: int, nproc: int, state: str
+) -> None:
+    path = str(checksummed.path if state == "whole" else damaged)
+    args = ["verify", path, "--check-finite", "--json", "-q"]
+    code, expected = _one_process(args)
+    launch = torchrun(args, tmp_path, nodes=nodes, nproc=nproc)
+    printed = [s for s in launch.stdout if s.strip()]
+    assert len(printed) == 1, launch.stdout  # rank 0 reports, the others print nothing
+    _same_report(json.loads(printed[0]), expected, nodes * nproc)
+    if state == "whole":
+        assert code == 0 and expected["checksums_checked"] and expected["findings"] == []
+        assert launch.returncodes == [0] * nodes, launch.output
+    else:
+        kinds = sorted({f["kind"] for f in expected["findings"]})
+        files = {f["file"] for f in expected["findings"]}
+        assert code == 3 and kinds == ["checksum", "crc"], expected["findings"]
+        assert {"__0_0.distcp", "__1_0.distcp"} <= files
+        # Every worker found the damage (exit 3), not only the one that printed.
+        assert launch.worker_exitcodes() == dict.fromkeys(range(nodes * nproc), 3), launch.output
+
+
+# --------------------------------------------------------------------------------------------------
+# A failure on one rank: every rank exits non-zero, nothing that looks complete is left
+# --------------------------------------------------------------------------------------------------
+
+
+def _assert_all_failed(launch: Launch, world: int) -> None:
+    assert all(rc != 0 for rc in launch.returncodes), launch.output
+    assert launch.worker_exitcodes() == dict.fromkeys(range(world), 1), launch.output
+    assert all(s.strip() == "" for s in launch.stdout)
+
+
+def _assert_nothing_left(out: Path) -> None:
+    assert not out.exists()
+    assert glob.glob(f"{out}.tmp-*") == []
+
+
+@pytest.mark.parametrize("command", ["consolidate", "reshard"])
+def test_unwritable_destination_fails_every_rank(
+    produced: Callable[..., Produced], tmp_path: Path, command: str
+) -> None:
+    src = str(produced("fsdp2", world_size=2, optimizer=True).path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = blocker / "out"  # rank 0 cannot create the temporary directory beside it
+    extra = ["--world-size", "3"] if command == "reshard" else []
+    launch = torchrun([command, src, str(out), *extra, "-q"], tmp_path, nproc=2)
+    _assert_all_failed(launch, 2)
+    # Rank 1 did nothing wrong: it learnt of rank 0's error and left with it.
+    assert any(f"{command} failed on another rank (rank 0)" in s for s in launch.stderr)
+    assert blocker.read_text() == "not a directory"
+
+
+def _break_archive(path: Path, offset: int, length: int) -> None:
+    """Zero the zip end record of the DCP item at ``offset``: the manifest still reads (sizes are
+    right), but the item cannot be opened, which only the rank copying it finds out."""
+    with open(path, "r+b") as f:
+        f.seek(offset + length - 22)
+        f.write(bytes(22))
+
+
+def test_damage_found_by_one_rank_fails_every_rank(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    import ckptools
+    from ckptools.collective import balance
+    from ckptools.dcp_write import plan_dcp
+
+    p = produced("fsdp2", world_size=2, optimizer=True)
+    src = tmp_path / "src"
+    shutil.copytree(p.path, src)
+    # A source item that only the files of process 1 need (2 processes, 2 target files).
+    plan = plan_dcp(ckptools.read_manifest(str(src)), 2)
+    owner = balance(plan.file_sizes, 2)
+    used_by_0 = {(c.file, c.offset) for t in plan.tensors if owner[t.rank] == 0 for c in t.sources}
+    victim = next(
+        c for t in plan.tensors if owner[t.rank] == 1 for c in t.sources
+        if (c.file, c.offset) not in used_by_0
+    )  # fmt: skip
+    _break_archive(src / victim.file, victim.offset, victim.length)
+
+    out = tmp_path / "out"
+    launch = torchrun(["reshard", str(src), str(out), "--world-size", "2", "-q"], tmp_path)
+    _assert_all_failed(launch, 2)
+    assert any("no zip end record" in s and "another rank" not in s for s in launch.stderr)
+    assert any("reshard failed on another rank (rank 1)" in s for s in launch.stderr)
+    _assert_nothing_left(out)
