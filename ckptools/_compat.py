@@ -22,6 +22,8 @@ __all__ = [
     "TORCH_VERSION",
     "fsdp1_class",
     "fsdp2_class",
+    "fsspec_reader",
+    "fsspec_writer",
     "is_compiled",
     "set_element",
     "unwrap_model",
@@ -108,3 +110,20 @@ def copy_state_dict(source: dict[str, Any], staged: dict[str, Any]) -> dict[str,
 
     result: dict[str, Any] = _copy_state_dict(source, staged, type_check=False)
     return result
+
+
+def fsspec_writer(path: str, **storage_options: Any) -> Any:
+    """torch's DCP ``FsspecWriter`` (``torch.distributed.checkpoint._fsspec_filesystem``, public
+    only as a private module path) for a URL, with fsspec storage options."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    # sync_files=False: an fsspec stream has no descriptor to fsync, so torch would fall back to a
+    # machine-wide os.sync() per file; an upload is durable once its close() returns.
+    return FsspecWriter(path, sync_files=False, **storage_options)
+
+
+def fsspec_reader(path: str, **storage_options: Any) -> Any:
+    """torch's DCP ``FsspecReader`` for a URL, with fsspec storage options."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(path, **storage_options)

@@ -255,6 +255,28 @@ class Uploader:
         self.close()
 
 
+def upload_dir(local_dir: str, out: str, overwrite: bool) -> None:
+    """Publish the finished local directory ``local_dir`` at the object-store prefix ``out``:
+    staged as :func:`make_tmp_dir` does, data files uploaded (concurrently, each deleted locally
+    once up), then the commit markers, then :func:`commit`. For writers whose ranks share local
+    files (``save_pretrained``); call :func:`check_writable` before the work starts.
+    """
+    staging = make_tmp_dir(out)
+    try:
+        files = sorted(storage.walk_files(local_dir))
+        with Uploader() as uploader:
+            for rel in files:
+                if not _is_marker(rel):
+                    uploader.put(os.path.join(local_dir, rel), storage.join(out, rel))
+            uploader.wait()
+        for rel in sorted((r for r in files if _is_marker(r)), key=lambda r: -r.count("/")):
+            storage.put_file(os.path.join(local_dir, rel), storage.join(out, rel))
+        commit(staging, out, overwrite)
+    except BaseException:
+        discard(staging)
+        raise
+
+
 @contextmanager
 def output_dir(out: str, *, overwrite: bool = False) -> Iterator[str]:
     """Yield the staging location for ``out``; commit it on success, discard it on failure.

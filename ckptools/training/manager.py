@@ -14,6 +14,12 @@ For async saves step 4 runs on a background thread per rank, over a gloo group o
 own, so training collectives on the default group never interleave with the save's.
 
 ``latest()``, ``steps()`` read the directory (markers only) and need no collective.
+
+``root`` may be an fsspec URL (``s3://bucket/run``): saves then write straight into
+``step-<step>/`` through torch's ``FsspecWriter`` and commit by the marker alone (see
+:mod:`ckptools.training.store`); before committing, rank 0 checks that every file the DCP
+metadata names is there in full (:func:`ckptools.training.state.check_saved`), so a remote
+writer that lost data never yields a checkpoint that looks complete.
 """
 
 from __future__ import annotations
@@ -34,11 +40,18 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from .. import _compat
+from .. import _compat, storage
 from ..errors import CkptError, UsageError
 from . import store
 from .retention import RetentionPolicy
-from .state import EXTRA_KEY, load, state_to_save, write_model_config
+from .state import (
+    EXTRA_KEY,
+    check_saved,
+    load,
+    state_to_save,
+    storage_writer,
+    write_model_config,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -182,7 +195,7 @@ class CheckpointManager:
         self._staged_signature: list[tuple[Any, ...]] | None = None
         self._lock = threading.Lock()
         if self._rank == 0:
-            os.makedirs(self.root, exist_ok=True)
+            storage.makedirs(self.root)
             for name in store.clean_stale(self.root):
                 log.info("cleaned up %s left by an earlier run", name)
         if async_save:
@@ -253,7 +266,11 @@ class CheckpointManager:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
                 dcp_save(
-                    state, checkpoint_id=tmp, process_group=self._pg, no_dist=not self._distributed
+                    state,
+                    checkpoint_id=tmp,
+                    storage_writer=storage_writer(tmp),
+                    process_group=self._pg,
+                    no_dist=not self._distributed,
                 )
             self._commit(step, tmp, metrics, self._pg)
             return final
@@ -263,6 +280,7 @@ class CheckpointManager:
             upload = dcp_async_save(
                 staged,
                 checkpoint_id=tmp,
+                storage_writer=storage_writer(tmp),
                 process_group=self._async_pg,
                 async_stager=_PreStaged(),  # type: ignore[arg-type]
                 no_dist=not self._distributed,
@@ -299,7 +317,7 @@ class CheckpointManager:
             store.clean_stale(self.root)
             token[0] = secrets.token_hex(6)
             tmp = store.new_tmp_dir(self.root, step, token[0])
-            os.makedirs(tmp)
+            store.create_tmp_dir(tmp)
             written = write_model_config(model, tmp)
             if written:
                 log.debug("wrote %s into %s", written, tmp)
@@ -322,6 +340,8 @@ class CheckpointManager:
         outcome: list[str | None] = [None]
         if self._rank == 0:
             try:
+                if storage.is_url(tmp):
+                    check_saved(tmp)  # a remote writer that lost data must not be committed
                 if self.checksums:
                     _write_checksums(tmp)
                 store.write_marker(tmp, step=step, world_size=self._world_size, metrics=metrics)

@@ -36,8 +36,17 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from .. import dtypes
-from ..commit import check_writable, commit, fsync_dir, make_tmp_dir, write_file_synced
+from .. import dtypes, storage
+from ..commit import (
+    SPOOL_DIR_ENV,
+    check_writable,
+    commit,
+    copy_into,
+    fsync_dir,
+    make_tmp_dir,
+    upload_dir,
+    write_file_synced,
+)
 from ..consolidate import (
     CastDType,
     find_model_files,
@@ -156,7 +165,7 @@ def _prepare_files(
     if config is not None:
         files = find_model_files(out, config)
         for path, name in files:
-            shutil.copyfile(path, os.path.join(tmp, name))
+            copy_into(path, os.path.join(tmp, name))
     else:
         files = [(os.path.join(tmp, n), n) for n in write_model_config(model, tmp)]
     for _, name in files:
@@ -190,6 +199,20 @@ def _local_bytes(data: torch.Tensor, sizes: tuple[int, ...], dtype: str) -> memo
         tensor = tensor.to(target)
     flat = tensor.contiguous().reshape(-1).view(torch.uint8)
     return flat.numpy().data.cast("B")
+
+
+def _staging_dir(out: str) -> str:
+    """Where the ranks write: ``<out>.tmp-<id>/`` beside a local ``out``; for an object-store
+    ``out``, a fresh local directory (``CKPTOOLS_SPOOL_DIR`` or the system temporary directory,
+    which every rank of one node shares), uploaded by rank 0 once every rank has written."""
+    if not storage.is_url(out):
+        return make_tmp_dir(out)
+    import tempfile
+
+    base = os.environ.get(SPOOL_DIR_ENV) or None
+    if base:
+        os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix="ckptools-pretrained-", dir=base)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -324,7 +347,7 @@ def save_pretrained(
         tmp = None
         try:
             check_writable(out, overwrite)
-            tmp = make_tmp_dir(out)
+            tmp = _staging_dir(out)
             names, tie = _prepare_files(model, config, tmp, out)
             plan, dropped = _plan(manifest, tie, limit, dtype)
             create_files(plan, tmp)
@@ -373,7 +396,11 @@ def save_pretrained(
                 index = (json.dumps(plan.index, indent=2) + "\n").encode()
                 write_file_synced(os.path.join(tmp, INDEX_NAME), index)
             fsync_dir(tmp)
-            commit(tmp, out, overwrite)
+            if storage.is_url(out):
+                upload_dir(tmp, out, overwrite)  # data files, then the index, then the commit
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                commit(tmp, out, overwrite)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if world > 1:

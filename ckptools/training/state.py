@@ -23,6 +23,13 @@ nested dicts and silently drop empty containers (a ``LambdaLR`` state holds ``[{
 non-sharded entry of a DCP checkpoint, ``extra`` is treated as the same on every rank (rank 0's
 copy is written); key per-rank state by rank (``{"rng": {f"rank{r}": ...}}``).
 
+Object storage: a ``path`` with a scheme (``s3://``, ``gs://``, ``memory://``) is written and read
+through torch's ``FsspecWriter`` / ``FsspecReader`` with the storage options in force
+(:func:`ckptools.storage.storage_options`; credentials from the environment otherwise). Remote
+writers have shipped data-losing bugs (a stream never flushed leaves a short object), so after a
+remote save every rank checks that each file the metadata names exists and is long enough
+(:func:`check_saved`) and raises if not.
+
 Trust: ``load`` unpickles non-tensor entries (optimizer ``param_groups``, ``extra``) with
 ``torch.load(weights_only=True)``, which admits tensors and plain containers only; objects beyond
 that need ``trust_objects=True`` (torch's own ``dcp.load`` always unpickles without limits).
@@ -51,7 +58,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import _compat
+from .. import _compat, storage
 from ..errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
@@ -158,6 +165,43 @@ def state_to_save(
     return state
 
 
+def storage_writer(path: str) -> Any:
+    """The DCP storage writer for ``path``: None locally (``dcp.save`` picks its own), torch's
+    ``FsspecWriter`` with the storage options in force for a URL."""
+    if not storage.is_url(path):
+        return None
+    return _compat.fsspec_writer(path, **storage.options_for(storage.protocol_of(path)))
+
+
+def storage_reader(path: str) -> Any:
+    """The DCP storage reader for ``path``: None locally, ``FsspecReader`` for a URL."""
+    if not storage.is_url(path):
+        return None
+    return _compat.fsspec_reader(path, **storage.options_for(storage.protocol_of(path)))
+
+
+def check_saved(path: str) -> None:
+    """Raise unless every file the DCP metadata at ``path`` names exists and holds every byte
+    range recorded for it (a listing and the metadata; no tensor data is read).
+
+    This catches the silent data loss of remote writers (an unflushed stream uploads a short or
+    empty object while the save reports success) before anything commits the checkpoint.
+
+    Raises:
+        IncompleteCheckpointError: a file is missing or shorter than the metadata says.
+    """
+    from ..errors import CkptError
+    from ..layouts.dcp import read_dcp
+
+    try:
+        read_dcp(path, check_files=True)
+    except CkptError as e:
+        raise IncompleteCheckpointError(
+            f"{path}: the save reported success but its data is not all there: {e.message}",
+            path=path,
+        ) from e
+
+
 def save(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -197,16 +241,19 @@ def save(
         dcp_save(
             state,
             checkpoint_id=os.fspath(path),
+            storage_writer=storage_writer(os.fspath(path)),
             process_group=process_group,
             no_dist=_no_dist(),
         )
+    if storage.is_url(os.fspath(path)):
+        check_saved(os.fspath(path))  # every rank: each one raises, none waits on another
 
 
 def _read_metadata(path: str) -> Any:
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory", path=path)
     try:
-        return FileSystemReader(path).read_metadata()
+        return (storage_reader(path) or FileSystemReader(path)).read_metadata()
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(
             f"{path}: no DCP .metadata (the save never finished); use the previous checkpoint",
@@ -301,6 +348,7 @@ def load(
         dcp_load(
             state,
             checkpoint_id=path,
+            storage_reader=storage_reader(path),
             planner=_ObjectLoadPlanner(path, trust_objects),
             process_group=process_group,
             no_dist=_no_dist(),
@@ -337,6 +385,15 @@ def write_model_config(model: nn.Module, directory: str) -> list[str]:
         return []
     if not isinstance(inner, PreTrainedModel):
         return []
+    if storage.is_url(directory):
+        # transformers writes local files: write them in a spool and upload them.
+        from ..commit import spool_dir
+
+        with spool_dir() as spool:
+            names = write_model_config(model, spool)
+            for name in names:
+                storage.put_file(os.path.join(spool, name), storage.join(directory, name))
+        return names
     written = ["config.json"]
     config.to_json_file(os.path.join(directory, "config.json"))
     generation = getattr(inner, "generation_config", None)

@@ -16,6 +16,13 @@ to ``.tmp-delete-*`` (atomic), then removes it, so a half-deleted checkpoint nev
 A ``.tmp-step-*`` directory whose marker is complete was committed up to the rename; cleanup rolls
 it forward instead of deleting it.
 
+On an object store (a ``s3://``, ``gs://``... root) there is no rename: a save writes straight into
+``step-<step>/``, after an in-progress note (``.ckptools-writing``) and after removing what an
+earlier save of the same step left (marker first); the marker, written last, is the commit, and
+the note is removed after it. A ``step-<step>/`` without a valid marker is incomplete, whatever
+else it holds; one that still holds the note is a crashed save, which cleanup removes. Deletion
+removes the marker first, so a half-deleted checkpoint never looks complete.
+
 ``ckpt list`` and ``ckpt prune`` use this module directly, so they run without importing torch.
 
 Example:
@@ -39,6 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import storage
+from ..commit import IN_PROGRESS
 from ..errors import CheckpointNotFoundError, UsageError
 from .retention import RetentionDecision, RetentionPolicy, plan_retention
 
@@ -110,13 +119,28 @@ class CheckpointInfo:
 
 def step_dir(root: str, step: int) -> str:
     """``root/step-<step>``."""
-    return os.path.join(root, f"step-{step}")
+    return storage.join(root, f"step-{step}")
 
 
 def new_tmp_dir(root: str, step: int, token: str | None = None) -> str:
     """A fresh name ``root/.tmp-step-<step>-<id>`` (not created). ``token`` must be the same on
-    every rank, so the caller picks it on one rank and broadcasts it."""
+    every rank, so the caller picks it on one rank and broadcasts it. On an object store, which
+    cannot rename, the final ``root/step-<step>`` itself."""
+    if storage.is_url(root):
+        return step_dir(root, step)
     return os.path.join(root, f".tmp-step-{step}-{token or secrets.token_hex(6)}")
+
+
+def create_tmp_dir(tmp: str) -> None:
+    """Create the directory :func:`new_tmp_dir` named. One rank calls it, with no save of this
+    root in flight. On an object store: the in-progress note, then whatever an earlier save of
+    the same step left is removed, its marker first."""
+    if not storage.is_url(tmp):
+        os.makedirs(tmp)
+        return
+    from ..commit import make_tmp_dir
+
+    make_tmp_dir(tmp)
 
 
 def _fsync_path(path: str, *, directory: bool) -> None:
@@ -135,17 +159,15 @@ def _fsync_path(path: str, *, directory: bool) -> None:
 
 def _walk_files(directory: str) -> dict[str, int]:
     """Relative path -> size of every regular file below ``directory``."""
-    sizes: dict[str, int] = {}
-    for dirpath, _, filenames in os.walk(directory):
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            sizes[os.path.relpath(full, directory)] = os.path.getsize(full)
-    return sizes
+    return storage.walk_files(directory)
 
 
 def fsync_tree(directory: str) -> None:
     """fsync every file and directory below ``directory`` (data reaches the disk before the
-    marker that declares it complete)."""
+    marker that declares it complete). Nothing to do on an object store: an uploaded object
+    is durable."""
+    if storage.is_url(directory):
+        return
     for dirpath, _, filenames in os.walk(directory):
         for name in filenames:
             _fsync_path(os.path.join(dirpath, name), directory=False)
@@ -183,7 +205,11 @@ def write_marker(
         The marker's content.
     """
     fsync_tree(tmp)
-    files = {k: v for k, v in _walk_files(tmp).items() if not k.startswith(MARKER_NAME)}
+    files = {
+        k: v
+        for k, v in _walk_files(tmp).items()
+        if not k.startswith(MARKER_NAME) and k != IN_PROGRESS
+    }
     marker: dict[str, Any] = {
         "format": _MARKER_FORMAT,
         "version": _MARKER_VERSION,
@@ -194,6 +220,11 @@ def write_marker(
         "files": dict(sorted(files.items())),
         **dict(extra_fields or {}),
     }
+    if storage.is_url(tmp):
+        # One PUT: the marker object appears whole or not at all.
+        text = json.dumps(marker, indent=1, sort_keys=True)
+        storage.write_bytes(storage.join(tmp, MARKER_NAME), text.encode())
+        return marker
     part = os.path.join(tmp, MARKER_NAME + ".part")
     with open(part, "w", encoding="utf-8") as f:
         json.dump(marker, f, indent=1, sort_keys=True)
@@ -210,11 +241,10 @@ def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
     Complete means: the marker parses, names this format, and every file it records exists with
     the recorded size (a few ``stat`` calls; byte-level checks are ``ckpt verify``'s job).
     """
-    path = os.path.join(directory, MARKER_NAME)
+    path = storage.join(directory, MARKER_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            marker = json.load(f)
-    except FileNotFoundError:
+        marker = json.loads(storage.read_bytes(path))
+    except (FileNotFoundError, NotADirectoryError):
         return None, f"no {MARKER_NAME} marker (save never committed)"
     except (OSError, ValueError) as e:
         return None, f"unreadable {MARKER_NAME}: {e}"
@@ -223,10 +253,14 @@ def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
     files = marker.get("files")
     if not isinstance(files, dict):
         return None, f"{MARKER_NAME} lists no files"
+    present = storage.walk_files(directory) if storage.is_url(directory) else None
     for name, size in files.items():
         try:
-            found = os.path.getsize(os.path.join(directory, name))
-        except OSError:
+            if present is not None:
+                found = present[name]
+            else:
+                found = os.path.getsize(os.path.join(directory, name))
+        except (OSError, KeyError):
             return None, f"missing file {name}"
         if found != size:
             return None, f"{name} is {found} bytes, marker says {size}"
@@ -245,14 +279,16 @@ def list_checkpoints(root: str, *, include_tmp: bool = True) -> list[CheckpointI
         >>> [(c.step, c.complete) for c in list_checkpoints("ckpts")]  # doctest: +SKIP
         [(100, True), (200, True), (300, False)]
     """
-    if not os.path.isdir(root):
+    remote = storage.is_url(root)
+    if not storage.isdir(root):
         raise CheckpointNotFoundError(f"{root}: no such directory", path=root)
     infos: list[CheckpointInfo] = []
-    for name in sorted(os.listdir(root)):
-        full = os.path.join(root, name)
+    for name in sorted(storage.listdir(root)):
+        full = storage.join(root, name)
         m = _STEP_RE.match(name)
         tmp = _TMP_STEP_RE.match(name) if include_tmp else None
-        if not (m or tmp) or not os.path.isdir(full):
+        # (an object store lists step-N/ prefixes; asking each whether it is one costs a request)
+        if not (m or tmp) or not (remote or os.path.isdir(full)):
             continue
         step = int((m or tmp).group(1))  # type: ignore[union-attr]
         size = sum(_walk_files(full).values())
@@ -287,7 +323,12 @@ def list_checkpoints(root: str, *, include_tmp: bool = True) -> list[CheckpointI
 
 
 def _discard(root: str, path: str, label: str) -> None:
-    """Rename ``path`` out of the way (atomic), then delete it."""
+    """Rename ``path`` out of the way (atomic), then delete it. On an object store: delete its
+    marker first (it stops being complete at once), then the rest."""
+    if storage.is_url(path):
+        storage.remove(storage.join(path, MARKER_NAME))
+        storage.remove_tree(path)
+        return
     trash = os.path.join(root, f"{_TMP_PREFIX}delete-{label}-{secrets.token_hex(6)}")
     os.rename(path, trash)
     _fsync_path(root, directory=True)
@@ -298,8 +339,12 @@ def commit(tmp: str, final: str) -> None:
     """Rename a marked ``tmp`` directory to ``final`` and fsync the parent. One rank calls it.
 
     An existing ``final`` (the same step saved again) is moved away first; should the process die
-    between the two renames, :func:`clean_stale` rolls ``tmp`` forward.
+    between the two renames, :func:`clean_stale` rolls ``tmp`` forward. On an object store
+    ``tmp`` is ``final``, committed by its marker; the in-progress note is removed.
     """
+    if storage.is_url(final):
+        storage.remove(storage.join(final, IN_PROGRESS))
+        return
     root = os.path.dirname(final)
     if os.path.exists(final):
         log.warning("replacing existing checkpoint %s", final)
@@ -320,6 +365,8 @@ def clean_stale(root: str) -> list[str]:
     Returns:
         The names removed or rolled forward (for logging).
     """
+    if storage.is_url(root):
+        return _clean_stale_remote(root)
     if not os.path.isdir(root):
         return []
     handled: list[str] = []
@@ -344,6 +391,26 @@ def clean_stale(root: str) -> list[str]:
             with contextlib.suppress(OSError):
                 os.remove(full)
         handled.append(name)
+    return handled
+
+
+def _clean_stale_remote(root: str) -> list[str]:
+    """Object stores: remove ``step-N/`` prefixes that a crashed save left (in-progress note, no
+    valid marker). Prefixes without the note are never touched: they are not ours to delete."""
+    handled: list[str] = []
+    try:
+        names = storage.listdir(root)
+    except FileNotFoundError:
+        return []
+    for name in sorted(names):
+        if not _STEP_RE.match(name):
+            continue
+        full = storage.join(root, name)
+        held = storage.walk_files(full)
+        if IN_PROGRESS in held and MARKER_NAME not in held:
+            log.info("removing crashed save %s", full)
+            storage.remove_tree(full)
+            handled.append(name)
     return handled
 
 
