@@ -39,7 +39,7 @@ from .manifest import Chunk, Manifest, TensorEntry
 from .plan import unique_chunks
 from .progress import ByteProgress
 from .reader import resolve_chunk
-from .storage import LocalReader
+from .storage import LocalReader, Reader, is_url, open_reader
 
 #: Bytes of one copy block per file being written: big enough that syscalls are a rounding
 #: error, small enough that writing a few files at once stays far below the 512 MiB budget.
@@ -246,7 +246,7 @@ class _SourceCache:
     """Raw locations of source chunks, resolved once (a DCP item's archive directory is read
     once even when the chunk feeds several output pieces)."""
 
-    def __init__(self, reader: LocalReader, manifest: Manifest) -> None:
+    def __init__(self, reader: Reader, manifest: Manifest) -> None:
         self._reader = reader
         self._manifest = manifest
         self._raw: dict[tuple[str, int], Chunk] = {}
@@ -262,7 +262,7 @@ class _SourceCache:
         return found
 
 
-def _strided_to_contiguous(reader: LocalReader, raw: Chunk, dtype: str) -> bytes:
+def _strided_to_contiguous(reader: Reader, raw: Chunk, dtype: str) -> bytes:
     import torch
 
     data = bytearray(reader.read(raw.file, raw.offset, raw.length))
@@ -278,7 +278,7 @@ def _fill_block(
     block_offsets: tuple[int, ...],
     block_sizes: tuple[int, ...],
     cache: _SourceCache,
-    reader: LocalReader,
+    reader: Reader,
     itemsize: int,
 ) -> None:
     for src in item.sources:
@@ -615,7 +615,7 @@ def _kernel_copy_range(
         progress.update(length)
 
 
-def _copy_object(fd: int, item: ObjectItem, reader: LocalReader) -> None:
+def _copy_object(fd: int, item: ObjectItem, reader: Reader) -> None:
     done = 0
     while done < item.length:
         n = min(BLOCK_BYTES, item.length - done)
@@ -642,6 +642,12 @@ def write_metadata(out_dir: str, plan: DcpPlan) -> None:
     }
     objects = {o.fqn: ObjectMeta(file_name(o.rank), o.offset, o.length) for o in plan.objects}
     data = metadata_pickle(tensors, objects, plan.paths, str(uuid.uuid4()))
+    if is_url(out_dir):
+        # One PUT: the object appears whole or not at all, so no temporary name is needed.
+        from .commit import write_file_synced
+
+        write_file_synced(f"{out_dir.rstrip('/')}/{METADATA_FILE}", data)
+        return
     tmp = os.path.join(out_dir, METADATA_FILE + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -716,6 +722,11 @@ def write_dcp(
     torchrun, see :mod:`ckptools.collective`) only those files are written, and no
     ``.metadata``: rank 0 writes it (:func:`write_metadata`) once every process is done.
     """
+    if is_url(out_dir):
+        return _write_dcp_to_store(
+            manifest, plan, out_dir, source_root=source_root, workers=workers, quiet=quiet,
+            only_files=only_files,
+        )  # fmt: skip
     mine = range(plan.world_size) if only_files is None else sorted(set(only_files))
     wanted = set(mine)
     total = sum(plan.file_sizes[r] for r in mine)
@@ -729,10 +740,12 @@ def write_dcp(
     local = threading.local()
     with (
         _OutputFiles(out_dir, tasks) as files,
-        LocalReader(source_root) as reader,
+        open_reader(source_root) as reader,
         ByteProgress(total, "reshard", quiet=quiet) as bar,
     ):
         cache = _SourceCache(reader, manifest)
+        # _write_tensor still annotates LocalReader; every Reader works (fileno None: buffered)
+        any_reader: Any = reader
         writeback = _Writeback()
         segments, crcs = _plan_segments(tasks, cache)
 
@@ -747,7 +760,7 @@ def write_dcp(
                 if scratch is None:
                     scratch = local.scratch = _Scratch()
                 _write_tensor(
-                    fd, item, cache, reader, bar, scratch, writeback, segments.get(index), crcs
+                    fd, item, cache, any_reader, bar, scratch, writeback, segments.get(index), crcs
                 )
             except BaseException:
                 crcs.fail()  # a piece waiting for this one's CRC must not wait forever
@@ -762,3 +775,39 @@ def write_dcp(
     if only_files is None:
         write_metadata(out_dir, plan)
     return total
+
+
+def _write_dcp_to_store(
+    manifest: Manifest,
+    plan: DcpPlan,
+    out_url: str,
+    *,
+    source_root: str,
+    workers: int,
+    quiet: bool,
+    only_files: Collection[int] | None,
+) -> int:
+    """:func:`write_dcp` into an object-store prefix: rank files are written, ``workers`` at a
+    time, into a local spool with the positional writes a local file allows, uploaded (a
+    multipart upload appears only once complete) and deleted while the next ones are written;
+    ``.metadata`` is one PUT after every upload has finished. Local disk use stays within a few
+    rank files (:data:`ckptools.commit.MAX_PENDING_UPLOADS` plus those being written).
+    """
+    from .commit import Uploader, spool_dir
+
+    mine = list(range(plan.world_size)) if only_files is None else sorted(set(only_files))
+    step = max(1, workers)
+    written = 0
+    with spool_dir() as spool, Uploader() as uploader:
+        for i in range(0, len(mine), step):
+            group = mine[i : i + step]
+            written += write_dcp(
+                manifest, plan, spool, source_root=source_root, workers=workers, quiet=quiet,
+                only_files=group,
+            )  # fmt: skip
+            for rank in group:
+                uploader.put(os.path.join(spool, file_name(rank)), f"{out_url}/{file_name(rank)}")
+        uploader.wait()
+    if only_files is None:
+        write_metadata(out_url, plan)
+    return written

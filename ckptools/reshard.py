@@ -17,16 +17,23 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import collective, dcp_write
+from . import collective, dcp_write, storage
 from .checksum import CHECKSUM_FILE, write_checksums
 from .collective import Ranks
-from .commit import check_writable, commit, fsync_dir, make_tmp_dir
+from .commit import (
+    IN_PROGRESS,
+    check_writable,
+    commit,
+    copy_into,
+    discard,
+    fsync_dir,
+    make_tmp_dir,
+)
 from .dcp_write import DcpPlan, plan_dcp, write_dcp
 from .errors import UsageError
 from .layouts import read_manifest
@@ -39,7 +46,7 @@ RANK_STATE_FILES = re.compile(r"^(rng_state|random_states)_\d+\.(pth|pkl|pt)$")
 #: object entries keyed by rank (torchtitan's dataloader state)
 RANK_STATE_OBJECTS = re.compile(r"(^|\.)dp_rank_\d+$")
 #: files that describe the source's own bytes (checksums, the training manager's commit marker)
-_OWN_RECORDS = frozenset({CHECKSUM_FILE, ".ckptools-complete"})
+_OWN_RECORDS = frozenset({CHECKSUM_FILE, ".ckptools-complete", IN_PROGRESS})
 #: copy threads: one output file each; two keep one disk busy while the other computes CRCs
 DEFAULT_WORKERS = 2
 
@@ -160,7 +167,7 @@ def reshard(
     written = _write(
         ranks, out, overwrite, plans, root, copied,
         # The source was protected by a checksum manifest: so is the result.
-        checksums=os.path.exists(os.path.join(root, CHECKSUM_FILE)),
+        checksums=storage.exists(storage.join(root, CHECKSUM_FILE)),
         workers=workers, quiet=quiet,
     )  # fmt: skip
     return ReshardResult(
@@ -203,13 +210,11 @@ def _write(
         tmp = make_tmp_dir(out)
         try:
             for name in copied:
-                dst = os.path.join(tmp, name)
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                shutil.copy2(os.path.join(source_root, name), dst)
+                copy_into(storage.join(source_root, name), storage.join(tmp, name))
             for sub in parts:
-                os.makedirs(_target(tmp, sub), exist_ok=True)
+                storage.makedirs(_target(tmp, sub))
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard(tmp)
             raise
         return tmp
 
@@ -239,26 +244,25 @@ def _write(
 
 
 def _target(tmp: str, sub: str) -> str:
-    return os.path.join(tmp, sub) if sub else tmp
+    return storage.join(tmp, sub) if sub else tmp
 
 
 def _discard(tmp: str) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
+    discard(tmp)
 
 
 def _aux_files(root: str, parts: list[str]) -> list[str]:
     """Files beside the DCP data that belong to the checkpoint (trainer_state.json, meta.pt...)."""
     out: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        rel_dir = "" if rel_dir == "." else rel_dir
-        if rel_dir in parts:
-            # DCP data and marker are rewritten; anything else in a DCP directory is kept.
-            filenames = [f for f in filenames if not (f.endswith(".distcp") or f == ".metadata")]
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        # ckptools' own records describe the source's bytes; they are rewritten, not copied.
-        filenames = [f for f in filenames if f not in _OWN_RECORDS]
-        out.extend(os.path.join(rel_dir, f) if rel_dir else f for f in filenames)
+    for rel in storage.walk_files(root):  # one listing on an object store
+        rel_dir, _, name = rel.replace(os.sep, "/").rpartition("/")
+        if any(d.startswith(".") for d in rel_dir.split("/") if d):
+            continue
+        if rel_dir in parts and (name.endswith(".distcp") or name == ".metadata"):
+            continue  # DCP data and marker are rewritten; anything else in a DCP directory is kept
+        if name in _OWN_RECORDS:
+            continue  # ckptools' own records describe the source's bytes; rewritten, not copied
+        out.append(f"{rel_dir}/{name}" if rel_dir else name)
     return sorted(out)
 
 
