@@ -355,3 +355,19 @@ def test_damage_found_by_one_rank_fails_every_rank(
     assert any("no zip end record" in s and "another rank" not in s for s in launch.stderr)
     assert any("reshard failed on another rank (rank 1)" in s for s in launch.stderr)
     _assert_nothing_left(out)
+
+
+def test_reshard_of_a_wrapper_layout_is_byte_identical(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    # HF Trainer: model and optimizer DCP directories, whose rank files are balanced together,
+    # and the files beside them (trainer state, per-rank RNG state) that rank 0 copies.
+    src = str(produced("trainer").path)
+    args = ["reshard", src, "{out}", "--world-size", "3", "--json", "-q"]
+    single = tmp_path / "single"
+    _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
+    assert len(expected["parts"]) == 2 and expected["copied_files"]
+    out = tmp_path / "scaled"
+    got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2))
+    _assert_same_tree(out, single)
+    _same_report(got, expected, 2, "out")

@@ -1,0 +1,63 @@
+"""The pure and one-process parts of :mod:`ckptools.collective` (the collective steps on real
+ranks are tested through torchrun in ``tests/distributed/test_scaleout.py``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckptools.collective import Ranks, balance, current, reports_here
+
+
+@given(st.lists(st.integers(0, 10**9), max_size=60), st.integers(1, 9))
+def test_balance_gives_every_unit_one_owner_and_evens_the_bytes(
+    sizes: list[int], world: int
+) -> None:
+    owners = balance(sizes, world)
+    assert len(owners) == len(sizes) and all(0 <= o < world for o in owners)
+    assert balance(sizes, world) == owners  # every rank computes the same split
+    loads = [sum(s for s, o in zip(sizes, owners, strict=True) if o == p) for p in range(world)]
+    # Greedy largest-first: no process gets more than its fair share plus one unit.
+    assert max(loads) <= sum(sizes) / world + max(sizes, default=0)
+    mine = [Ranks(r, world).mine(sizes) for r in range(world)]
+    assert sorted(i for m in mine for i in m) == list(range(len(sizes)))
+
+
+def test_one_process_runs_each_step_itself() -> None:
+    ranks = Ranks()
+    assert ranks.is_root and ranks.world_size == 1
+    assert ranks.from_root(lambda: 7, "x") == 7
+    assert ranks.from_all(lambda: 7, "x") == [7]
+    discarded: list[str] = []
+    with (
+        pytest.raises(OSError, match="disk full"),
+        ranks.staged(lambda: "tmp", discarded.append, "x") as staged,
+    ):
+        assert staged == "tmp"
+        raise OSError("disk full")
+    assert discarded == ["tmp"]
+    with ranks.staged(lambda: "tmp2", discarded.append, "x"):
+        pass
+    assert discarded == ["tmp"]  # kept when the body succeeds
+
+
+def test_no_job_means_one_process_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    code = (
+        "import sys\n"
+        "from ckptools.collective import current, reports_here\n"
+        "assert current() == current(False) and current().world_size == 1\n"
+        "assert reports_here()\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "WORLD_SIZE": "4", "RANK": "0"}  # no MASTER_ADDR: no job
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "NO-TORCH"
+    monkeypatch.setenv("RANK", "2")
+    assert not reports_here()
+    assert current(False) == Ranks()
