@@ -177,6 +177,7 @@ def save_checksums(sums: Checksums) -> None:
         os.close(fd)
 
 
+@storage.accepts_storage_options
 def write_checksums(
     path: str,
     *,
@@ -184,6 +185,7 @@ def write_checksums(
     workers: int | None = None,
     quiet: bool = False,
     distributed: bool = False,
+    storage_options: storage.StorageOptions | None = None,
 ) -> Checksums:
     """Hash every chunk and file of the checkpoint at ``path`` and write its checksum manifest.
 
@@ -199,6 +201,8 @@ def write_checksums(
             every rank hashes a share of the files (as :func:`ckptools.verify` does) and rank 0
             writes the manifest. Default: this process alone (what one rank of a training job
             calls).
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Returns:
         The written :class:`Checksums`; ``.path`` is where it went.

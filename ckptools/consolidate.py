@@ -298,6 +298,7 @@ def _same_written_bytes(out_dir: str, plan: ConsolidationPlan, a: str, b: str) -
     return True
 
 
+@storage.accepts_storage_options
 def consolidate(
     src: str,
     out: str,
@@ -314,6 +315,7 @@ def consolidate(
     format: str | None = None,
     quiet: bool = False,
     distributed: bool = True,
+    storage_options: storage.StorageOptions | None = None,
 ) -> ConsolidateResult:
     """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
 
@@ -341,6 +343,8 @@ def consolidate(
         distributed: under torchrun, or called by every rank of an initialised process group,
             split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
             False: this process writes everything alone.
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Returns:
         A :class:`ConsolidateResult`; ``to_dict()`` gives plain JSON-able data.

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import dtypes, keys
+from . import dtypes, keys, storage
 from .errors import UsageError
 from .manifest import Chunk, TensorEntry
 from .reader import resolve_chunk
@@ -359,6 +359,7 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+@storage.accepts_storage_options
 def diff(
     a: str,
     b: str,
@@ -367,6 +368,7 @@ def diff(
     rtol: float | None = None,
     format_a: str | None = None,
     format_b: str | None = None,
+    storage_options: storage.StorageOptions | None = None,
 ) -> DiffReport:
     """Compare the models in two checkpoints, tensor by tensor.
 
@@ -382,6 +384,8 @@ def diff(
         rtol: relative tolerance (default: bit-exact comparison).
         format_a: force the layout of ``a``.
         format_b: force the layout of ``b``.
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Returns:
         A :class:`DiffReport`; ``report.identical`` is True when nothing differs.

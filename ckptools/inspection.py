@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import keys, safe_pickle
+from . import keys, safe_pickle, storage
 from .errors import CkptError
 from .layouts import read_manifest
 from .layouts.dcp import sharding_summary
@@ -89,7 +89,14 @@ class InspectReport:
         }
 
 
-def inspect(path: str, *, format: str | None = None, values: bool = False) -> InspectReport:
+@storage.accepts_storage_options
+def inspect(
+    path: str,
+    *,
+    format: str | None = None,
+    values: bool = False,
+    storage_options: storage.StorageOptions | None = None,
+) -> InspectReport:
     """Describe the checkpoint at ``path`` without reading tensor data or running its code.
 
     Args:
@@ -97,6 +104,8 @@ def inspect(path: str, *, format: str | None = None, values: bool = False) -> In
         format: force a layout by name (see ``ckpt inspect --help``) instead of detecting it.
         values: also decode non-tensor entries (through the pickle allowlist); an entry that
             cannot be decoded safely is reported with its error instead of a value.
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Example:
         >>> report = inspect("checkpoints/step-1000")          # doctest: +SKIP

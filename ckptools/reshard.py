@@ -87,6 +87,7 @@ def _parts(manifest: Manifest) -> list[str]:
     return list(parts) if parts else [""]
 
 
+@storage.accepts_storage_options
 def reshard(
     src: str,
     out: str,
@@ -99,6 +100,7 @@ def reshard(
     quiet: bool = False,
     format: str | None = None,
     distributed: bool = True,
+    storage_options: storage.StorageOptions | None = None,
 ) -> ReshardResult:
     """Rewrite the DCP checkpoint ``src`` into ``out`` laid out for ``world_size`` FSDP2 ranks.
 
@@ -112,6 +114,8 @@ def reshard(
         distributed: under torchrun, or called by every rank of an initialised process group,
             split the output files over the ranks (:func:`_write`; every rank must call it);
             False: this process writes everything alone.
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Example:
         >>> ckptools.reshard("ckpt/step-100", "ckpt16/step-100", world_size=16)  # doctest: +SKIP
@@ -266,6 +270,7 @@ def _aux_files(root: str, parts: list[str]) -> list[str]:
     return sorted(out)
 
 
+@storage.accepts_storage_options
 def shard(
     src: str,
     out: str,
@@ -278,6 +283,7 @@ def shard(
     quiet: bool = False,
     format: str | None = None,
     distributed: bool = True,
+    storage_options: storage.StorageOptions | None = None,
 ) -> ReshardResult:
     """Make a DCP checkpoint for ``world_size`` ranks from a full model.
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import posixpath
@@ -30,8 +31,8 @@ import shutil
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from .errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UsageError
 from .tunables import env_int
@@ -112,6 +113,26 @@ def storage_options(options: str | Mapping[str, Any] | None) -> Iterator[None]:
     finally:
         with _scopes_lock:
             _scopes.remove(parsed)
+
+
+#: What ``storage_options=`` accepts: a mapping, or its JSON text (the CLI's ``--storage-options``).
+StorageOptions = Mapping[str, Any] | str
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def accepts_storage_options(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` inside :func:`storage_options` of its ``storage_options=`` keyword argument: how
+    the public functions' (and the CLI's) ``storage_options`` reach every URL they open, worker
+    threads included, without threading them through each layer."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with storage_options(kwargs.get("storage_options")):  # type: ignore[arg-type]
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def options_for(protocol: str) -> dict[str, Any]:

@@ -1057,6 +1057,7 @@ def _compare_checksums(
 # --------------------------------------------------------------------------------------------------
 
 
+@storage.accepts_storage_options
 def verify(
     path: str,
     *,
@@ -1070,6 +1071,7 @@ def verify(
     quiet: bool = False,
     distributed: bool = False,
     _collect_digests: bool = False,
+    storage_options: storage.StorageOptions | None = None,
 ) -> VerifyReport:
     """Check that the checkpoint at ``path`` is whole; report every problem found.
 
@@ -1094,6 +1096,8 @@ def verify(
             bytes and the findings gathered, so every rank returns the report one process would
             (:mod:`ckptools.collective`). Off by default, because one rank of a training job
             calling ``verify`` alone is the common case.
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when nothing was found (the same on

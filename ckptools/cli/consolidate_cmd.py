@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .options import format_option, json_option
+from .options import format_option, json_option, storage_options_option
 from .render import dumps, human_bytes, table
 
 
@@ -52,6 +52,7 @@ from .render import dumps, human_bytes, table
 )
 @format_option
 @json_option
+@storage_options_option
 def consolidate_command(
     src: str,
     out: str,
@@ -67,6 +68,7 @@ def consolidate_command(
     push_to_hub: str | None,
     format: str | None,
     as_json: bool,
+    storage_options: str | None,
 ) -> None:
     """Write the checkpoint at SRC as a Hugging Face safetensors model directory OUT.
 
@@ -101,6 +103,7 @@ def consolidate_command(
         workers=workers,
         format=format,
         quiet=quiet or as_json,
+        storage_options=storage_options,
     )
     if not reports_here():
         return  # under torchrun every rank ran its share; rank 0 reports

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .options import format_option, json_option
+from .options import format_option, json_option, storage_options_option
 from .render import dumps, human_bytes, human_count, table
 
 
@@ -19,8 +19,14 @@ from .render import dumps, human_bytes, human_count, table
     "--values", is_flag=True, help="Decode non-tensor entries too (through the safe allowlist)."
 )
 @click.option("--limit", type=int, default=None, help="Show at most N tensors in the table.")
+@storage_options_option
 def inspect_command(
-    path: str, as_json: bool, format: str | None, values: bool, limit: int | None
+    path: str,
+    as_json: bool,
+    format: str | None,
+    values: bool,
+    limit: int | None,
+    storage_options: str | None,
 ) -> None:
     """Show what the checkpoint at PATH holds: tensors, dtypes, shapes, bytes, chunks, ranks.
 
@@ -33,7 +39,7 @@ def inspect_command(
     """
     from ..inspection import inspect
 
-    report = inspect(path, format=format, values=values)
+    report = inspect(path, format=format, values=values, storage_options=storage_options)
     data = report.to_dict()
     if as_json:
         click.echo(dumps(data))

@@ -31,3 +31,15 @@ def format_option(f: F) -> F:
         default=None,
         help="Force the checkpoint layout instead of detecting it.",
     )(f)
+
+
+def storage_options_option(f: F) -> F:
+    return click.option(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help="fsspec options for URL paths (s3://, gs://...) as a JSON object, e.g. "
+        '\'{"endpoint_url": "http://127.0.0.1:9000"}\', or one per protocol '
+        '\'{"s3": {...}, "gs": {...}}\'. Credentials and endpoints otherwise come from the '
+        "environment (AWS_*, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS...).",
+    )(f)

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .options import format_option, json_option
+from .options import format_option, json_option, storage_options_option
 from .render import dumps, human_bytes
 
 
@@ -33,6 +33,7 @@ def _common(f: Any) -> Any:
     help="Per-rank state that cannot be split (RNG files, per-rank dataloader entries): carry "
     "it over unchanged, or leave it out. Either way it is reported.",
 )
+@storage_options_option
 def reshard_command(
     src: str,
     out: str,
@@ -44,6 +45,7 @@ def reshard_command(
     as_json: bool,
     format: str | None,
     rank_state: str,
+    storage_options: str | None,
 ) -> None:
     """Rewrite the DCP checkpoint SRC as if FSDP2 on --world-size ranks had saved it.
 
@@ -63,6 +65,7 @@ def reshard_command(
         src, out, world_size=world_size, rank_state=rank_state,  # type: ignore[arg-type]
         overwrite=overwrite, dry_run=dry_run, workers=workers, quiet=quiet or as_json,
         format=format,
+        storage_options=storage_options,
     )  # fmt: skip
     _render(result.to_dict(), as_json)
 
@@ -77,6 +80,7 @@ def reshard_command(
     show_default=True,
     help="Key prefix of every tensor (model. is what dcp.save({'model': sd}) writes).",
 )
+@storage_options_option
 def shard_command(
     src: str,
     out: str,
@@ -88,6 +92,7 @@ def shard_command(
     as_json: bool,
     format: str | None,
     prefix: str,
+    storage_options: str | None,
 ) -> None:
     """Make a DCP checkpoint for --world-size ranks from a full model at SRC.
 
@@ -102,6 +107,7 @@ def shard_command(
     result = shard(
         src, out, world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet or as_json, format=format,
+        storage_options=storage_options,
     )  # fmt: skip
     _render(result.to_dict(), as_json)
 

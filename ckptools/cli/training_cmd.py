@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .options import json_option
+from .options import json_option, storage_options_option
 from .render import dumps, human_bytes, table
 
 
@@ -20,7 +20,8 @@ def _metrics_text(metrics: dict[str, Any]) -> str:
 @click.command("list")
 @click.argument("root", type=click.Path())
 @json_option
-def list_command(root: str, as_json: bool) -> None:
+@storage_options_option
+def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
     """List the checkpoints a CheckpointManager wrote under ROOT: step, completeness, size,
     metrics, and which one is latest (what a resume loads).
 
@@ -31,7 +32,7 @@ def list_command(root: str, as_json: bool) -> None:
     """
     from ..training.store import list_checkpoints
 
-    infos = list_checkpoints(root)
+    infos = list_checkpoints(root, storage_options=storage_options)
     if as_json:
         click.echo(dumps({"root": root, "checkpoints": [c.to_dict() for c in infos]}))
         return
@@ -82,6 +83,7 @@ def list_command(root: str, as_json: bool) -> None:
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True)
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
 @json_option
+@storage_options_option
 def prune_command(
     root: str,
     keep_last: int | None,
@@ -91,6 +93,7 @@ def prune_command(
     mode: str,
     dry_run: bool,
     as_json: bool,
+    storage_options: str | None,
 ) -> None:
     """Delete complete checkpoints under ROOT that a retention policy does not keep.
 
@@ -115,7 +118,7 @@ def prune_command(
         metric=metric,
         mode="max" if mode == "max" else "min",
     )
-    result = prune(root, policy, dry_run=dry_run)
+    result = prune(root, policy, dry_run=dry_run, storage_options=storage_options)
     if as_json:
         click.echo(dumps(result.to_dict()))
         return

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .options import FORMAT_NAMES, format_option, json_option
+from .options import FORMAT_NAMES, format_option, json_option, storage_options_option
 from .render import dumps, human_bytes, table
 
 _DIFF_LIMIT = 50  # differing tensors shown in the table without --all
@@ -34,6 +34,7 @@ def _tolerances(f: Any) -> Any:
 @format_option
 @json_option
 @click.pass_context
+@storage_options_option
 def verify_command(
     ctx: click.Context,
     path: str,
@@ -46,6 +47,7 @@ def verify_command(
     quiet: bool,
     format: str | None,
     as_json: bool,
+    storage_options: str | None,
 ) -> None:
     """Check that the checkpoint at PATH is whole; name every problem (file, FQN, rank).
 
@@ -76,6 +78,7 @@ def verify_command(
         format=format,
         quiet=quiet or as_json,
         distributed=True,
+        storage_options=storage_options,
     )
     if reports_here():  # under torchrun every rank has the same report; rank 0 prints it
         data = report.to_dict()
@@ -120,6 +123,7 @@ def _render_verify(d: dict[str, Any]) -> str:
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
 @json_option
 @click.pass_context
+@storage_options_option
 def diff_command(
     ctx: click.Context,
     a: str,
@@ -130,6 +134,7 @@ def diff_command(
     format_b: str | None,
     show_all: bool,
     as_json: bool,
+    storage_options: str | None,
 ) -> None:
     """Compare the models in checkpoints A and B (any formats), tensor by tensor.
 
@@ -146,7 +151,15 @@ def diff_command(
     from ..diff import diff
     from .main import EXIT_DIFFERENCES
 
-    report = diff(a, b, atol=atol, rtol=rtol, format_a=format_a, format_b=format_b)
+    report = diff(
+        a,
+        b,
+        atol=atol,
+        rtol=rtol,
+        format_a=format_a,
+        format_b=format_b,
+        storage_options=storage_options,
+    )
     data = report.to_dict()
     click.echo(dumps(data) if as_json else _render_diff(data, show_all))
     if not report.identical:
@@ -207,8 +220,14 @@ def _num(x: Any) -> float | None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @format_option
 @json_option
+@storage_options_option
 def checksum_command(
-    path: str, workers: int | None, quiet: bool, format: str | None, as_json: bool
+    path: str,
+    workers: int | None,
+    quiet: bool,
+    format: str | None,
+    as_json: bool,
+    storage_options: str | None,
 ) -> None:
     """Write a checksum manifest for the checkpoint at PATH (a hash per chunk and per file).
 
@@ -225,7 +244,12 @@ def checksum_command(
     from ..collective import reports_here
 
     sums = write_checksums(
-        path, format=format, workers=workers, quiet=quiet or as_json, distributed=True
+        path,
+        format=format,
+        workers=workers,
+        quiet=quiet or as_json,
+        distributed=True,
+        storage_options=storage_options,
     )
     if not reports_here():
         return  # under torchrun every rank hashed its share; rank 0 reports

@@ -270,6 +270,7 @@ def _write_share(
     return written
 
 
+@storage.accepts_storage_options
 def save_pretrained(
     model: nn.Module,
     out_dir: str | os.PathLike[str],
@@ -278,6 +279,7 @@ def save_pretrained(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     dtype: CastDType | None = None,
     overwrite: bool = False,
+    storage_options: storage.StorageOptions | None = None,
 ) -> SavePretrainedResult:
     """Write ``model`` as a Hugging Face safetensors model directory, from its shards.
 
@@ -303,6 +305,8 @@ def save_pretrained(
         max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"`` or bytes.
         dtype: cast floating tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         overwrite: replace an existing ``out_dir``.
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Returns:
         A :class:`SavePretrainedResult` (``bytes_written`` counts this rank's bytes).

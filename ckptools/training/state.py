@@ -202,6 +202,7 @@ def check_saved(path: str) -> None:
         ) from e
 
 
+@storage.accepts_storage_options
 def save(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -209,6 +210,7 @@ def save(
     *,
     extra: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    storage_options: storage.StorageOptions | None = None,
 ) -> None:
     """Save model, optimizer and ``extra`` as a DCP checkpoint at ``path``.
 
@@ -225,6 +227,8 @@ def save(
         extra: other state (step, scheduler, dataloader, RNG, a dict); ``Stateful`` values are
             saved through ``state_dict()``.
         process_group: the group to save over (default: the default group).
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Example:
         >>> import torch, ckptools
@@ -280,6 +284,7 @@ def _extra_template(metadata: Any) -> tuple[dict[str, Any], set[str]]:
     return template.get(EXTRA_KEY, {}), tops
 
 
+@storage.accepts_storage_options
 def load(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -288,6 +293,7 @@ def load(
     extra: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
     trust_objects: bool = False,
+    storage_options: storage.StorageOptions | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` (at any world size) into ``model`` and
     ``optimizer`` in place, and return its ``extra``.
@@ -305,6 +311,8 @@ def load(
         process_group: the group to load over (default: the default group).
         trust_objects: unpickle non-tensor entries without limits (only for checkpoints you
             wrote that hold custom classes in ``extra``).
+        storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
+            or its JSON text; see :func:`ckptools.storage.storage_options`.
 
     Returns:
         The saved ``extra`` dict, with ``Stateful`` entries as their saved ``state_dict()``.

@@ -267,7 +267,13 @@ def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
     return marker, ""
 
 
-def list_checkpoints(root: str, *, include_tmp: bool = True) -> list[CheckpointInfo]:
+@storage.accepts_storage_options
+def list_checkpoints(
+    root: str,
+    *,
+    include_tmp: bool = True,
+    storage_options: storage.StorageOptions | None = None,
+) -> list[CheckpointInfo]:
     """Every ``step-*`` directory (and, with ``include_tmp``, every in-progress save) under
     ``root``, oldest first. Reads markers and sizes only; safe on any rank.
 
@@ -441,7 +447,14 @@ class PruneResult:
         }
 
 
-def prune(root: str, policy: RetentionPolicy, *, dry_run: bool = False) -> PruneResult:
+@storage.accepts_storage_options
+def prune(
+    root: str,
+    policy: RetentionPolicy,
+    *,
+    dry_run: bool = False,
+    storage_options: storage.StorageOptions | None = None,
+) -> PruneResult:
     """Apply a retention policy to the complete checkpoints under ``root``. One process calls it
     (rank 0 in training, or a person through ``ckpt prune``); incomplete directories are never
     counted as kept nor deleted here (stale ones are :func:`clean_stale`'s).
