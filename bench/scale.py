@@ -12,10 +12,12 @@ written by 4 real FSDP2 ranks, ~0.5 / 2 / 6 GB), then, alternating, for ``--repe
 For each: wall time of the whole command (for torchrun: launcher start, rendezvous, every
 worker importing torch, the copy, teardown), throughput over the checkpoint's bytes, the time
 ckpt itself reports (``seconds`` of rank 0's ``--json``: from the call to the commit, process
-group set-up included) and the peak RSS summed over the command's processes (each process's
-own peak, ``VmHWM``, sampled from ``/proc`` every 20 ms; the launcher counted separately), and
-the ratio to ``cp -r`` + ``sync`` of the same bytes in the same run. The page cache is warm (the
-same checkpoint is read every time). Linux only (``/proc``).
+group set-up included), the peak RSS summed over the command's processes (each process's own
+peak, ``VmHWM``, sampled from ``/proc`` every 20 ms; the launcher counted separately), and the
+ratio to ``cp -r`` + ``sync`` of the same bytes in the same run. Under each launcher the same
+job without the copy (``verify --quick``: rendezvous, torch import, gloo group, manifest read)
+gives torchrun's start-up cost, and the conversion's own time is the difference. The page cache
+is warm (the same checkpoint is read every time). Linux only (``/proc``).
 
 Usage::
 
@@ -142,6 +144,10 @@ def main() -> None:
             f"--rdzv-endpoint=127.0.0.1:{gen.free_port()}", "--max-restarts=0", "-m", "ckptools",
         ]  # fmt: skip
         commands[f"torchrun x{k} ckpt consolidate"] = ([*launcher, *tail], True)
+        # The same job without the copy: launcher, rendezvous, torch import, gloo group,
+        # manifest read. Its wall time is what torchrun costs before any byte moves.
+        quick = ["verify", src, "--quick", "--quiet", "--json"]
+        commands[f"torchrun x{k} start-up only (verify --quick)"] = ([*launcher, *quick], True)
     env_note = os.environ.get("OMP_NUM_THREADS")
     results: dict[str, list[Run]] = {name: [] for name in commands}
     for _ in range(args.repeat):
@@ -173,16 +179,35 @@ def _report(
         "launcher MiB | × cp+sync |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    startup = {}
+    for name, runs in results.items():
+        if "start-up only" in name:
+            startup[name.split()[1]] = statistics.median(r.wall_s for r in runs)
     for name, runs in results.items():
         wall = statistics.median(r.wall_s for r in runs)
         own = [r.ckpt_s for r in runs if r.ckpt_s is not None]
         ckpt_s = statistics.median(own) if own else None
         rss = max(r.workers_rss for r in runs)
         launcher = max(r.launcher_rss for r in runs)
+        moves = "start-up only" not in name  # the start-up rows move no bytes
         lines.append(
-            f"| {name} | {wall:.2f} | {nbytes / wall / 1e9:.2f} | "
-            + (f"{ckpt_s:.2f} | {nbytes / ckpt_s / 1e9:.2f}" if ckpt_s else "- | -")
-            + f" | {rss / 2**20:.0f} | {launcher / 2**20:.0f} | {wall / floor:.2f} |"
+            f"| {name} | {wall:.2f} | "
+            + (f"{nbytes / wall / 1e9:.2f}" if moves else "-")
+            + (f" | {ckpt_s:.2f} | " if ckpt_s is not None else " | - | ")
+            + (f"{nbytes / ckpt_s / 1e9:.2f}" if moves and ckpt_s else "-")
+            + f" | {rss / 2**20:.0f} | {launcher / 2**20:.0f} | "
+            + (f"{wall / floor:.2f} |" if moves else "- |")
+        )
+    for k, base in startup.items():
+        runs = results[f"torchrun {k} ckpt consolidate"]
+        copy = statistics.median(r.wall_s for r in runs) - base
+        lines.append(
+            f"\ntorchrun {k}: {base:.2f} s start-up; the conversion itself ~{copy:.2f} s"
+            + (
+                f" ({nbytes / copy / 1e9:.2f} GB/s, {copy / floor:.2f}x cp -r + sync)."
+                if copy > 0.1 * base
+                else " (within the start-up's noise)."
+            )
         )
     return "\n".join(lines)
 
