@@ -206,7 +206,10 @@ def join(root: str, *rels: str) -> str:
 def dirname(path: str) -> str:
     if is_url(path):
         scheme, _, rest = path.partition("://")
-        return f"{scheme}://{posixpath.dirname(rest.rstrip('/'))}"
+        rest = rest.rstrip("/")
+        if "/" not in rest:
+            return f"{scheme}://{rest}"  # a bucket is its own parent, as "/" is locally
+        return f"{scheme}://{posixpath.dirname(rest)}"
     return os.path.dirname(_local(path))
 
 
