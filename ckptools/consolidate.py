@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import resource
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -489,6 +488,13 @@ def _write_distributed(
     fsyncs; once all have, rank 0 runs ``finish`` (model files, index last, rename). On any
     rank's failure rank 0 removes the temporary directory and every rank raises.
     """
+    if storage.is_url(out):
+        # Every rank decides alike, before any collective: an object cannot take byte ranges
+        # written by several processes.
+        raise UsageError(
+            f"{out}: under torchrun the ranks write parts of shared files, which an object store "
+            "cannot hold; consolidate into a local or shared directory, or run one process"
+        )
 
     def prepare() -> str:
         check_writable(out, overwrite)
@@ -496,12 +502,9 @@ def _write_distributed(
         try:
             create_files(plan, made)
         except BaseException:
-            shutil.rmtree(made, ignore_errors=True)
+            discard(made)
             raise
         return made
-
-    def discard(tmp: str) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
 
     with ranks.staged(prepare, discard, "consolidate") as tmp:
         share = (ranks.rank, ranks.world_size)

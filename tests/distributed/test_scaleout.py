@@ -371,3 +371,14 @@ def test_reshard_of_a_wrapper_layout_is_byte_identical(
     got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2))
     _assert_same_tree(out, single)
     _same_report(got, expected, 2, "out")
+
+
+def test_consolidate_to_an_object_store_under_torchrun_is_refused_on_every_rank(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    # Ranks write byte ranges of shared files, which no object can take: a usage error, decided
+    # alike on every rank before anything is written (memory:// is an fsspec store too).
+    src = str(produced("fsdp2", world_size=4, optimizer=False).path)
+    launch = torchrun(["consolidate", src, "memory://bucket/hf", "-q"], tmp_path)
+    assert launch.worker_exitcodes() == {0: 2, 1: 2}, launch.output
+    assert all("local or shared directory" in s for s in launch.stderr)
