@@ -125,7 +125,9 @@ class _Copier:
     def copy_chunk(self, file: FilePlan, tensor: TensorPlan, chunk: Chunk) -> None:
         if self.stop.is_set():
             return
-        raw = resolve_chunk(self.reader, self.manifest.tensors[tensor.fqn], chunk)
+        raw = resolve_chunk(
+            self.reader, self.manifest.tensors[tensor.fqn], chunk, reading_data=True
+        )
         fd = self.out_fds[file.name]
         if raw.strides is not None or tensor.is_cast:
             self._copy_with_torch(fd, tensor, raw)

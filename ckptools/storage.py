@@ -50,9 +50,10 @@ REMOTE_PART_BYTES_ENV = "CKPTOOLS_REMOTE_PART_BYTES"
 #: byte is fetched, and these bytes count against reading ~1.0x the output.
 REMOTE_ARCHIVE_TAIL_BYTES = 4096
 LOCAL_ARCHIVE_TAIL_BYTES = 64 * 1024
-#: Small prefetched ranges (archive heads and tails) kept per remote reader: enough for every
-#: worker thread's chunk in flight, a few MiB at most.
+#: Prefetched ranges kept per remote reader (archive heads and tails, small items whole): enough
+#: for every worker thread's chunk in flight; the oldest go first past either bound.
 _PREFETCH_SEGMENTS = 512
+_PREFETCH_BYTES = 128 * 2**20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -596,6 +597,7 @@ class RemoteReader:
         # (rel, start) -> bytes, oldest first; per file, start -> bytes for lookups
         self._segments: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._by_file: dict[str, dict[int, bytes]] = {}
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         #: bytes received from the store so far (ranged GET payloads)
         self.bytes_fetched = 0
@@ -669,8 +671,8 @@ class RemoteReader:
         return None
 
     def prefetch(self, rel: str, ranges: Sequence[tuple[int, int]]) -> None:
-        """Fetch the small ``(offset, length)`` ranges of ``rel`` in one concurrent batch and
-        keep them for the reads that follow (only the most recent few hundred are kept)."""
+        """Fetch the ``(offset, length)`` ranges of ``rel`` in one concurrent batch and keep them
+        for the reads that follow (the most recent few hundred, up to 128 MiB, are kept)."""
         wanted = sorted((o, o + n) for o, n in ranges if n > 0)
         merged: list[tuple[int, int]] = []
         for start, end in wanted:  # neighbours and overlaps become one request
@@ -683,9 +685,13 @@ class RemoteReader:
             with self._lock:
                 self._segments[(rel, start)] = data
                 self._by_file.setdefault(rel, {})[start] = data
-                while len(self._segments) > _PREFETCH_SEGMENTS:
-                    (old_rel, old_start), _ = self._segments.popitem(last=False)
+                self._cached_bytes += len(data)
+                while len(self._segments) > _PREFETCH_SEGMENTS or (
+                    self._cached_bytes > _PREFETCH_BYTES and len(self._segments) > 1
+                ):
+                    (old_rel, old_start), old = self._segments.popitem(last=False)
                     del self._by_file[old_rel][old_start]
+                    self._cached_bytes -= len(old)
 
     def _split(self, offset: int, length: int) -> list[tuple[int, int]]:
         part = self.part_bytes
@@ -718,6 +724,7 @@ class RemoteReader:
         with self._lock:
             self._segments.clear()
             self._by_file.clear()
+            self._cached_bytes = 0
 
     def __enter__(self) -> RemoteReader:
         return self
