@@ -190,7 +190,7 @@ class Ranks:
 
     @contextmanager
     def staged(
-        self, prepare: Callable[[], S], discard: Callable[[S], None], what: str
+        self, prepare: Callable[[], S], discard: Callable[[S, BaseException], None], what: str
     ) -> Iterator[S]:
         """Rank 0 prepares (e.g. the temporary directory) and every rank gets the result; when
         the body raises on any rank, rank 0 discards what it prepared.
@@ -201,9 +201,9 @@ class Ranks:
         staged = self.from_root(prepare, what)
         try:
             yield staged
-        except BaseException:
+        except BaseException as e:
             if self.is_root:
-                discard(staged)
+                discard(staged, e)  # given the error: an interrupted resumable run keeps it
             raise
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -33,12 +34,14 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 from . import storage
 from .errors import UsageError
+
+log = logging.getLogger(__name__)
 
 #: Written first into an object-store OUT and removed after the commit: marks a prefix as an
 #: unfinished ckptools write, which a later run may clear without ``overwrite``.
@@ -119,6 +122,7 @@ def commit(tmp: str, out: str, overwrite: bool) -> None:
     aside first). On an object store ``tmp`` is ``out``, whose marker the writer has written
     last; only the in-progress note is left to remove.
     """
+    _unlock(tmp)
     if storage.is_url(out):
         storage.remove(storage.join(out, IN_PROGRESS))
         return
@@ -156,8 +160,77 @@ def make_tmp_dir(out: str) -> str:
     return tmp
 
 
-def discard(tmp: str) -> None:
-    """Remove a staging location after a failure (everything under it is this run's)."""
+def _has_journal(staging: str) -> bool:
+    from .resume import JOURNAL_PREFIX
+
+    try:
+        return any(n.startswith(JOURNAL_PREFIX) for n in storage.listdir(staging))
+    except (OSError, ValueError):
+        return False
+
+
+#: Staging directories this process writes, each held under an exclusive ``flock`` so that a
+#: second run of the same conversion neither resumes into it nor removes it meanwhile.
+_LOCKS: dict[str, int] = {}
+
+
+def _lock(staging: str, out: str) -> None:
+    import fcntl
+
+    fd = os.open(staging, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+        os.close(fd)
+        raise UsageError(
+            f"{out}: another ckptools run is writing it (in {staging}); wait for it to finish",
+            path=out,
+        ) from e
+    _LOCKS[staging] = fd
+
+
+def _unlock(staging: str) -> None:
+    fd = _LOCKS.pop(staging, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def resumable_staging(out: str, fingerprint: str) -> str:
+    """The staging location for ``out`` (as :func:`make_tmp_dir`), or the one an interrupted run
+    of the same conversion (``fingerprint``, :func:`ckptools.resume.fingerprint`) left, whose
+    journaled files the writer then skips. Call :func:`check_writable` first.
+
+    Locally the directory is locked for this process until :func:`commit` or :func:`discard`.
+    On an object store an interrupted run's prefix is reused as it is (an upload is whole or
+    absent, so there is nothing half-written to clear); anything else is cleared as usual.
+    """
+    from .resume import Journal, find_local_staging
+
+    if storage.is_url(out):
+        interrupted = storage.exists(storage.join(out, IN_PROGRESS))
+        if interrupted and Journal.open(out, fingerprint).resumed:
+            return out.rstrip("/")
+        return make_tmp_dir(out)
+    found = find_local_staging(out, fingerprint)
+    staging = found or make_tmp_dir(out)
+    _lock(staging, out)
+    return staging
+
+
+def discard(tmp: str, error: BaseException | None = None) -> None:
+    """Remove a staging location after a failure (everything under it is this run's).
+
+    Except after an interrupt (Ctrl-C) of a resumable conversion (one whose staging location
+    holds a resume journal): then the files already written are kept, and running the same
+    command again finishes the job (:mod:`ckptools.resume`).
+    """
+    _unlock(tmp)
+    if isinstance(error, KeyboardInterrupt) and _has_journal(tmp):
+        log.warning(
+            "interrupted: the files written so far are kept in %s; run the same command again "
+            "to resume, or delete it", tmp,
+        )  # fmt: skip
+        return
     if storage.is_url(tmp):
         with contextlib.suppress(Exception):  # best effort: the missing marker already tells
             storage.remove_tree(tmp)
@@ -223,13 +296,16 @@ class Uploader:
         self._slots = threading.Semaphore(max_pending)
         self._futures: list[Future[None]] = []
 
-    def put(self, local: str, url: str) -> None:
+    def put(self, local: str, url: str, on_done: Callable[[], None] | None = None) -> None:
+        """Upload ``local`` to ``url`` in the background, then delete it and call ``on_done``."""
         self._slots.acquire()
 
         def run() -> None:
             try:
                 storage.put_file(local, url)
                 os.remove(local)
+                if on_done is not None:
+                    on_done()
             finally:
                 self._slots.release()
 

@@ -27,6 +27,7 @@ from .commit import (
     discard,
     fsync_dir,
     make_tmp_dir,
+    resumable_staging,
     write_file_synced,
 )
 from .errors import UsageError
@@ -34,6 +35,7 @@ from .execute import DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_BUDGET_ENV, create_file
 from .layouts import read_manifest
 from .manifest import Manifest
 from .plan import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+from .resume import Journal, fingerprint
 from .sizes import parse_size
 from .tunables import WORKERS_ENV, env_int
 
@@ -458,12 +460,27 @@ def consolidate(
         )
         return result(plan.bytes_to_write, tied, copied)
 
-    tmp = make_tmp_dir(out)
+    # Resumable: an interrupted run of this same conversion left files that are kept.
+    identity = fingerprint(
+        "consolidate", manifest,
+        {"files": [(f.name, f.size) for f in plan.files], "index": plan.index, "tie": tie,
+         "copied": copied, "names": names},
+    )  # fmt: skip
+    tmp = resumable_staging(out, identity)
     try:
-        stats = execute(plan, manifest, tmp, workers=n_workers, memory_budget=budget, quiet=quiet)
+        journal = Journal.open(tmp, identity)
+        sizes = {f.name: f.size for f in plan.files}
+        kept = {f.name for f in plan.files if journal.is_done(f.name)}
+        if kept:
+            notes.append(f"resumed: {len(kept)} file(s) written by an interrupted run were kept")
+        stats = execute(
+            plan, manifest, tmp, workers=n_workers, memory_budget=budget, quiet=quiet, skip=kept,
+            on_file_done=lambda name: journal.record(name, size=sizes[name]),
+        )  # fmt: skip
+        journal.discard()  # never part of the model directory
         tied = finish(tmp)
-    except BaseException:
-        discard(tmp)
+    except BaseException as e:
+        discard(tmp, e)
         raise
     return result(stats.bytes_written, tied, copied)
 

@@ -19,12 +19,13 @@ reading only its own file.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import os
 import threading
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -665,8 +666,14 @@ class _OutputFiles:
     closed after its last item.
     """
 
-    def __init__(self, out_dir: str, tasks: Sequence[TensorItem | ObjectItem]) -> None:
+    def __init__(
+        self,
+        out_dir: str,
+        tasks: Sequence[TensorItem | ObjectItem],
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
         self._dir = out_dir
+        self._on_done = on_done
         self._left: dict[int, int] = {}
         for item in tasks:
             self._left[item.rank] = self._left.get(item.rank, 0) + 1
@@ -694,6 +701,8 @@ class _OutputFiles:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if self._on_done is not None:
+            self._on_done(rank)
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
@@ -711,6 +720,7 @@ def write_dcp(
     workers: int = 2,
     quiet: bool = True,
     only_files: Collection[int] | None = None,
+    on_file_done: Callable[[int], None] | None = None,
 ) -> int:
     """Write the planned ``.distcp`` files into ``out_dir`` (existing, empty), then ``.metadata``.
 
@@ -721,11 +731,13 @@ def write_dcp(
     With ``only_files`` (indices r of the ``__r_0.distcp`` files: this process's share under
     torchrun, see :mod:`ckptools.collective`) only those files are written, and no
     ``.metadata``: rank 0 writes it (:func:`write_metadata`) once every process is done.
+    ``on_file_done(r)`` is called once file r is complete and durable (fsynced, or uploaded),
+    to journal it (:mod:`ckptools.resume`).
     """
     if is_url(out_dir):
         return _write_dcp_to_store(
             manifest, plan, out_dir, source_root=source_root, workers=workers, quiet=quiet,
-            only_files=only_files,
+            only_files=only_files, on_file_done=on_file_done,
         )  # fmt: skip
     mine = range(plan.world_size) if only_files is None else sorted(set(only_files))
     wanted = set(mine)
@@ -737,9 +749,12 @@ def write_dcp(
     for rank in mine:
         # Every rank's file exists, as DCP writes one per rank even when it holds nothing.
         open(os.path.join(out_dir, file_name(rank)), "wb").close()
+    if on_file_done is not None:
+        for rank in wanted - {item.rank for item in tasks}:
+            on_file_done(rank)  # empty: nothing to wait for
     local = threading.local()
     with (
-        _OutputFiles(out_dir, tasks) as files,
+        _OutputFiles(out_dir, tasks, on_file_done) as files,
         open_reader(source_root) as reader,
         ByteProgress(total, "reshard", quiet=quiet) as bar,
     ):
@@ -769,9 +784,20 @@ def write_dcp(
                 files.release(item.rank)
 
         # One FIFO queue: a piece that derives its CRC waits only for pieces queued before it.
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            for future in [pool.submit(run, i, item) for i, item in enumerate(tasks)]:
+        pool = ThreadPoolExecutor(max_workers=max(1, workers))
+        futures = []
+        try:
+            futures = [pool.submit(run, i, item) for i, item in enumerate(tasks)]
+            for future in futures:
                 future.result()
+        except BaseException:
+            # First error or Ctrl-C: stop at the items in flight rather than write the rest.
+            crcs.fail()
+            for future in futures:
+                future.cancel()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     if only_files is None:
         write_metadata(out_dir, plan)
     return total
@@ -786,6 +812,7 @@ def _write_dcp_to_store(
     workers: int,
     quiet: bool,
     only_files: Collection[int] | None,
+    on_file_done: Callable[[int], None] | None,
 ) -> int:
     """:func:`write_dcp` into an object-store prefix: rank files are written, ``workers`` at a
     time, into a local spool with the positional writes a local file allows, uploaded (a
@@ -806,7 +833,10 @@ def _write_dcp_to_store(
                 only_files=group,
             )  # fmt: skip
             for rank in group:
-                uploader.put(os.path.join(spool, file_name(rank)), f"{out_url}/{file_name(rank)}")
+                done = None if on_file_done is None else functools.partial(on_file_done, rank)
+                uploader.put(
+                    os.path.join(spool, file_name(rank)), f"{out_url}/{file_name(rank)}", done
+                )
         uploader.wait()
     if only_files is None:
         write_metadata(out_url, plan)

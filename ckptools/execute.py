@@ -21,11 +21,12 @@ file position.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -264,13 +265,16 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def create_files(plan: ConsolidationPlan, out_dir: str) -> None:
-    """Create every file of ``plan`` in ``out_dir`` at its final size, with its header written.
+def create_files(
+    plan: ConsolidationPlan, out_dir: str, files: Sequence[FilePlan] | None = None
+) -> None:
+    """Create every file of ``plan`` (or ``files``) in ``out_dir`` at its final size, with its
+    header written; a file left by an interrupted run is replaced.
 
     Under torchrun one rank calls this before any rank copies chunks.
     """
-    for f in plan.files:
-        fd = os.open(os.path.join(out_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    for f in plan.files if files is None else files:
+        fd = os.open(os.path.join(out_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, f.size)
             _pwrite_all(fd, memoryview(f.header), 0)
@@ -307,6 +311,8 @@ def execute(
     memory_budget: int = DEFAULT_MEMORY_BUDGET_BYTES,
     quiet: bool = False,
     share: tuple[int, int] | None = None,
+    skip: Collection[str] = (),
+    on_file_done: Callable[[str], None] | None = None,
 ) -> ExecuteStats:
     """Write the files of ``plan`` into ``out_dir`` and fsync them.
 
@@ -324,6 +330,10 @@ def execute(
         quiet: no progress bar.
         share: ``(rank, world_size)``: copy only this rank's share of the chunks into files
             another rank created.
+        skip: names of files an interrupted run already wrote (:mod:`ckptools.resume`); not
+            written again.
+        on_file_done: called with a file's name once it is complete and durable (fsynced, or
+            uploaded), to journal it; not with ``share``, where no rank sees a file complete.
 
     ``out_dir`` may be a URL (an object-store prefix): each file is then written into a local
     spool, one at a time, and uploaded while the next is written (:func:`_execute_to_store`).
@@ -334,27 +344,32 @@ def execute(
     if storage.is_url(out_dir):
         return _execute_to_store(
             plan, manifest, out_dir, workers=workers, memory_budget=memory_budget, quiet=quiet,
-            share=share,
+            share=share, skip=skip, on_file_done=on_file_done,
         )  # fmt: skip
     root = manifest.data_dir()
-    tasks = [(f, t, c) for f in plan.files for t in f.tensors for c in t.chunks]
+    todo = [f for f in plan.files if f.name not in skip]
+    tasks = [(f, t, c) for f in todo for t in f.tensors for c in t.chunks]
     if share is None:
-        create_files(plan, out_dir)
+        create_files(plan, out_dir, todo)
     else:
         tasks = share_of(tasks, *share)
+        on_file_done = None
     total = sum(c.numel * dtypes.dtype(t.dtype).itemsize for _, t, c in tasks)
     reader = open_reader(root)
     fds: dict[str, int] = {}
     try:
         # Every file is fsynced, also those this rank writes nothing into: the header is in them.
-        for f in plan.files:
+        for f in todo:
             fds[f.name] = os.open(os.path.join(out_dir, f.name), os.O_WRONLY)
         with ByteProgress(total, "consolidate", quiet=quiet) as bar:
             copier = _Copier(manifest, reader, fds, block_bytes(memory_budget, workers), bar)
-            _run_all(copier.copy_chunk, tasks, workers, copier.stop)
+            copy: Callable[[FilePlan, TensorPlan, Chunk], None] = copier.copy_chunk
+            if on_file_done is not None:
+                copy = _FileCompletion(tasks, fds, on_file_done).wrap(copy)
+            _run_all(copy, tasks, workers, copier.stop)
         for fd in fds.values():
             os.fsync(fd)
-        written = total + (sum(len(f.header) for f in plan.files) if share is None else 0)
+        written = total + (sum(len(f.header) for f in todo) if share is None else 0)
         return ExecuteStats(written, len(tasks), copier.kernel_copied)
     finally:
         for fd in fds.values():
@@ -371,6 +386,8 @@ def _execute_to_store(
     memory_budget: int,
     quiet: bool,
     share: tuple[int, int] | None,
+    skip: Collection[str],
+    on_file_done: Callable[[str], None] | None,
 ) -> ExecuteStats:
     """:func:`execute` into an object-store prefix: the positional writes need a local file, so
     each output file is written whole into a local spool, then uploaded (a multipart upload for
@@ -390,16 +407,57 @@ def _execute_to_store(
     written = chunks = kernel = 0
     with spool_dir() as spool, Uploader() as uploader:
         for f in plan.files:
+            if f.name in skip:
+                continue
             stats = execute(
                 replace(plan, files=(f,)), manifest, spool, workers=workers,
                 memory_budget=memory_budget, quiet=quiet,
             )  # fmt: skip
-            uploader.put(os.path.join(spool, f.name), storage.join(out_url, f.name))
+            done = None if on_file_done is None else functools.partial(on_file_done, f.name)
+            uploader.put(os.path.join(spool, f.name), storage.join(out_url, f.name), done)
             written += stats.bytes_written
             chunks += stats.chunks
             kernel += stats.kernel_copied_bytes
         uploader.wait()
     return ExecuteStats(written, chunks, kernel)
+
+
+class _FileCompletion:
+    """Counts each file's chunks down as they are copied; fsyncs a file after its last one and
+    reports it (files with no chunk, only a header, are reported at once)."""
+
+    def __init__(
+        self,
+        tasks: Sequence[tuple[FilePlan, TensorPlan, Chunk]],
+        fds: dict[str, int],
+        done: Callable[[str], None],
+    ) -> None:
+        self._left: dict[str, int] = dict.fromkeys(fds, 0)
+        for f, _, _ in tasks:
+            self._left[f.name] += 1
+        self._fds = fds
+        self._done = done
+        self._lock = threading.Lock()
+        for name, left in list(self._left.items()):
+            if not left:
+                self._finish(name)
+
+    def _finish(self, name: str) -> None:
+        os.fsync(self._fds[name])
+        self._done(name)
+
+    def wrap(
+        self, copy: Callable[[FilePlan, TensorPlan, Chunk], None]
+    ) -> Callable[[FilePlan, TensorPlan, Chunk], None]:
+        def run(f: FilePlan, t: TensorPlan, c: Chunk) -> None:
+            copy(f, t, c)
+            with self._lock:
+                self._left[f.name] -= 1
+                last = not self._left[f.name]
+            if last:
+                self._finish(f.name)
+
+        return run
 
 
 def _run_all(

@@ -32,13 +32,14 @@ from .commit import (
     copy_into,
     discard,
     fsync_dir,
-    make_tmp_dir,
+    resumable_staging,
 )
-from .dcp_write import DcpPlan, plan_dcp, write_dcp
+from .dcp_write import DcpPlan, file_name, plan_dcp, write_dcp
 from .errors import UsageError
 from .layouts import read_manifest
 from .layouts.dcp import read_dcp, require_plain
 from .manifest import Manifest
+from .resume import Journal, fingerprint
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
@@ -168,12 +169,18 @@ def reshard(
     ranks = collective.current(distributed)
     if ranks.world_size > 1:
         notes.append(f"written by {ranks.world_size} ranks")
-    written = _write(
-        ranks, out, overwrite, plans, root, copied,
+    identity = fingerprint(
+        "reshard", manifest,
+        {"world_size": world_size, "rank_state": rank_state, "plan": summary, "copied": copied},
+    )  # fmt: skip
+    written, kept = _write(
+        ranks, out, overwrite, plans, root, copied, identity,
         # The source was protected by a checksum manifest: so is the result.
         checksums=storage.exists(storage.join(root, CHECKSUM_FILE)),
         workers=workers, quiet=quiet,
     )  # fmt: skip
+    if kept:
+        notes.append(f"resumed: {kept} file(s) written by an interrupted run were kept")
     return ReshardResult(
         src, out, world_size, summary, written, time.perf_counter() - started, False, rank_state,
         tuple(rank_items), copied, tuple(notes),
@@ -186,12 +193,13 @@ def _write(
     overwrite: bool,
     parts: Mapping[str, tuple[Manifest, DcpPlan]],
     source_root: str,
-    copied: Sequence[str] = (),
+    copied: Sequence[str],
+    identity: str,
     *,
     checksums: bool,
     workers: int,
     quiet: bool,
-) -> int:
+) -> tuple[int, int]:
     """Write ``parts`` (DCP subdirectory -> source, plan) and ``copied`` into ``out``, atomically.
 
     Called by every rank, in this order (:mod:`ckptools.collective`; one process is rank 0 of 1):
@@ -202,7 +210,13 @@ def _write(
     the checksum manifest (:func:`ckptools.checksum.write_checksums`); rank 0 renames last. On
     any rank's failure rank 0 removes the temporary directory and every rank raises.
 
-    Returns the bytes of all ``.distcp`` files (every rank's).
+    Resumable (:mod:`ckptools.resume`): rank 0 reuses the staging location of an interrupted run
+    of the same conversion (``identity``); each rank skips the files its journal part, or
+    another rank's, records as complete, and journals each file it completes; rank 0 removes
+    the journal before the first ``.metadata``. An interrupt keeps the staging location.
+
+    Returns the bytes of the ``.distcp`` files written (every rank's) and how many files an
+    interrupted run had already written.
     """
     units = [(sub, r) for sub, (_, plan) in parts.items() for r in range(plan.world_size)]
     mine: dict[str, list[int]] = {sub: [] for sub in parts}
@@ -211,7 +225,7 @@ def _write(
 
     def prepare() -> str:
         check_writable(out, overwrite)
-        tmp = make_tmp_dir(out)
+        tmp = resumable_staging(out, identity)
         try:
             for name in copied:
                 copy_into(storage.join(source_root, name), storage.join(tmp, name))
@@ -222,14 +236,27 @@ def _write(
             raise
         return tmp
 
-    def write_share(tmp: str) -> int:
-        return sum(
-            write_dcp(part, plan, _target(tmp, sub), source_root=source_root, workers=workers,
-                      quiet=quiet or not ranks.is_root, only_files=mine[sub])
-            for sub, (part, plan) in parts.items()
-        )  # fmt: skip
+    def write_share(tmp: str) -> tuple[int, int]:
+        journal = Journal.open(tmp, identity, writer=ranks.rank)
+        written = kept = 0
+        for sub, (part, plan) in parts.items():
+            prefix = f"{sub}/" if sub else ""
+            todo = [r for r in mine[sub] if not journal.is_done(prefix + file_name(r))]
+            kept += len(mine[sub]) - len(todo)
+
+            def done(
+                r: int, prefix: str = prefix, sizes: tuple[int, ...] = plan.file_sizes
+            ) -> None:
+                journal.record(prefix + file_name(r), size=sizes[r])
+
+            written += write_dcp(
+                part, plan, _target(tmp, sub), source_root=source_root, workers=workers,
+                quiet=quiet or not ranks.is_root, only_files=todo, on_file_done=done,
+            )  # fmt: skip
+        return written, kept
 
     def markers(tmp: str) -> None:
+        Journal.open(tmp, identity).discard()  # never part of a committed checkpoint
         for sub, (_, plan) in parts.items():
             # through the module: tests interrupt a run here
             dcp_write.write_metadata(_target(tmp, sub), plan)
@@ -239,20 +266,22 @@ def _write(
         commit(tmp, out, overwrite)
 
     with ranks.staged(prepare, _discard, "reshard") as tmp:
-        written = sum(ranks.from_all(lambda: write_share(tmp), "reshard"))
+        shares = ranks.from_all(lambda: write_share(tmp), "reshard")
+        written = sum(w for w, _ in shares)
+        kept = sum(k for _, k in shares)
         ranks.from_root(lambda: markers(tmp), "reshard")
         if checksums:
             write_checksums(tmp, workers=workers, quiet=True, distributed=ranks.world_size > 1)
         ranks.from_root(lambda: rename(tmp), "reshard")
-    return written
+    return written, kept
 
 
 def _target(tmp: str, sub: str) -> str:
     return storage.join(tmp, sub) if sub else tmp
 
 
-def _discard(tmp: str) -> None:
-    discard(tmp)
+def _discard(tmp: str, error: BaseException) -> None:
+    discard(tmp, error)
 
 
 def _aux_files(root: str, parts: list[str]) -> list[str]:
@@ -322,10 +351,14 @@ def shard(
     ranks = collective.current(distributed)
     if ranks.world_size > 1:
         notes.append(f"written by {ranks.world_size} ranks")
-    written = _write(
-        ranks, out, overwrite, {"": (manifest, plan)}, manifest.data_dir(),
+    identity = fingerprint("shard", manifest, {"world_size": world_size, "prefix": prefix,
+                                               "plan": summary})  # fmt: skip
+    written, kept = _write(
+        ranks, out, overwrite, {"": (manifest, plan)}, manifest.data_dir(), (), identity,
         checksums=False, workers=workers, quiet=quiet,
     )  # fmt: skip
+    if kept:
+        notes.append(f"resumed: {kept} file(s) written by an interrupted run were kept")
     return ReshardResult(
         src, out, world_size, summary, written, time.perf_counter() - started, False, "keep",
         notes=tuple(notes),

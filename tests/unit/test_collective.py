@@ -32,17 +32,21 @@ def test_one_process_runs_each_step_itself() -> None:
     assert ranks.is_root and ranks.world_size == 1
     assert ranks.from_root(lambda: 7, "x") == 7
     assert ranks.from_all(lambda: 7, "x") == [7]
-    discarded: list[str] = []
+    discarded: list[tuple[str, str]] = []
+
+    def discard(staged: str, error: BaseException) -> None:
+        discarded.append((staged, str(error)))
+
     with (
         pytest.raises(OSError, match="disk full"),
-        ranks.staged(lambda: "tmp", discarded.append, "x") as staged,
+        ranks.staged(lambda: "tmp", discard, "x") as staged,
     ):
         assert staged == "tmp"
         raise OSError("disk full")
-    assert discarded == ["tmp"]
-    with ranks.staged(lambda: "tmp2", discarded.append, "x"):
+    assert discarded == [("tmp", "disk full")]  # the error goes along (Ctrl-C may keep it)
+    with ranks.staged(lambda: "tmp2", discard, "x"):
         pass
-    assert discarded == ["tmp"]  # kept when the body succeeds
+    assert discarded == [("tmp", "disk full")]  # kept when the body succeeds
 
 
 def test_no_job_means_one_process_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
