@@ -15,7 +15,10 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_DIFFERENCES = 3
-_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+_ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+    errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
+}  # fmt: skip
 
 
 class _Group(click.Group):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -56,3 +57,14 @@ def test_disk_full_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.output.strip() == (
         "error: /data/out/model.safetensors: No space left on device; nothing was written"
     )
+
+
+def test_output_under_a_file_is_one_line(tmp_path: Path) -> None:
+    # OUT's parent is a regular file: the environment's problem, not a bug (no traceback).
+    (tmp_path / "file").write_bytes(b"")
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "fsdp2_ws2"
+    result = CliRunner().invoke(cli, ["consolidate", str(fixture), str(tmp_path / "file" / "out")])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert result.output.strip().endswith("nothing was written")
+    assert str(tmp_path / "file") in result.output
