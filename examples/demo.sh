@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The end-to-end demo: train a tiny Llama with FSDP2 on 4 CPU ranks with ckptools'
-# CheckpointManager, resume it once, then consolidate -> reshard to 16 -> verify, and load the
-# result with transformers.
+# CheckpointManager, resume it once, then consolidate -> reshard to 16 -> verify, load the result
+# with transformers, a push dry run, a reshard under torchrun, and the same commands on s3:// (a
+# local moto server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -36,3 +37,25 @@ $CKPT diff "$OUT/step-5-ws16" "$OUT/hf"
 echo
 echo "== 8. transformers loads the consolidated model: logits equal the trained model's"
 (cd examples && ../$PY check_logits.py "../$OUT/hf" "../$OUT/logits.pt")
+echo
+echo "== 9. ckpt push --dry-run: what would go to the Hub (completeness and size checks, no network)"
+$CKPT push "$OUT/hf" my-user/tiny-llama-demo --source "$OUT/run/step-5" --dry-run
+echo
+echo "== 10. torchrun: reshard to 8 ranks with 2 processes, each writing its own files"
+OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 \
+    -m ckptools reshard "$OUT/run/step-5" "$OUT/step-5-ws8" --world-size 8
+$CKPT diff "$OUT/step-5-ws8" "$OUT/step-5-ws16"
+echo
+echo "== 11. object storage: the same commands on s3:// (a local S3-compatible server, moto)"
+PORT=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+.venv/bin/moto_server -H 127.0.0.1 -p "$PORT" > "$OUT/moto.log" 2>&1 &
+MOTO=$!
+trap 'kill $MOTO 2>/dev/null || true' EXIT
+export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT" AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo \
+    AWS_DEFAULT_REGION=us-east-1
+for _ in $(seq 50); do curl -s "$AWS_ENDPOINT_URL" > /dev/null && break; sleep 0.2; done
+$PY -c "import s3fs; s3fs.S3FileSystem().mkdir('demo')"
+$CKPT reshard "$OUT/run/step-5" s3://demo/step-5-ws4 --world-size 4
+$CKPT verify s3://demo/step-5-ws4
+$CKPT consolidate s3://demo/step-5-ws4 "$OUT/hf-from-s3" --max-shard-size 300KB
+$CKPT diff "$OUT/hf-from-s3" "$OUT/hf"
