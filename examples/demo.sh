@@ -53,8 +53,17 @@ MOTO=$!
 trap 'kill $MOTO 2>/dev/null || true' EXIT
 export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT" AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo \
     AWS_DEFAULT_REGION=us-east-1
-for _ in $(seq 50); do curl -s "$AWS_ENDPOINT_URL" > /dev/null && break; sleep 0.2; done
-$PY -c "import s3fs; s3fs.S3FileSystem().mkdir('demo')"
+$PY - <<'PYEOF'
+import os, time, urllib.request
+for _ in range(100):  # wait for the server to listen
+    try:
+        urllib.request.urlopen(os.environ["AWS_ENDPOINT_URL"], timeout=1)
+        break
+    except OSError:
+        time.sleep(0.2)
+import s3fs
+s3fs.S3FileSystem().mkdir("demo")
+PYEOF
 $CKPT reshard "$OUT/run/step-5" s3://demo/step-5-ws4 --world-size 4
 $CKPT verify s3://demo/step-5-ws4
 $CKPT consolidate s3://demo/step-5-ws4 "$OUT/hf-from-s3" --max-shard-size 300KB
