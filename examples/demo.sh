@@ -54,11 +54,13 @@ trap 'kill $MOTO 2>/dev/null || true' EXIT
 export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT" AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo \
     AWS_DEFAULT_REGION=us-east-1
 $PY - <<'PYEOF'
-import os, time, urllib.request
+import os, time, urllib.error, urllib.request
 for _ in range(100):  # wait for the server to listen
     try:
         urllib.request.urlopen(os.environ["AWS_ENDPOINT_URL"], timeout=1)
         break
+    except urllib.error.HTTPError:
+        break  # it answers
     except OSError:
         time.sleep(0.2)
 import s3fs
