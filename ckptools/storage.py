@@ -103,17 +103,33 @@ def storage_options(options: str | Mapping[str, Any] | None) -> Iterator[None]:
         >>> with storage_options({"anon": True}):          # doctest: +SKIP
         ...     ckptools.inspect("s3://public-bucket/ckpt")
     """
-    parsed = parse_storage_options(options)
-    if not parsed:
-        yield
-        return
-    with _scopes_lock:
-        _scopes.append(parsed)
+    token = push_storage_options(options)
     try:
         yield
     finally:
-        with _scopes_lock:
-            _scopes.remove(parsed)
+        pop_storage_options(token)
+
+
+def push_storage_options(options: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Enter a :func:`storage_options` scope that outlives a ``with`` block (an object's
+    lifetime); returns the token for :func:`pop_storage_options`."""
+    parsed = parse_storage_options(options)
+    if not parsed:
+        return None
+    with _scopes_lock:
+        _scopes.append(parsed)
+    return parsed
+
+
+def pop_storage_options(token: dict[str, Any] | None) -> None:
+    """Leave the scope :func:`push_storage_options` entered."""
+    if token is None:
+        return
+    with _scopes_lock:
+        for i in range(len(_scopes) - 1, -1, -1):
+            if _scopes[i] is token:
+                del _scopes[i]
+                break
 
 
 #: What ``storage_options=`` accepts: a mapping, or its JSON text (the CLI's ``--storage-options``).

@@ -47,6 +47,7 @@ from .retention import RetentionPolicy
 from .state import (
     EXTRA_KEY,
     check_saved,
+    checkpoint_id,
     load,
     state_to_save,
     storage_writer,
@@ -144,6 +145,9 @@ class CheckpointManager:
             a CPU buffer that is reused by later saves of the same shapes.
         checksums: write a checksum manifest into each checkpoint before its marker.
         process_group: the group whose ranks save together (default: the default group).
+        storage_options: fsspec options for a URL ``root`` (credentials, endpoint...), a
+            mapping or its JSON text, in force until :meth:`close` (background saves too);
+            see :func:`ckptools.storage.storage_options`.
 
     Example:
         >>> import torch, ckptools
@@ -171,8 +175,10 @@ class CheckpointManager:
         checksums: bool = True,
         *,
         process_group: dist.ProcessGroup | None = None,
+        storage_options: storage.StorageOptions | None = None,
     ) -> None:
         self.root = os.fspath(root)
+        self._storage_scope = storage.push_storage_options(storage_options)
         self.policy = RetentionPolicy(
             keep_last=keep_last,
             keep_every=keep_every,
@@ -267,7 +273,7 @@ class CheckpointManager:
                 warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
                 dcp_save(
                     state,
-                    checkpoint_id=tmp,
+                    checkpoint_id=checkpoint_id(tmp),
                     storage_writer=storage_writer(tmp),
                     process_group=self._pg,
                     no_dist=not self._distributed,
@@ -279,7 +285,7 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
             upload = dcp_async_save(
                 staged,
-                checkpoint_id=tmp,
+                checkpoint_id=checkpoint_id(tmp),
                 storage_writer=storage_writer(tmp),
                 process_group=self._async_pg,
                 async_stager=_PreStaged(),  # type: ignore[arg-type]
@@ -396,6 +402,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            storage.pop_storage_options(self._storage_scope)
+            self._storage_scope = None
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._staged = None

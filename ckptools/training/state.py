@@ -167,10 +167,22 @@ def state_to_save(
 
 def storage_writer(path: str) -> Any:
     """The DCP storage writer for ``path``: None locally (``dcp.save`` picks its own), torch's
-    ``FsspecWriter`` with the storage options in force for a URL."""
+    ``FsspecWriter`` with the storage options in force for a URL.
+
+    Pass it with ``checkpoint_id`` left out (:func:`checkpoint_id`): given both, torch resets
+    the writer to the id and rebuilds its filesystem *without* the storage options (torch
+    2.13 ``FileSystemWriter.reset``), so an endpoint or credentials given as options would be
+    lost for the data files.
+    """
     if not storage.is_url(path):
         return None
     return _compat.fsspec_writer(path, **storage.options_for(storage.protocol_of(path)))
+
+
+def checkpoint_id(path: str) -> str | None:
+    """``checkpoint_id`` for ``dcp.save``/``dcp.load`` beside :func:`storage_writer` /
+    :func:`storage_reader`: the path locally, None for a URL (its writer already holds it)."""
+    return None if storage.is_url(path) else path
 
 
 def storage_reader(path: str) -> Any:
@@ -244,7 +256,7 @@ def save(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_save(
             state,
-            checkpoint_id=os.fspath(path),
+            checkpoint_id=checkpoint_id(os.fspath(path)),
             storage_writer=storage_writer(os.fspath(path)),
             process_group=process_group,
             no_dist=_no_dist(),
@@ -355,7 +367,7 @@ def load(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_load(
             state,
-            checkpoint_id=path,
+            checkpoint_id=checkpoint_id(path),
             storage_reader=storage_reader(path),
             planner=_ObjectLoadPlanner(path, trust_objects),
             process_group=process_group,

@@ -197,3 +197,23 @@ def test_save_pretrained_to_s3_equals_consolidate(s3_bucket: str, tmp_path: Any)
     download(out, str(got))
     for name in names:
         assert (got / name).read_bytes() == (local / name).read_bytes(), name
+
+
+def test_manager_storage_options_reach_background_saves(
+    s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptools import storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # only the options name it
+    root = f"{s3_bucket}/opts"
+    model, opt = _model()
+    mgr = ckptools.CheckpointManager(
+        root, async_save=True, storage_options={"endpoint_url": s3_endpoint}
+    )
+    mgr.save(1, model, opt)  # committed on the background thread
+    mgr.wait()
+    assert mgr.steps() == [1]
+    mgr.close()
+    assert storage.options_for("s3") == {}
+    monkeypatch.undo()
+    assert "step-1/.ckptools-complete" in objects(root)
