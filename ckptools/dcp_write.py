@@ -40,7 +40,7 @@ from .manifest import Chunk, Manifest, TensorEntry
 from .plan import unique_chunks
 from .progress import ByteProgress
 from .reader import resolve_chunk
-from .storage import LocalReader, Reader, is_url, open_reader
+from .storage import Reader, is_url, open_reader
 
 #: Bytes of one copy block per file being written: big enough that syscalls are a rounding
 #: error, small enough that writing a few files at once stays far below the 512 MiB budget.
@@ -365,7 +365,7 @@ def _write_tensor(
     fd: int,
     item: TensorItem,
     cache: _SourceCache,
-    reader: LocalReader,
+    reader: Reader,
     progress: ByteProgress,
     scratch: _Scratch,
     writeback: _Writeback,
@@ -550,7 +550,7 @@ def _copy_segments(
     fd: int,
     pos: int,
     segments: list[_Segment],
-    reader: LocalReader,
+    reader: Reader,
     progress: ByteProgress,
     scratch: _Scratch,
     crcs: _SplitCrcs,
@@ -597,7 +597,7 @@ def _kernel_copy_range(
     raw: Chunk,
     start: int,
     length: int,
-    reader: LocalReader,
+    reader: Reader,
     progress: ByteProgress,
 ) -> None:
     src = raw.offset + start
@@ -759,8 +759,6 @@ def write_dcp(
         ByteProgress(total, "reshard", quiet=quiet) as bar,
     ):
         cache = _SourceCache(reader, manifest)
-        # _write_tensor still annotates LocalReader; every Reader works (fileno None: buffered)
-        any_reader: Any = reader
         writeback = _Writeback()
         segments, crcs = _plan_segments(tasks, cache)
 
@@ -775,7 +773,7 @@ def write_dcp(
                 if scratch is None:
                     scratch = local.scratch = _Scratch()
                 _write_tensor(
-                    fd, item, cache, any_reader, bar, scratch, writeback, segments.get(index), crcs
+                    fd, item, cache, reader, bar, scratch, writeback, segments.get(index), crcs
                 )
             except BaseException:
                 crcs.fail()  # a piece waiting for this one's CRC must not wait forever
