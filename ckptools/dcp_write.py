@@ -557,26 +557,26 @@ def _copy_segments(
 ) -> int:
     """Copy the segments to ``fd`` at ``pos`` on; return the CRC-32 of the bytes written.
 
-    ``whole`` and ``derive`` segments move inside the kernel (``copy_file_range``) and their CRC
-    comes from the record's stored one; ``read`` segments pass through the block buffer once,
-    CRC computed on the way. A source record whose bytes no longer match its stored CRC thus
-    gives an output that fails ``ckpt verify`` (possibly on the sibling piece of the same
-    record); ``ckpt verify SRC`` localises it.
+    Bytes move inside the kernel (``copy_file_range``). ``whole`` and ``derive`` segments take
+    their CRC from the record's stored one; a ``read`` segment's CRC is computed over the
+    source's pages in place (``mmap``: no copy into a buffer), or, where the source has no
+    page cache to view (an object store) or the kernel cannot copy, through the block buffer
+    on the way. A source record whose bytes no longer match its stored CRC thus gives an
+    output that fails ``ckpt verify`` (possibly on the sibling piece of the same record);
+    ``ckpt verify SRC`` localises it.
     """
     crc: int | None = None
     for seg in segments:
         raw = seg.raw
         if seg.mode == "read":
-            part = 0
-            done = 0
-            while done < seg.length:
-                n = min(BLOCK_BYTES, seg.length - done)
-                view = scratch.view(n)
-                reader.readinto(raw.file, raw.offset + seg.start + done, view)
-                part = crc32(view, part)
-                _pwrite_all(fd, view, pos + done)
-                done += n
-                progress.update(n)
+            view = reader.mapped(raw.file, raw.offset + seg.start, seg.length)
+            if view is not None and _kernel_copy_range(
+                fd, pos, raw, seg.start, seg.length, reader, progress, fallback=False
+            ):
+                part = crc32(view, 0)
+            else:
+                part = _copy_reading(fd, pos, raw, seg, reader, progress, scratch)
+            del view  # a slice of the mapping: let the reader unmap at close
             if crcs.wanted(raw, seg.start):
                 crcs.put(raw, seg.start, part, seg.length)
         else:
@@ -591,6 +591,29 @@ def _copy_segments(
     return crc or 0
 
 
+def _copy_reading(
+    fd: int,
+    pos: int,
+    raw: Chunk,
+    seg: _Segment,
+    reader: Reader,
+    progress: ByteProgress,
+    scratch: _Scratch,
+) -> int:
+    """Copy a segment through the block buffer, computing its CRC on the way."""
+    part = 0
+    done = 0
+    while done < seg.length:
+        n = min(BLOCK_BYTES, seg.length - done)
+        view = scratch.view(n)
+        reader.readinto(raw.file, raw.offset + seg.start + done, view)
+        part = crc32(view, part)
+        _pwrite_all(fd, view, pos + done)
+        done += n
+        progress.update(n)
+    return part
+
+
 def _kernel_copy_range(
     fd: int,
     pos: int,
@@ -599,7 +622,14 @@ def _kernel_copy_range(
     length: int,
     reader: Reader,
     progress: ByteProgress,
-) -> None:
+    *,
+    fallback: bool = True,
+) -> bool:
+    """Copy ``length`` bytes of ``raw`` from ``start`` to ``fd`` at ``pos`` in the kernel.
+
+    Where the kernel cannot (no descriptor, or unsupported), copies through memory if
+    ``fallback`` and returns True, else returns False having copied nothing.
+    """
     src = raw.offset + start
     try:
         copied = kernel_copy(reader.fileno(raw.file), fd, src, pos, length, progress.update)
@@ -607,13 +637,15 @@ def _kernel_copy_range(
         raise CorruptCheckpointError(
             f"{reader.root}/{raw.file}: file is truncated at byte {e.args[0]}", path=raw.file
         ) from e
-    if not copied:
-        done = 0
-        while done < length:
-            n = min(BLOCK_BYTES, length - done)
-            _pwrite_all(fd, reader.read(raw.file, src + done, n), pos + done)
-            done += n
-        progress.update(length)
+    if copied or not fallback:
+        return copied
+    done = 0
+    while done < length:
+        n = min(BLOCK_BYTES, length - done)
+        _pwrite_all(fd, reader.read(raw.file, src + done, n), pos + done)
+        done += n
+    progress.update(length)
+    return True
 
 
 def _copy_object(fd: int, item: ObjectItem, reader: Reader) -> None:

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import functools
 import json
+import mmap
 import os
 import posixpath
 import shutil
@@ -451,6 +452,8 @@ class Reader(Protocol):
 
     def fileno(self, rel: str) -> int | None: ...
 
+    def mapped(self, rel: str, offset: int, length: int) -> memoryview | None: ...
+
     def size(self, rel: str) -> int: ...
 
     def read(self, rel: str, offset: int, length: int) -> bytes: ...
@@ -509,6 +512,7 @@ class LocalReader:
     def __init__(self, root: str) -> None:
         self.root = root
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, memoryview] = {}
         self._lock = threading.Lock()
 
     def _fd(self, rel: str) -> int:
@@ -573,8 +577,44 @@ class LocalReader:
                 )
             got += n
 
+    def mapped(self, rel: str, offset: int, length: int) -> memoryview | None:
+        """A read-only view of bytes ``offset..offset+length`` of ``rel`` in the page cache
+        (``mmap``), to checksum without copying; raises as :meth:`read` at a short file.
+
+        The file is mapped once, at its size when first asked: a range past that is reported
+        as truncation here, never touched (which would be SIGBUS).
+        """
+        view = self._maps.get(rel)
+        if view is None:
+            fd = self._fd(rel)
+            with self._lock:
+                view = self._maps.get(rel)
+                if view is None:
+                    size = os.fstat(fd).st_size
+                    view = (
+                        memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+                        if size
+                        else (memoryview(b""))
+                    )
+                    self._maps[rel] = view
+        if offset + length > len(view):
+            path = join(self.root, rel)
+            raise CorruptCheckpointError(
+                f"{path}: file is truncated: needed bytes {offset}..{offset + length} but it "
+                f"ends at {len(view)}",
+                path=path,
+            )
+        return view[offset : offset + length]
+
     def close(self) -> None:
         with self._lock:
+            for view in self._maps.values():
+                obj = view.obj
+                with contextlib.suppress(BufferError):  # a caller still holds a slice
+                    view.release()
+                    if isinstance(obj, mmap.mmap):
+                        obj.close()
+            self._maps.clear()
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -628,6 +668,9 @@ class RemoteReader:
 
     def fileno(self, rel: str) -> None:
         return None
+
+    def mapped(self, rel: str, offset: int, length: int) -> None:
+        return None  # no page cache to view: callers read
 
     def size(self, rel: str) -> int:
         found = self._sizes.get(rel)

@@ -12,6 +12,7 @@ learn where each tensor's raw bytes are without reading or materialising them.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
@@ -316,7 +317,19 @@ class TensorArchiveLayout:
         return len(self.head) + self.nbytes + self.tail_length
 
     def tail(self, crc: int) -> bytes:
-        """Everything after the tensor bytes: descriptor, last record, central directory."""
+        """Everything after the tensor bytes: descriptor, last record, central directory.
+
+        Only the CRC differs between calls: the bytes are built once per layout, and the CRC is
+        written into its two places (a reshard writes thousands of pieces of a few shapes).
+        """
+        template, places = _tail_template(self)
+        out = bytearray(template)
+        packed = struct.pack("<I", crc)
+        for at in places:
+            out[at : at + 4] = packed
+        return bytes(out)
+
+    def _build_tail(self, crc: int) -> bytes:
         zip64_data = self.nbytes >= _ZIP64_LIMIT
         out = bytearray()
         if zip64_data:
@@ -385,6 +398,19 @@ class TensorArchiveLayout:
         return bytes(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def _tail_template(layout: TensorArchiveLayout) -> tuple[bytes, tuple[int, ...]]:
+    """The tail with CRC 0, and where the CRC goes (found by building it with two CRCs)."""
+    zero = layout._build_tail(0)
+    ones = layout._build_tail(0xFFFFFFFF)
+    places = tuple(i for i in range(0, len(zero) - 3) if ones[i : i + 4] == b"\xff" * 4
+                   and zero[i : i + 4] == b"\0" * 4)  # fmt: skip
+    # the data descriptor and the record's central-directory entry; nothing else differs
+    assert len(places) == 2, places
+    return zero, places
+
+
+@functools.lru_cache(maxsize=4096)
 def tensor_archive_layout(dtype_name: str, shape: tuple[int, ...]) -> TensorArchiveLayout:
     """Layout of ``torch.save(t)`` for a contiguous tensor of ``dtype_name`` and ``shape``.
 

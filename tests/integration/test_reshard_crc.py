@@ -112,3 +112,29 @@ def test_failing_piece_releases_deriving_pieces(
         ckptools.reshard(str(p.path), str(out), world_size=4, quiet=True, workers=2)
     assert not out.exists()
     assert not list(tmp_path.glob("out.tmp-*"))
+
+
+def test_mapped_views_refuse_ranges_past_the_end(tmp_path: Path) -> None:
+    from ckptools.errors import CorruptCheckpointError
+
+    (tmp_path / "f").write_bytes(bytes(range(256)) * 16)
+    with LocalReader(str(tmp_path)) as reader:
+        view = reader.mapped("f", 100, 50)
+        assert view is not None and bytes(view) == (bytes(range(256)) * 16)[100:150]
+        del view
+        # a file cut short after planning: an error naming it, never a SIGBUS from the mapping
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            reader.mapped("f", 4000, 200)
+
+
+def test_reshard_truncated_source_is_a_clear_error(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    p = produced("fsdp2", world_size=2, optimizer=True)
+    src = tmp_path / "src"
+    shutil.copytree(p.path, src)
+    victim = src / "__1_0.distcp"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(CkptError, match=r"__1_0\.distcp"):
+        ckptools.reshard(str(src), str(tmp_path / "out"), world_size=4, quiet=True)
+    assert not (tmp_path / "out").exists()

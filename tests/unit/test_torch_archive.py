@@ -108,3 +108,16 @@ def test_crc32_combine_matches_zlib() -> None:
     # lengths far beyond what the test can allocate: the operator for 2**k zero bytes
     big = 2**40 + 12345
     assert crc32_combine(0x1234, 0, big) == crc32_combine(crc32_combine(0x1234, 0, 2**40), 0, 12345)
+
+
+@pytest.mark.parametrize("shape", [(), (0, 5), (7,), (3, 4), (1000, 1000)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "bool"])
+def test_cached_tail_equals_a_fresh_build(dtype: str, shape: tuple[int, ...]) -> None:
+    import random
+
+    from ckptools.torch_archive import tensor_archive_layout
+
+    layout = tensor_archive_layout(dtype, shape)
+    assert tensor_archive_layout(dtype, shape) is layout  # planned and written alike: cached
+    for crc in (0, 0xFFFFFFFF, 0x12345678, random.getrandbits(32)):
+        assert layout.tail(crc) == layout._build_tail(crc)
