@@ -559,24 +559,23 @@ def _copy_segments(
 
     Bytes move inside the kernel (``copy_file_range``). ``whole`` and ``derive`` segments take
     their CRC from the record's stored one; a ``read`` segment's CRC is computed over the
-    source's pages in place (``mmap``: no copy into a buffer), or, where the source has no
-    page cache to view (an object store) or the kernel cannot copy, through the block buffer
-    on the way. A source record whose bytes no longer match its stored CRC thus gives an
-    output that fails ``ckpt verify`` (possibly on the sibling piece of the same record);
-    ``ckpt verify SRC`` localises it.
+    source's pages in place (``LocalReader.crc32``: no copy into a buffer), or, where the
+    source has no page cache to view (an object store) or the kernel cannot copy, through the
+    block buffer on the way. A source record whose bytes no longer match its stored CRC thus
+    gives an output that fails ``ckpt verify`` (possibly on the sibling piece of the same
+    record); ``ckpt verify SRC`` localises it.
     """
     crc: int | None = None
     for seg in segments:
         raw = seg.raw
         if seg.mode == "read":
-            view = reader.mapped(raw.file, raw.offset + seg.start, seg.length)
-            if view is not None and _kernel_copy_range(
+            in_place = reader.crc32(raw.file, raw.offset + seg.start, seg.length)
+            if in_place is not None and _kernel_copy_range(
                 fd, pos, raw, seg.start, seg.length, reader, progress, fallback=False
             ):
-                part = crc32(view, 0)
+                part = in_place
             else:
                 part = _copy_reading(fd, pos, raw, seg, reader, progress, scratch)
-            del view  # a slice of the mapping: let the reader unmap at close
             if crcs.wanted(raw, seg.start):
                 crcs.put(raw, seg.start, part, seg.length)
         else:

@@ -452,7 +452,7 @@ class Reader(Protocol):
 
     def fileno(self, rel: str) -> int | None: ...
 
-    def mapped(self, rel: str, offset: int, length: int) -> memoryview | None: ...
+    def crc32(self, rel: str, offset: int, length: int) -> int | None: ...
 
     def size(self, rel: str) -> int: ...
 
@@ -501,6 +501,11 @@ def _open_read(path: str) -> int:
         ) from e
 
 
+#: Bytes of one read-only mapping when checksumming in place: large enough that the mmap calls
+#: are few, small enough that the resident set stays far below the memory budget.
+CRC_WINDOW_BYTES = 64 * 2**20
+
+
 class LocalReader:
     """Positional reads from files under ``root``, keeping file descriptors open.
 
@@ -512,7 +517,6 @@ class LocalReader:
     def __init__(self, root: str) -> None:
         self.root = root
         self._fds: dict[str, int] = {}
-        self._maps: dict[str, memoryview] = {}
         self._lock = threading.Lock()
 
     def _fd(self, rel: str) -> int:
@@ -577,44 +581,38 @@ class LocalReader:
                 )
             got += n
 
-    def mapped(self, rel: str, offset: int, length: int) -> memoryview | None:
-        """A read-only view of bytes ``offset..offset+length`` of ``rel`` in the page cache
-        (``mmap``), to checksum without copying; raises as :meth:`read` at a short file.
+    def crc32(self, rel: str, offset: int, length: int) -> int | None:
+        """CRC-32 of bytes ``offset..offset+length`` of ``rel``, computed over the page cache in
+        place (read-only ``mmap`` windows of :data:`CRC_WINDOW_BYTES`, unmapped as it goes, so
+        neither a copy nor the resident set grows with the range); raises as :meth:`read` at a
+        short file (checked first: touching a mapping past the end would be SIGBUS)."""
+        from .crc32 import crc32
 
-        The file is mapped once, at its size when first asked: a range past that is reported
-        as truncation here, never touched (which would be SIGBUS).
-        """
-        view = self._maps.get(rel)
-        if view is None:
-            fd = self._fd(rel)
-            with self._lock:
-                view = self._maps.get(rel)
-                if view is None:
-                    size = os.fstat(fd).st_size
-                    view = (
-                        memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
-                        if size
-                        else (memoryview(b""))
-                    )
-                    self._maps[rel] = view
-        if offset + length > len(view):
+        fd = self._fd(rel)
+        end = offset + length
+        size = os.fstat(fd).st_size
+        if end > size:
             path = join(self.root, rel)
             raise CorruptCheckpointError(
-                f"{path}: file is truncated: needed bytes {offset}..{offset + length} but it "
-                f"ends at {len(view)}",
+                f"{path}: file is truncated: needed bytes {offset}..{end} but it ends at {size}",
                 path=path,
             )
-        return view[offset : offset + length]
+        crc = 0
+        pos = offset
+        while pos < end:
+            base = pos - pos % mmap.ALLOCATIONGRANULARITY
+            span = min(end, base + CRC_WINDOW_BYTES) - base
+            with mmap.mmap(fd, span, prot=mmap.PROT_READ, offset=base) as window:
+                view = memoryview(window)
+                try:
+                    crc = crc32(view[pos - base : span], crc)
+                finally:
+                    view.release()
+            pos = base + span
+        return crc
 
     def close(self) -> None:
         with self._lock:
-            for view in self._maps.values():
-                obj = view.obj
-                with contextlib.suppress(BufferError):  # a caller still holds a slice
-                    view.release()
-                    if isinstance(obj, mmap.mmap):
-                        obj.close()
-            self._maps.clear()
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -669,8 +667,8 @@ class RemoteReader:
     def fileno(self, rel: str) -> None:
         return None
 
-    def mapped(self, rel: str, offset: int, length: int) -> None:
-        return None  # no page cache to view: callers read
+    def crc32(self, rel: str, offset: int, length: int) -> None:
+        return None  # no page cache to checksum in place: callers read
 
     def size(self, rel: str) -> int:
         found = self._sizes.get(rel)

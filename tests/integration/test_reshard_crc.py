@@ -97,16 +97,16 @@ def test_failing_piece_releases_deriving_pieces(
     produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p = produced("fsdp2", world_size=2, optimizer=True)
-    real = dcp_write.crc32
+    real = LocalReader.crc32
     calls = {"n": 0}
 
-    def failing_crc(data: object, value: int = 0) -> int:
+    def failing_crc(self: LocalReader, rel: str, offset: int, length: int) -> int | None:
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError(5, "injected read failure")
-        return real(data, value)
+        return real(self, rel, offset, length)
 
-    monkeypatch.setattr(dcp_write, "crc32", failing_crc)
+    monkeypatch.setattr(LocalReader, "crc32", failing_crc)
     out = tmp_path / "out"
     with pytest.raises((OSError, CkptError)):
         ckptools.reshard(str(p.path), str(out), world_size=4, quiet=True, workers=2)
@@ -114,17 +114,24 @@ def test_failing_piece_releases_deriving_pieces(
     assert not list(tmp_path.glob("out.tmp-*"))
 
 
-def test_mapped_views_refuse_ranges_past_the_end(tmp_path: Path) -> None:
+def test_in_place_crc_windows_and_ranges_past_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mmap
+
+    from ckptools import storage
     from ckptools.errors import CorruptCheckpointError
 
-    (tmp_path / "f").write_bytes(bytes(range(256)) * 16)
+    data = bytes(range(256)) * 4096  # 1 MiB
+    (tmp_path / "f").write_bytes(data)
+    # windows smaller than the range, starting off the allocation granularity
+    monkeypatch.setattr(storage, "CRC_WINDOW_BYTES", 2 * mmap.ALLOCATIONGRANULARITY)
     with LocalReader(str(tmp_path)) as reader:
-        view = reader.mapped("f", 100, 50)
-        assert view is not None and bytes(view) == (bytes(range(256)) * 16)[100:150]
-        del view
-        # a file cut short after planning: an error naming it, never a SIGBUS from the mapping
+        for offset, length in [(0, len(data)), (100, 50), (12345, 700_001), (len(data), 0)]:
+            assert reader.crc32("f", offset, length) == zlib.crc32(data[offset : offset + length])
+        # a file cut short after planning: an error naming it, never a SIGBUS from a mapping
         with pytest.raises(CorruptCheckpointError, match="truncated"):
-            reader.mapped("f", 4000, 200)
+            reader.crc32("f", len(data) - 10, 200)
 
 
 def test_reshard_truncated_source_is_a_clear_error(
