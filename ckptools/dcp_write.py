@@ -26,7 +26,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,7 +34,7 @@ from .boxes import copy_runs, fsdp2_rows, intersect
 from .crc32 import crc32, crc32_combine
 from .dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
 from .errors import CkptError, CorruptCheckpointError, UsageError
-from .execute import kernel_copy
+from .execute import kernel_copy, run_all
 from .manifest import Chunk, Manifest, TensorEntry
 from .plan import unique_chunks
 from .progress import ByteProgress
@@ -812,21 +811,9 @@ def write_dcp(
             finally:
                 files.release(item.rank)
 
-        # One FIFO queue: a piece that derives its CRC waits only for pieces queued before it.
-        pool = ThreadPoolExecutor(max_workers=max(1, workers))
-        futures = []
-        try:
-            futures = [pool.submit(run, i, item) for i, item in enumerate(tasks)]
-            for future in futures:
-                future.result()
-        except BaseException:
-            # First error or Ctrl-C: stop at the items in flight rather than write the rest.
-            crcs.fail()
-            for future in futures:
-                future.cancel()
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        # One FIFO queue: a piece that derives its CRC waits only for pieces queued before it;
+        # on the first error or Ctrl-C the waiting pieces are released and the rest cancelled.
+        run_all(lambda task: run(*task), list(enumerate(tasks)), workers, crcs.fail)
     if only_files is None:
         write_metadata(out_dir, plan)
     return total

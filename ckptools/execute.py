@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import dtypes, storage
 from .errors import CorruptCheckpointError
@@ -38,6 +38,8 @@ from .plan import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
 from .progress import ByteProgress
 from .reader import resolve_chunk
 from .storage import Reader, open_reader
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +368,7 @@ def execute(
             copy: Callable[[FilePlan, TensorPlan, Chunk], None] = copier.copy_chunk
             if on_file_done is not None:
                 copy = _FileCompletion(tasks, fds, on_file_done).wrap(copy)
-            _run_all(copy, tasks, workers, copier.stop)
+            run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
         for fd in fds.values():
             os.fsync(fd)
         written = total + (sum(len(f.header) for f in todo) if share is None else 0)
@@ -460,26 +462,30 @@ class _FileCompletion:
         return run
 
 
-def _run_all(
-    task: Callable[[FilePlan, TensorPlan, Chunk], None],
-    tasks: Sequence[tuple[FilePlan, TensorPlan, Chunk]],
+def run_all(
+    task: Callable[[T], None],
+    items: Sequence[T],
     workers: int,
-    stop: threading.Event,
+    on_error: Callable[[], None],
 ) -> None:
-    """Run every task; on the first error (or Ctrl-C) stop the others and re-raise it."""
+    """Run ``task`` on every item, ``workers`` threads taking them in order from one FIFO queue.
+
+    On the first error (or Ctrl-C) ``on_error`` tells the running tasks to stop, the queued ones
+    are cancelled, and the error is re-raised once the running ones have returned.
+    """
     if workers <= 1:
-        for f, t, c in tasks:
-            task(f, t, c)
+        for item in items:
+            task(item)
         return
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-copy")
     futures: list[Future[Any]] = []
     try:
-        futures = [pool.submit(task, f, t, c) for f, t, c in tasks]
+        futures = [pool.submit(task, item) for item in items]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for fut in done:
             fut.result()  # re-raises the first failure
     except BaseException:
-        stop.set()
+        on_error()
         for fut in futures:
             fut.cancel()
         raise

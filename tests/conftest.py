@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 #: the loopback S3 server and per-test buckets of the object-storage tests
-pytest_plugins = ("tests.support.s3",)
+pytest_plugins = ("tests.support.s3", "tests.support.hub_server")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,46 +18,25 @@ from typing import Any
 import pytest
 
 from tests.support.dist import run_ranks
+from tests.support.training import train_with_manager
 
 pytestmark = pytest.mark.distributed
 
 TOTAL_STEPS = 6
 SAVE_AT = 3
-
-
-def _train(
-    rank: int, world_size: int, root: str, kind: str, resume: bool, async_save: bool
-) -> dict[int, bytes]:
-    """Train to TOTAL_STEPS, saving after step SAVE_AT (or resuming from it). Returns the loss of
-    each step run, as raw bytes."""
-    import ckptools
-    from tests.support import training
-
-    model, opt = training.build(kind, world_size)
-    sched = training.scheduler(opt)
-    mgr = ckptools.CheckpointManager(root, keep_last=2, async_save=async_save)
-    start = 0
-    if resume:
-        restored = mgr.restore(model, opt, extra={"sched": sched})
-        assert restored is not None
-        start, extra = restored
-        assert extra["step"] == start == SAVE_AT
-    losses: dict[int, bytes] = {}
-    for step in range(start, TOTAL_STEPS):
-        loss = training.train_step(model, opt, step, sched)
-        losses[step] = loss.numpy().tobytes()
-        if not resume and step + 1 == SAVE_AT:
-            mgr.save(SAVE_AT, model, opt, extra={"step": SAVE_AT, "sched": sched})
-    mgr.close()
-    return losses
+STEPS = (TOTAL_STEPS, SAVE_AT)
 
 
 def _resume_matches(
     tmp_path: Any, kind: str, ws_before: int, ws_after: int, async_save: bool = False
 ) -> None:
     root = str(tmp_path / "ckpts")
-    full = run_ranks(_train, ws_before, root, kind, False, async_save, timeout=240.0)
-    resumed = run_ranks(_train, ws_after, root, kind, True, False, timeout=240.0)
+    full = run_ranks(
+        train_with_manager, ws_before, root, kind, False, async_save, *STEPS, timeout=240.0
+    )
+    resumed = run_ranks(
+        train_with_manager, ws_after, root, kind, True, False, *STEPS, timeout=240.0
+    )
     reference = full[0]
     assert all(r == reference for r in full), "ranks disagree in the uninterrupted run"
     for rank, losses in enumerate(resumed):

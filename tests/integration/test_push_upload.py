@@ -26,31 +26,17 @@ from ckptools.cli.main import EXIT_USAGE, cli
 from ckptools.errors import HubError, UsageError
 from ckptools.hub import LARGE_FOLDER_BYTES_ENV
 from tests.conftest import Produced
+from tests.support.hub_server import TEST_TOKEN as TOKEN
 from tests.support.hub_server import USER, HubServer
 from tests.support.producers import hf_config_dict
 
 # The client's LFS upload hands httpx a file object, which httpx2 deprecates; not ours to fix.
-pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
-
-TOKEN = "hf_integration_token"
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning"),
+    pytest.mark.usefixtures("no_saved_token"),
+]
 REPO = "me/tiny-llama"
 _STEP = 7
-
-
-@pytest.fixture(autouse=True)
-def _no_saved_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Never send the developer's own token (HF_TOKEN, saved login) to the test server."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
-
-
-@pytest.fixture
-def hub() -> Iterator[HubServer]:
-    with HubServer(token=TOKEN) as server:
-        yield server
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +68,22 @@ def _killed_run(command: str, src: Path, out: Path, after_files: int, arg: str) 
     assert not out.exists()
     (staging,) = out.parent.glob(f"{out.name}.tmp-*")
     return staging
+
+
+def _interrupt_after(monkeypatch: pytest.MonkeyPatch, files: int) -> Any:
+    """Make Ctrl-C arrive right after the ``files``-th file is journaled; returns the original
+    ``Journal.record`` (to put back)."""
+    record = resume.Journal.record
+    calls = {"n": 0}
+
+    def record_then_interrupt(self: resume.Journal, rel: str, **kw: Any) -> None:
+        record(self, rel, **kw)
+        calls["n"] += 1
+        if calls["n"] == files:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume.Journal, "record", record_then_interrupt)
+    return record
 
 
 def _journal_fingerprint(staging: Path) -> str:
@@ -151,16 +168,7 @@ def test_a_changed_file_or_option_is_not_trusted(src: Produced, tmp_path: Path) 
 def test_ctrl_c_keeps_the_files_and_a_rerun_finishes(
     src: Produced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    record = resume.Journal.record
-    calls = {"n": 0}
-
-    def interrupt_after_two(self: resume.Journal, rel: str, **kw: object) -> None:
-        record(self, rel, **kw)  # type: ignore[arg-type]
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(resume.Journal, "record", interrupt_after_two)
+    record = _interrupt_after(monkeypatch, 2)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         ckptools.reshard(str(src.path), str(out), world_size=4, quiet=True, workers=1)
@@ -203,16 +211,7 @@ def test_a_running_conversion_is_not_resumed_by_another(src: Produced, tmp_path:
 def test_interrupted_s3_reshard_resumes_bit_exact(
     src: Produced, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    record = resume.Journal.record
-    calls = {"n": 0}
-
-    def interrupt_after_two(self: resume.Journal, rel: str, **kw: object) -> None:
-        record(self, rel, **kw)  # type: ignore[arg-type]
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(resume.Journal, "record", interrupt_after_two)
+    record = _interrupt_after(monkeypatch, 2)
     out = f"{s3_bucket}/re"
     with pytest.raises(KeyboardInterrupt):
         ckptools.reshard(str(src.path), out, world_size=5, quiet=True, workers=1)

@@ -30,11 +30,14 @@ import hashlib
 import json
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+import pytest
 
 USER = "testuser"
 _REPO = r"(?P<repo>[^/]+/[^/]+|[^/]+)"
@@ -458,3 +461,24 @@ def _handler(server: HubServer) -> type[BaseHTTPRequestHandler]:
         do_GET = do_POST = do_PUT = do_DELETE = _serve
 
     return Handler
+
+
+#: The token the test server requires; the tests pass it explicitly.
+TEST_TOKEN = "hf_test_token"
+
+
+@pytest.fixture
+def no_saved_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Never send the developer's own token (HF_TOKEN, saved login) to the test server."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+
+
+@pytest.fixture
+def hub() -> Iterator[HubServer]:
+    """A :class:`HubServer` requiring :data:`TEST_TOKEN`."""
+    with HubServer(token=TEST_TOKEN) as server:
+        yield server

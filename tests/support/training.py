@@ -147,3 +147,38 @@ def train_step(
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def train_with_manager(
+    rank: int,
+    world_size: int,
+    root: str,
+    kind: str,
+    resume: bool,
+    async_save: bool,
+    total_steps: int,
+    save_at: int,
+) -> dict[int, bytes]:
+    """A rank of a job with a ``CheckpointManager`` at ``root``: train to ``total_steps``,
+    saving after step ``save_at`` (or, with ``resume``, restoring from it first). Returns the
+    loss of each step run, as raw bytes (for bit-exact comparison with a run that never stopped).
+    """
+    import ckptools
+
+    model, opt = build(kind, world_size)
+    sched = scheduler(opt)
+    mgr = ckptools.CheckpointManager(root, keep_last=2, async_save=async_save)
+    start = 0
+    if resume:
+        restored = mgr.restore(model, opt, extra={"sched": sched})
+        assert restored is not None
+        start, extra = restored
+        assert extra["step"] == start == save_at
+    losses: dict[int, bytes] = {}
+    for step in range(start, total_steps):
+        loss = train_step(model, opt, step, sched)
+        losses[step] = loss.numpy().tobytes()
+        if not resume and step + 1 == save_at:
+            mgr.save(save_at, model, opt, extra={"step": save_at, "sched": sched})
+    mgr.close()
+    return losses

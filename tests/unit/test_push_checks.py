@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,26 +34,11 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.hub import MAX_FILE_BYTES_ENV, resolve_max_file_bytes, step_of
+from tests.support.hub_server import TEST_TOKEN as TOKEN
 from tests.support.hub_server import HubServer
 
-TOKEN = "hf_unit_test_token"
+pytestmark = pytest.mark.usefixtures("no_saved_token")
 REPO = "me/tiny"
-
-
-@pytest.fixture(autouse=True)
-def _no_saved_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Never send the developer's own token (HF_TOKEN, saved login) to the test server."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
-
-
-@pytest.fixture
-def hub() -> Iterator[HubServer]:
-    with HubServer(token=TOKEN) as server:
-        yield server
 
 
 def write_model(directory: Path, shards: int = 2) -> Path:
