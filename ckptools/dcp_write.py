@@ -26,6 +26,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,6 +47,8 @@ from .storage import Reader, is_url, open_reader
 BLOCK_BYTES = 16 * 2**20
 METADATA_FILE = ".metadata"
 _EARLY_WRITEBACK = hasattr(os, "posix_fadvise")
+#: Finished rank files that may wait for their fsync at once (each keeps a descriptor open).
+_SYNCS_PENDING = 4
 #: Output bytes between two writeback starts: large enough that the calls are few, small enough
 #: that the disk starts early (a 2 GB reshard makes ~30 of them).
 WRITEBACK_STEP_BYTES = 64 * 2**20
@@ -692,8 +695,9 @@ class _OutputFiles:
 
     Items run in (rank, offset) order, so only about ``workers`` files are open at once: a
     reshard to 1,024 ranks never holds 1,024 descriptors (a common ``ulimit -n``). A file is
-    created (empty, even when it gets no item, as DCP writes one per rank), and fsynced and
-    closed after its last item.
+    created (empty, even when it gets no item, as DCP writes one per rank), and after its last
+    item handed to one syncing thread that fsyncs, closes and reports it, so the copying threads
+    go on while the disk catches up (at most :data:`_SYNCS_PENDING` files wait for it).
     """
 
     def __init__(
@@ -709,6 +713,9 @@ class _OutputFiles:
             self._left[item.rank] = self._left.get(item.rank, 0) + 1
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
+        self._slots = threading.Semaphore(_SYNCS_PENDING)
+        self._syncs: list[Future[None]] = []
 
     def __enter__(self) -> _OutputFiles:
         return self
@@ -727,14 +734,31 @@ class _OutputFiles:
             if self._left[rank]:
                 return
             fd = self._fds.pop(rank)
+        self._slots.acquire()  # the disk is behind: wait rather than hold more files open
+        future = self._syncer.submit(self._sync, rank, fd)
+        with self._lock:
+            self._syncs.append(future)
+
+    def _sync(self, rank: int, fd: int) -> None:
         try:
-            os.fsync(fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if self._on_done is not None:
+                self._on_done(rank)
         finally:
-            os.close(fd)
-        if self._on_done is not None:
-            self._on_done(rank)
+            self._slots.release()
+
+    def drain(self) -> None:
+        """Wait until every finished file is durable (and reported); raise the first error."""
+        with self._lock:
+            syncs, self._syncs = self._syncs, []
+        for future in syncs:
+            future.result()
 
     def __exit__(self, *exc: object) -> None:
+        self._syncer.shutdown(wait=True)
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():  # only left after an error: the temp dir is discarded
@@ -814,6 +838,7 @@ def write_dcp(
         # One FIFO queue: a piece that derives its CRC waits only for pieces queued before it;
         # on the first error or Ctrl-C the waiting pieces are released and the rest cancelled.
         run_all(lambda task: run(*task), list(enumerate(tasks)), workers, crcs.fail)
+        files.drain()
     if only_files is None:
         write_metadata(out_dir, plan)
     return total

@@ -145,3 +145,39 @@ def test_reshard_truncated_source_is_a_clear_error(
     with pytest.raises(CkptError, match=r"__1_0\.distcp"):
         ckptools.reshard(str(src), str(tmp_path / "out"), world_size=4, quiet=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_rank_files_are_durable_before_metadata_and_fsync_errors_surface(
+    produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    p = produced("fsdp2", world_size=2, optimizer=True)
+    events: list[str] = []
+    real_fsync = os.fsync
+    real_metadata = dcp_write.write_metadata
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.endswith(".distcp"):
+            events.append(name)
+
+    def metadata(out_dir: str, plan: dcp_write.DcpPlan) -> None:
+        events.append(".metadata")
+        real_metadata(out_dir, plan)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(dcp_write, "write_metadata", metadata)
+    ckptools.reshard(str(p.path), str(tmp_path / "out"), world_size=5, quiet=True)
+    # every rank file with items was fsynced (by the syncing thread), all before .metadata
+    assert events[-1] == ".metadata"
+    assert sorted(set(events[:-1])) == [f"__{r}_0.distcp" for r in range(5)]
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        ckptools.reshard(str(p.path), str(tmp_path / "out2"), world_size=5, quiet=True)
+    assert not list(tmp_path.glob("out2*"))

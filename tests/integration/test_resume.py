@@ -9,6 +9,7 @@ compared), and torch's own ``dcp.load`` against the producer's reference.
 
 from __future__ import annotations
 
+import _thread
 import filecmp
 import json
 import os
@@ -80,7 +81,8 @@ def _interrupt_after(monkeypatch: pytest.MonkeyPatch, files: int) -> Any:
         record(self, rel, **kw)
         calls["n"] += 1
         if calls["n"] == files:
-            raise KeyboardInterrupt
+            # as a Ctrl-C does: KeyboardInterrupt in the main thread, whichever thread journals
+            _thread.interrupt_main()
 
     monkeypatch.setattr(resume.Journal, "record", record_then_interrupt)
     return record
@@ -174,9 +176,10 @@ def test_ctrl_c_keeps_the_files_and_a_rerun_finishes(
         ckptools.reshard(str(src.path), str(out), world_size=4, quiet=True, workers=1)
     assert not out.exists()
     (staging,) = tmp_path.glob("out.tmp-*")
-    # the file in flight when Ctrl-C came may still have finished; the rest were cancelled
+    # files already written when Ctrl-C came finish their fsync (and are journaled); items
+    # not started are cancelled: how many depends on timing with a model this small
     kept = resume.Journal.open(str(staging), _journal_fingerprint(staging)).done_count
-    assert 2 <= kept < 4
+    assert 2 <= kept <= 4
     monkeypatch.setattr(resume.Journal, "record", record)
     result = ckptools.reshard(str(src.path), str(out), world_size=4, quiet=True)
     assert any(f"resumed: {kept} file(s)" in n for n in result.notes), result.notes
