@@ -26,7 +26,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,7 +34,7 @@ from .boxes import copy_runs, fsdp2_rows, intersect
 from .crc32 import crc32, crc32_combine
 from .dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
 from .errors import CkptError, CorruptCheckpointError, UsageError
-from .execute import kernel_copy, run_all
+from .execute import FileSyncer, kernel_copy, run_all
 from .manifest import Chunk, Manifest, TensorEntry
 from .plan import unique_chunks
 from .progress import ByteProgress
@@ -47,8 +46,6 @@ from .storage import Reader, is_url, open_reader
 BLOCK_BYTES = 16 * 2**20
 METADATA_FILE = ".metadata"
 _EARLY_WRITEBACK = hasattr(os, "posix_fadvise")
-#: Finished rank files that may wait for their fsync at once (each keeps a descriptor open).
-_SYNCS_PENDING = 4
 #: Output bytes between two writeback starts: large enough that the calls are few, small enough
 #: that the disk starts early (a 2 GB reshard makes ~30 of them).
 WRITEBACK_STEP_BYTES = 64 * 2**20
@@ -696,8 +693,8 @@ class _OutputFiles:
     Items run in (rank, offset) order, so only about ``workers`` files are open at once: a
     reshard to 1,024 ranks never holds 1,024 descriptors (a common ``ulimit -n``). A file is
     created (empty, even when it gets no item, as DCP writes one per rank), and after its last
-    item handed to one syncing thread that fsyncs, closes and reports it, so the copying threads
-    go on while the disk catches up (at most :data:`_SYNCS_PENDING` files wait for it).
+    item handed to a :class:`ckptools.execute.FileSyncer` that fsyncs, closes and reports it,
+    so the copying threads go on while the disk catches up.
     """
 
     def __init__(
@@ -707,15 +704,12 @@ class _OutputFiles:
         on_done: Callable[[int], None] | None = None,
     ) -> None:
         self._dir = out_dir
-        self._on_done = on_done
         self._left: dict[int, int] = {}
         for item in tasks:
             self._left[item.rank] = self._left.get(item.rank, 0) + 1
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
-        self._slots = threading.Semaphore(_SYNCS_PENDING)
-        self._syncs: list[Future[None]] = []
+        self._syncer: FileSyncer[int] = FileSyncer(on_done)
 
     def __enter__(self) -> _OutputFiles:
         return self
@@ -734,31 +728,14 @@ class _OutputFiles:
             if self._left[rank]:
                 return
             fd = self._fds.pop(rank)
-        self._slots.acquire()  # the disk is behind: wait rather than hold more files open
-        future = self._syncer.submit(self._sync, rank, fd)
-        with self._lock:
-            self._syncs.append(future)
-
-    def _sync(self, rank: int, fd: int) -> None:
-        try:
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if self._on_done is not None:
-                self._on_done(rank)
-        finally:
-            self._slots.release()
+        self._syncer.submit(rank, fd)
 
     def drain(self) -> None:
         """Wait until every finished file is durable (and reported); raise the first error."""
-        with self._lock:
-            syncs, self._syncs = self._syncs, []
-        for future in syncs:
-            future.result()
+        self._syncer.drain()
 
     def __exit__(self, *exc: object) -> None:
-        self._syncer.shutdown(wait=True)
+        self._syncer.shutdown()
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():  # only left after an error: the temp dir is discarded

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from . import dtypes, storage
 from .errors import CorruptCheckpointError
@@ -40,6 +40,10 @@ from .reader import resolve_chunk
 from .storage import Reader, open_reader
 
 T = TypeVar("T")
+K = TypeVar("K")
+
+#: Finished output files that may wait for their fsync at once (each keeps a descriptor open).
+SYNCS_PENDING = 4
 
 log = logging.getLogger(__name__)
 
@@ -366,9 +370,17 @@ def execute(
         with ByteProgress(total, "consolidate", quiet=quiet) as bar:
             copier = _Copier(manifest, reader, fds, block_bytes(memory_budget, workers), bar)
             copy: Callable[[FilePlan, TensorPlan, Chunk], None] = copier.copy_chunk
-            if on_file_done is not None:
-                copy = _FileCompletion(tasks, fds, on_file_done).wrap(copy)
-            run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
+            if on_file_done is None:
+                run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
+            else:
+                # journaled: each file fsynced (and reported) as soon as it is complete
+                syncer = FileSyncer(on_file_done, close=False)
+                try:
+                    copy = _FileCompletion(tasks, fds, syncer).wrap(copy)
+                    run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
+                    syncer.drain()
+                finally:
+                    syncer.shutdown()
         for fd in fds.values():
             os.fsync(fd)
         written = total + (sum(len(f.header) for f in todo) if share is None else 0)
@@ -424,29 +436,77 @@ def _execute_to_store(
     return ExecuteStats(written, chunks, kernel)
 
 
+class FileSyncer(Generic[K]):
+    """fsyncs finished output files on one thread while the copy threads go on, then reports
+    each (``on_done(key)``, e.g. to journal it): a copy thread never waits for the disk to
+    flush a file it just finished. At most ``max_pending`` files wait (each keeps a descriptor
+    open; :meth:`submit` blocks beyond that). :meth:`drain` waits for all and raises the first
+    error; call it before anything (a marker) relies on the files being durable.
+    """
+
+    def __init__(
+        self,
+        on_done: Callable[[K], None] | None = None,
+        *,
+        close: bool = True,
+        max_pending: int = SYNCS_PENDING,
+    ) -> None:
+        self._on_done = on_done
+        self._close = close
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
+        self._slots = threading.Semaphore(max_pending)
+        self._futures: list[Future[None]] = []
+        self._lock = threading.Lock()
+
+    def submit(self, key: K, fd: int) -> None:
+        """fsync ``fd`` (and close it, if the syncer owns it), then report ``key``."""
+        self._slots.acquire()
+        future = self._pool.submit(self._sync, key, fd)
+        with self._lock:
+            self._futures.append(future)
+
+    def _sync(self, key: K, fd: int) -> None:
+        try:
+            try:
+                os.fsync(fd)
+            finally:
+                if self._close:
+                    os.close(fd)
+            if self._on_done is not None:
+                self._on_done(key)
+        finally:
+            self._slots.release()
+
+    def drain(self) -> None:
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for future in futures:
+            future.result()
+
+    def shutdown(self) -> None:
+        """Let the syncs in flight finish (after an error, too: they are whole files)."""
+        self._pool.shutdown(wait=True)
+
+
 class _FileCompletion:
-    """Counts each file's chunks down as they are copied; fsyncs a file after its last one and
-    reports it (files with no chunk, only a header, are reported at once)."""
+    """Counts each file's chunks down as they are copied and hands a file to the syncer after
+    its last one (files with no chunk, only a header, at once)."""
 
     def __init__(
         self,
         tasks: Sequence[tuple[FilePlan, TensorPlan, Chunk]],
         fds: dict[str, int],
-        done: Callable[[str], None],
+        syncer: FileSyncer[str],
     ) -> None:
         self._left: dict[str, int] = dict.fromkeys(fds, 0)
         for f, _, _ in tasks:
             self._left[f.name] += 1
         self._fds = fds
-        self._done = done
+        self._syncer = syncer
         self._lock = threading.Lock()
         for name, left in list(self._left.items()):
             if not left:
-                self._finish(name)
-
-    def _finish(self, name: str) -> None:
-        os.fsync(self._fds[name])
-        self._done(name)
+                syncer.submit(name, fds[name])
 
     def wrap(
         self, copy: Callable[[FilePlan, TensorPlan, Chunk], None]
@@ -457,7 +517,7 @@ class _FileCompletion:
                 self._left[f.name] -= 1
                 last = not self._left[f.name]
             if last:
-                self._finish(f.name)
+                self._syncer.submit(f.name, self._fds[f.name])
 
         return run
 
