@@ -194,7 +194,7 @@ def plan_timing(workdir: str, n_tensors: int, ranks: int) -> str:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from ckptools.consolidate import select_tensors
     from ckptools.layouts import read_manifest
-    from ckptools.plan import plan_consolidation
+    from ckptools.plan.safetensors import plan_consolidation
     from tests.support.producers import big_many_tensors_metadata
 
     src = os.path.join(workdir, f"meta-{n_tensors}x{ranks}")

@@ -8,25 +8,26 @@ Example:
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
-from .consolidate import ConsolidateResult, consolidate
-from .diff import diff
-from .errors import CkptError
-from .hub import PushResult, push_to_hub
-from .inspection import InspectReport, inspect
-from .layouts import read_manifest
-from .manifest import Manifest
-from .reader import read_object, read_tensor
-from .reshard import ReshardResult, reshard, shard
-from .verify import VerifyReport, verify, verify_roundtrip
+from ckptools._version import __version__
 
 if TYPE_CHECKING:
-    from .training.manager import CheckpointManager
-    from .training.pretrained import save_pretrained
-    from .training.state import load, save
-
-__version__ = "0.1.0"
+    from ckptools.consolidate import ConsolidateResult, consolidate
+    from ckptools.core.manifest import Manifest
+    from ckptools.diff import diff
+    from ckptools.engine.reader import read_object, read_tensor
+    from ckptools.errors import CkptError
+    from ckptools.hub import PushResult, push_to_hub
+    from ckptools.inspection import InspectReport, inspect
+    from ckptools.layouts import read_manifest
+    from ckptools.reshard import ReshardResult, reshard, shard
+    from ckptools.training.manager import CheckpointManager
+    from ckptools.training.pretrained import save_pretrained
+    from ckptools.training.state import load, save
+    from ckptools.verify import VerifyReport, verify, verify_roundtrip
 
 __all__ = [
     "CheckpointManager",
@@ -54,20 +55,59 @@ __all__ = [
     "verify_roundtrip",
 ]
 
-# The training hooks import torch.distributed; resolving them on first use keeps `import ckptools`
-# (and `ckpt --help`) free of that cost.
-_TRAINING_NAMES = {
-    "save": "state",
-    "load": "state",
-    "CheckpointManager": "manager",
-    "save_pretrained": "pretrained",
+# Every public name is resolved on first use: `import ckptools` (and every `ckpt` run, and
+# `ckpt --help`) then pays only for the modules the command touches, not for every verb and torch.
+_LAZY = {
+    "ConsolidateResult": "consolidate",
+    "consolidate": "consolidate",
+    "Manifest": "core.manifest",
+    "diff": "diff",
+    "read_object": "engine.reader",
+    "read_tensor": "engine.reader",
+    "CkptError": "errors",
+    "PushResult": "hub",
+    "push_to_hub": "hub",
+    "InspectReport": "inspection",
+    "inspect": "inspection",
+    "read_manifest": "layouts",
+    "ReshardResult": "reshard",
+    "reshard": "reshard",
+    "shard": "reshard",
+    "CheckpointManager": "training.manager",
+    "save_pretrained": "training.pretrained",
+    "load": "training.state",
+    "save": "training.state",
+    "VerifyReport": "verify",
+    "verify": "verify",
+    "verify_roundtrip": "verify",
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TRAINING_NAMES:
+    if name in _LAZY:
         import importlib
 
-        module = importlib.import_module(f".training.{_TRAINING_NAMES[name]}", __name__)
-        return getattr(module, name)
+        module = importlib.import_module(f"ckptools.{_LAZY[name]}")
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+class _Package(types.ModuleType):
+    """The package module: importing the submodule ``ckptools.consolidate`` (``diff``, ``reshard``,
+    ``verify``) would bind that module over the public function of the same name; keep the
+    function, as an eager ``from .consolidate import consolidate`` here used to."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTION_MODULES and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+_FUNCTION_MODULES = frozenset({"consolidate", "diff", "reshard", "verify"})
+sys.modules[__name__].__class__ = _Package

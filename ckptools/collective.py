@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from .errors import CkptError, UsageError
+from ckptools.errors import CkptError, UsageError
 
 T = TypeVar("T")
 S = TypeVar("S")

@@ -1,7 +1,8 @@
 """``ckptools.consolidate``: any supported checkpoint → a Hugging Face safetensors model directory.
 
 Reads the manifest, picks the tensors to export (the model part by default) under their own FQNs,
-plans the output files (:mod:`ckptools.plan`), moves the bytes (:mod:`ckptools.execute`) into a
+plans the output files (:mod:`ckptools.plan.safetensors`), moves the bytes
+(:mod:`ckptools.engine.executor`) into a
 temporary directory beside OUT, copies the model's config and tokenizer files, writes the index
 last and renames the directory into place. Tensors are never materialised unless a dtype cast or
 a strided chunk asks for torch, so memory stays bounded whatever the model size.
@@ -18,9 +19,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import collective, dtypes, keys, storage
-from .collective import Ranks
-from .commit import (
+from ckptools import collective
+from ckptools.collective import Ranks
+from ckptools.core import dtypes, keys
+from ckptools.core.manifest import Manifest
+from ckptools.core.sizes import parse_size
+from ckptools.engine.executor import (
+    DEFAULT_MEMORY_BUDGET_BYTES,
+    MEMORY_BUDGET_ENV,
+    create_files,
+    execute,
+)
+from ckptools.errors import UsageError
+from ckptools.io import storage
+from ckptools.io.resume import Journal, fingerprint
+from ckptools.io.staging import (
     check_writable,
     commit,
     copy_into,
@@ -30,14 +43,9 @@ from .commit import (
     resumable_staging,
     write_file_synced,
 )
-from .errors import UsageError
-from .execute import DEFAULT_MEMORY_BUDGET_BYTES, MEMORY_BUDGET_ENV, create_files, execute
-from .layouts import read_manifest
-from .manifest import Manifest
-from .plan import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
-from .resume import Journal, fingerprint
-from .sizes import parse_size
-from .tunables import WORKERS_ENV, env_int
+from ckptools.layouts import read_manifest
+from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+from ckptools.tunables import WORKERS_ENV, env_int
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +166,7 @@ def select_tensors(
         select: a dotted key path of a sub-tree (``"optim"``, ``"app.model"``,
             ``"model.model.layers.0"``) whose tensors to export with that path removed; ``"*"``
             exports every tensor under its full path. Default: the model part
-            (:func:`ckptools.keys.find_model_part`).
+            (:func:`ckptools.core.keys.find_model_part`).
         strip_prefix: removed from the start of every output name that has it.
 
     Raises:
@@ -345,7 +353,7 @@ def consolidate(
             split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
             False: this process writes everything alone.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Returns:
         A :class:`ConsolidateResult`; ``to_dict()`` gives plain JSON-able data.
@@ -501,7 +509,7 @@ def _write_distributed(
 
     Called by every rank, in the same order (:mod:`ckptools.collective`): rank 0 creates the
     temporary directory and every file (headers written, final sizes) and hands out its name;
-    every rank copies the chunks of its byte share (:func:`ckptools.execute.share_of`) and
+    every rank copies the chunks of its byte share (:func:`ckptools.engine.executor.share_of`) and
     fsyncs; once all have, rank 0 runs ``finish`` (model files, index last, rename). On any
     rank's failure rank 0 removes the temporary directory and every rank raises.
     """

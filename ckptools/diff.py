@@ -2,7 +2,7 @@
 
 Both sides may be in any format ckptools reads (DCP and its wrappers, safetensors, ``torch.save``).
 Tensors are matched by the model's own FQNs, found the way ``consolidate`` finds them
-(:func:`ckptools.keys.model_keys`: the model part of the key tree, wrapper segments such as
+(:func:`ckptools.core.keys.model_keys`: the model part of the key tree, wrapper segments such as
 ``_orig_mod.`` stripped), so DCP's ``model.layers.0.w`` meets the safetensors ``layers.0.w`` of
 its consolidation. Non-model state (optimizer, counters) is not compared.
 
@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import dtypes, keys, storage
-from .errors import UsageError
-from .manifest import Chunk, TensorEntry
-from .reader import resolve_chunk
-from .storage import Reader, open_reader
-from .tunables import env_int
+from ckptools.core import dtypes, keys
+from ckptools.core.manifest import Chunk, TensorEntry
+from ckptools.engine.reader import resolve_chunk
+from ckptools.errors import UsageError
+from ckptools.io import storage
+from ckptools.io.storage import Reader, open_reader
+from ckptools.tunables import env_int
 
 if TYPE_CHECKING:
     import torch
@@ -385,7 +386,7 @@ def diff(
         format_a: force the layout of ``a``.
         format_b: force the layout of ``b``.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Returns:
         A :class:`DiffReport`; ``report.identical`` is True when nothing differs.
@@ -398,7 +399,7 @@ def diff(
         >>> [t.describe() for t in report.differences]  # doctest: +SKIP
         ["model.norm.weight: 1 element(s) differ, first at [3]: 1.0 vs 1.5; ..."]
     """
-    from .layouts import read_manifest
+    from ckptools.layouts import read_manifest
 
     for name, tol in (("atol", atol), ("rtol", rtol)):
         if tol is not None and (tol < 0 or not math.isfinite(tol)):

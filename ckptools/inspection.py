@@ -6,12 +6,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import keys, safe_pickle, storage
-from .errors import CkptError
-from .layouts import read_manifest
-from .layouts.dcp import sharding_summary
-from .manifest import Manifest
-from .reader import read_object
+from ckptools.core import keys
+from ckptools.core.manifest import Manifest
+from ckptools.engine.reader import read_object
+from ckptools.errors import CkptError
+from ckptools.formats import safe_pickle
+from ckptools.io import storage
+from ckptools.layouts import read_manifest
+from ckptools.layouts.dcp import sharding_summary
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def inspect(
         values: also decode non-tensor entries (through the pickle allowlist); an entry that
             cannot be decoded safely is reported with its error instead of a value.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Example:
         >>> report = inspect("checkpoints/step-1000")          # doctest: +SKIP

@@ -22,10 +22,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import collective, dcp_write, storage
-from .checksum import CHECKSUM_FILE, write_checksums
-from .collective import Ranks
-from .commit import (
+from ckptools import collective
+from ckptools.collective import Ranks
+from ckptools.core.manifest import Manifest
+from ckptools.engine import dcp_writer as dcp_write
+from ckptools.engine.dcp_writer import DcpPlan, file_name, plan_dcp, write_dcp
+from ckptools.errors import UsageError
+from ckptools.io import storage
+from ckptools.io.resume import Journal, fingerprint
+from ckptools.io.staging import (
     IN_PROGRESS,
     check_writable,
     commit,
@@ -34,12 +39,9 @@ from .commit import (
     fsync_dir,
     resumable_staging,
 )
-from .dcp_write import DcpPlan, file_name, plan_dcp, write_dcp
-from .errors import UsageError
-from .layouts import read_manifest
-from .layouts.dcp import read_dcp, require_plain
-from .manifest import Manifest
-from .resume import Journal, fingerprint
+from ckptools.layouts import read_manifest
+from ckptools.layouts.dcp import read_dcp, require_plain
+from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
@@ -116,7 +118,7 @@ def reshard(
             split the output files over the ranks (:func:`_write`; every rank must call it);
             False: this process writes everything alone.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Example:
         >>> ckptools.reshard("ckpt/step-100", "ckpt16/step-100", world_size=16)  # doctest: +SKIP
@@ -207,10 +209,10 @@ def _write(
     into it; every rank writes the ``__r_0.distcp`` files :meth:`Ranks.mine` gives it (balanced
     by bytes over the files of all parts); once all are written, rank 0 writes each part's
     ``.metadata``; with ``checksums`` every rank hashes a share of the files and rank 0 writes
-    the checksum manifest (:func:`ckptools.checksum.write_checksums`); rank 0 renames last. On
-    any rank's failure rank 0 removes the temporary directory and every rank raises.
+    the checksum manifest (:func:`ckptools.verify.checksums.write_checksums`); rank 0 renames last.
+    On any rank's failure rank 0 removes the temporary directory and every rank raises.
 
-    Resumable (:mod:`ckptools.resume`): rank 0 reuses the staging location of an interrupted run
+    Resumable (:mod:`ckptools.io.resume`): rank 0 reuses the staging location of an interrupted run
     of the same conversion (``identity``); each rank skips the files its journal part, or
     another rank's, records as complete, and journals each file it completes; rank 0 removes
     the journal before the first ``.metadata``. An interrupt keeps the staging location.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import UsageError
+from ckptools.errors import UsageError
 
 #: threads for I/O in consolidate, verify and checksum
 WORKERS_ENV = "CKPTOOLS_WORKERS"
@@ -39,7 +39,7 @@ def env_size(name: str, default: int) -> int:
     Raises:
         UsageError: the variable holds anything but a positive size.
     """
-    from .sizes import parse_size
+    from ckptools.core.sizes import parse_size
 
     raw = os.environ.get(name, "")
     if not raw:

@@ -6,6 +6,6 @@ click lives only in this package. Commands import heavy modules inside their bod
 
 from __future__ import annotations
 
-from .main import main
+from ckptools.cli.main import main
 
 __all__ = ["main"]

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from .options import format_option, json_option, storage_options_option
-from .render import dumps, human_bytes, table
+from ckptools.cli.options import format_option, json_option, storage_options_option
+from ckptools.cli.render import dumps, human_bytes, table
 
 
 @click.command("consolidate")
@@ -83,11 +83,11 @@ def consolidate_command(
       torchrun --nproc-per-node 4 -m ckptools consolidate ckpt hf_model
       ckpt consolidate checkpoints/step-1000 hf_model --push-to-hub me/my-model
     """
-    from ..collective import reports_here
-    from ..consolidate import consolidate
+    from ckptools.collective import reports_here
+    from ckptools.consolidate import consolidate
 
     if push_to_hub is not None:
-        from .push_cmd import check_push_option
+        from ckptools.cli.push_cmd import check_push_option
 
         check_push_option(push_to_hub, max_shard_size)
     result = consolidate(
@@ -109,7 +109,7 @@ def consolidate_command(
         return  # under torchrun every rank ran its share; rank 0 reports
     data = result.to_dict()
     if push_to_hub is not None:
-        from .push_cmd import push_consolidated
+        from ckptools.cli.push_cmd import push_consolidated
 
         push_consolidated(data, push_to_hub, as_json=as_json, quiet=quiet, render=_render)
         return

@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from .options import format_option, json_option, storage_options_option
-from .render import dumps, human_bytes, human_count, table
+from ckptools.cli.options import format_option, json_option, storage_options_option
+from ckptools.cli.render import dumps, human_bytes, human_count, table
 
 
 @click.command("inspect")
@@ -37,7 +37,7 @@ def inspect_command(
       ckpt inspect checkpoints/step-1000
       ckpt inspect out/checkpoint-500 --json | jq '.totals'
     """
-    from ..inspection import inspect
+    from ckptools.inspection import inspect
 
     report = inspect(path, format=format, values=values, storage_options=storage_options)
     data = report.to_dict()

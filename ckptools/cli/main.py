@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..errors import CkptError, UsageError
+from ckptools.errors import CkptError, UsageError
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -59,7 +59,14 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 def _register() -> None:
-    from . import consolidate_cmd, inspect_cmd, push_cmd, reshard_cmd, training_cmd, verify_cmd
+    from ckptools.cli import (
+        consolidate_cmd,
+        inspect_cmd,
+        push_cmd,
+        reshard_cmd,
+        training_cmd,
+        verify_cmd,
+    )
 
     cli.add_command(inspect_cmd.inspect_command)
     cli.add_command(consolidate_cmd.consolidate_command)

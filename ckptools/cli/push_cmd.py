@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from .options import json_option
-from .render import dumps, table
+from ckptools.cli.options import json_option
+from ckptools.cli.render import dumps, table
 
 
 @click.command("push")
@@ -67,7 +67,7 @@ def push_command(
       ckpt push hf_model org/model --revision step-1000 --commit-message "step 1000"
       ckpt push hf_model org/model --create-pr
     """
-    from ..hub import push_to_hub
+    from ckptools.hub import push_to_hub
 
     result = push_to_hub(
         directory,
@@ -89,7 +89,7 @@ def push_command(
 def render_push(d: dict[str, Any]) -> str:
     """Human text for a :class:`~ckptools.hub.PushResult` dict (sizes in decimal units, as the
     Hub states its limit and ``--max-shard-size`` reads them)."""
-    from ..hub import human_size
+    from ckptools.hub import human_size
 
     lines = []
     target = d["repo_id"] + (f" @ {d['revision']}" if d["revision"] else "")
@@ -127,7 +127,7 @@ def render_push(d: dict[str, Any]) -> str:
 
 def check_push_option(repo_id: str, max_shard_size: str) -> None:
     """``ckpt consolidate --push-to-hub``: what can be refused before consolidating."""
-    from ..hub import preflight
+    from ckptools.hub import preflight
 
     preflight(repo_id, max_shard_size=max_shard_size)
 
@@ -145,8 +145,8 @@ def push_consolidated(
 
     A dry run pushes nothing: it checks the planned files against the Hub's per-file limit.
     """
-    from ..errors import CkptError
-    from ..hub import check_sizes, push_to_hub, resolve_max_file_bytes
+    from ckptools.errors import CkptError
+    from ckptools.hub import check_sizes, push_to_hub, resolve_max_file_bytes
 
     out, src = data["out"], data["src"]
     if not as_json:

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from .options import format_option, json_option, storage_options_option
-from .render import dumps, human_bytes
+from ckptools.cli.options import format_option, json_option, storage_options_option
+from ckptools.cli.render import dumps, human_bytes
 
 
 def _common(f: Any) -> Any:
@@ -59,7 +59,7 @@ def reshard_command(
       torchrun --nproc-per-node 4 -m ckptools reshard ckpt/step-1000 ckpt-16/step-1000 \
           --world-size 16
     """
-    from ..reshard import reshard
+    from ckptools.reshard import reshard
 
     result = reshard(
         src, out, world_size=world_size, rank_state=rank_state,  # type: ignore[arg-type]
@@ -102,7 +102,7 @@ def shard_command(
     Example:
       ckpt shard ./Llama-3-8B ckpt/step-0 --world-size 8
     """
-    from ..reshard import shard
+    from ckptools.reshard import shard
 
     result = shard(
         src, out, world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
@@ -113,7 +113,7 @@ def shard_command(
 
 
 def _render(d: dict[str, Any], as_json: bool) -> None:
-    from ..collective import reports_here
+    from ckptools.collective import reports_here
 
     if not reports_here():
         return  # under torchrun every rank wrote its files; rank 0 reports

@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from .options import json_option, storage_options_option
-from .render import dumps, human_bytes, table
+from ckptools.cli.options import json_option, storage_options_option
+from ckptools.cli.render import dumps, human_bytes, table
 
 
 def _metrics_text(metrics: dict[str, Any]) -> str:
@@ -30,7 +30,7 @@ def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
       ckpt list checkpoints/
       ckpt list checkpoints/ --json | jq '.checkpoints[] | select(.complete) | .step'
     """
-    from ..training.store import list_checkpoints
+    from ckptools.training.store import list_checkpoints
 
     infos = list_checkpoints(root, storage_options=storage_options)
     if as_json:
@@ -105,9 +105,9 @@ def prune_command(
       ckpt prune checkpoints/ --keep-last 3 --dry-run
       ckpt prune checkpoints/ --keep-last 2 --keep-every 1000
     """
-    from ..errors import UsageError
-    from ..training.retention import RetentionPolicy
-    from ..training.store import prune
+    from ckptools.errors import UsageError
+    from ckptools.training.retention import RetentionPolicy
+    from ckptools.training.store import prune
 
     if keep_last is None and keep_every is None and keep_best is None:
         raise UsageError("give at least one of --keep-last, --keep-every, --keep-best")

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from .options import FORMAT_NAMES, format_option, json_option, storage_options_option
-from .render import dumps, human_bytes, table
+from ckptools.cli.options import FORMAT_NAMES, format_option, json_option, storage_options_option
+from ckptools.cli.render import dumps, human_bytes, table
 
 _DIFF_LIMIT = 50  # differing tensors shown in the table without --all
 
@@ -63,9 +63,9 @@ def verify_command(
       ckpt verify checkpoints/step-1000 --against hf_model
       torchrun --nproc-per-node 4 -m ckptools verify checkpoints/step-1000
     """
-    from ..collective import reports_here
-    from ..verify import verify
-    from .main import EXIT_DIFFERENCES
+    from ckptools.cli.main import EXIT_DIFFERENCES
+    from ckptools.collective import reports_here
+    from ckptools.verify import verify
 
     report = verify(
         path,
@@ -148,8 +148,8 @@ def diff_command(
       ckpt diff checkpoints/step-1000 hf_model
       ckpt diff run1/step-100 run2/step-100 --atol 1e-6 --json
     """
-    from ..diff import diff
-    from .main import EXIT_DIFFERENCES
+    from ckptools.cli.main import EXIT_DIFFERENCES
+    from ckptools.diff import diff
 
     report = diff(
         a,
@@ -167,7 +167,7 @@ def diff_command(
 
 
 def _render_diff(d: dict[str, Any], show_all: bool) -> str:
-    from ..diff import TensorDiff
+    from ckptools.diff import TensorDiff
 
     lines = [f"diff {d['a']} ({d['format_a']}) vs {d['b']} ({d['format_b']})"]
     lines.extend(f"  note: {n}" for n in d["notes"])
@@ -240,8 +240,8 @@ def checksum_command(
       ckpt checksum checkpoints/step-1000
       torchrun --nproc-per-node 4 -m ckptools checksum checkpoints/step-1000
     """
-    from ..checksum import write_checksums
-    from ..collective import reports_here
+    from ckptools.collective import reports_here
+    from ckptools.verify.checksums import write_checksums
 
     sums = write_checksums(
         path,

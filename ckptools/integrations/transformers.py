@@ -26,8 +26,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..consolidate import DEFAULT_MAX_SHARD_SIZE, CastDType, ConsolidateResult, consolidate
-from ..hub import PushResult, push_to_hub
+from ckptools.consolidate import DEFAULT_MAX_SHARD_SIZE, CastDType, ConsolidateResult, consolidate
+from ckptools.hub import PushResult, push_to_hub
 
 __all__ = ["FSDP_MODEL_DIR", "CkptoolsCallback"]
 
@@ -214,7 +214,7 @@ def _write_model_files(model: Any, processing_class: Any, directory: str) -> str
     """Write the model's config files and the tokenizer files into ``directory``; return it, or
     None when nothing was written (consolidate then looks beside the checkpoint)."""
     if model is not None:
-        from ..training.state import write_model_config
+        from ckptools.training.state import write_model_config
 
         write_model_config(model, directory)
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):

@@ -6,12 +6,12 @@ outer directory a user has is recognised as what it is.
 
 from __future__ import annotations
 
-from . import (
+from ckptools.layouts import (
     dcp,  # noqa: F401  (registers dcp)
     safetensors,  # noqa: F401  (registers safetensors)
     torch_save,  # noqa: F401  (registers torch_save)
     wrappers,  # noqa: F401  (registers trainer, accelerate, lightning, torchtitan)
 )
-from .base import Layout, detect, layouts, read_manifest
+from ckptools.layouts.base import Layout, detect, layouts, read_manifest
 
 __all__ = ["Layout", "detect", "layouts", "read_manifest"]

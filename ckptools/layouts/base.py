@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from ..errors import CheckpointNotFoundError, UnknownFormatError
-from ..manifest import Manifest
+from ckptools.core.manifest import Manifest
+from ckptools.errors import CheckpointNotFoundError, UnknownFormatError
 
 
 class Layout(ABC):
@@ -52,7 +52,7 @@ def detect(path: str, format: str | None = None) -> Layout:
         CheckpointNotFoundError: ``path`` does not exist.
         UnknownFormatError: no layout matched; the message lists each layout's reason.
     """
-    from .. import storage
+    from ckptools.io import storage
 
     if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
@@ -82,5 +82,5 @@ def detect(path: str, format: str | None = None) -> Layout:
 
 
 def read_manifest(path: str, format: str | None = None) -> Manifest:
-    """Detect the layout of ``path`` and read its :class:`~ckptools.manifest.Manifest`."""
+    """Detect the layout of ``path`` and read its :class:`~ckptools.core.manifest.Manifest`."""
     return detect(path, format).read_manifest(path)

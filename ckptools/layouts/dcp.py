@@ -17,15 +17,17 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .. import dtypes, safe_pickle, storage
-from ..errors import (
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from ..manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
-from .base import Layout, register
+from ckptools.formats import safe_pickle
+from ckptools.io import storage
+from ckptools.layouts.base import Layout, register
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")

@@ -13,15 +13,16 @@ import re
 import struct
 from typing import Any
 
-from .. import dtypes, storage
-from ..errors import (
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
+from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from ..manifest import Chunk, FileInfo, Manifest, TensorEntry
-from .base import Layout, register
+from ckptools.io import storage
+from ckptools.layouts.base import Layout, register
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: transformers' shard names, ``model-00001-of-00003.safetensors``

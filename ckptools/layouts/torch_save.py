@@ -13,11 +13,16 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from .. import safe_pickle, storage, torch_archive
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
-from ..manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
-from ..storage import Reader, open_reader
-from .base import Layout, register
+from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedCheckpointError,
+)
+from ckptools.formats import safe_pickle, torch_archive
+from ckptools.io import storage
+from ckptools.io.storage import Reader, open_reader
+from ckptools.layouts.base import Layout, register
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -72,7 +77,7 @@ def read_torch_save_file(
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
     paths: dict[str, tuple[str, ...]] = {}
-    from .. import dtypes
+    from ckptools.core import dtypes
 
     for key_path, leaf in flatten(obj):
         fqn = ".".join(key_path)

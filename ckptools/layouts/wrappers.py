@@ -18,12 +18,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .. import storage
-from ..errors import IncompleteCheckpointError
-from ..manifest import FileInfo, Manifest, ObjectEntry, TensorEntry
-from .base import Layout, register
-from .dcp import METADATA_FILE, read_dcp
-from .torch_save import read_torch_save_file
+from ckptools.core.manifest import FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.errors import IncompleteCheckpointError
+from ckptools.io import storage
+from ckptools.layouts.base import Layout, register
+from ckptools.layouts.dcp import METADATA_FILE, read_dcp
+from ckptools.layouts.torch_save import read_torch_save_file
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")

@@ -40,11 +40,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from .. import _compat, storage
-from ..errors import CkptError, UsageError
-from . import store
-from .retention import RetentionPolicy
-from .state import (
+from ckptools import _compat
+from ckptools.errors import CkptError, UsageError
+from ckptools.io import storage
+from ckptools.training import store
+from ckptools.training.retention import RetentionPolicy
+from ckptools.training.state import (
     EXTRA_KEY,
     check_saved,
     checkpoint_id,
@@ -77,15 +78,18 @@ class AsyncSaveError(CkptError, RuntimeError):
 
 
 def _write_checksums(directory: str) -> None:
-    """Write the checksum manifest (``ckptools.checksum``, issue 5) into a checkpoint about to be
+    """Write the checksum manifest (``ckptools.verify.checksums``, issue 5) into a checkpoint about
+    to be
     committed. Rank 0 calls it, after every rank has written and before the marker, so the marker
     records the manifest's size too. It reads every byte once (checking the CRCs torch stored), so
     a checkpoint damaged while being written is never committed.
     """
     try:
-        from ..checksum import write_checksums
+        from ckptools.verify.checksums import write_checksums
     except ImportError:  # pragma: no cover - the checksum module is part of the package
-        log.warning("ckptools.checksum is unavailable; committing %s without checksums", directory)
+        log.warning(
+            "ckptools.verify.checksums is unavailable; committing %s without checksums", directory
+        )
         return
     write_checksums(directory, quiet=True)
 
@@ -147,7 +151,7 @@ class CheckpointManager:
         process_group: the group whose ranks save together (default: the default group).
         storage_options: fsspec options for a URL ``root`` (credentials, endpoint...), a
             mapping or its JSON text, in force until :meth:`close` (background saves too);
-            see :func:`ckptools.storage.storage_options`.
+            see :func:`ckptools.io.storage.storage_options`.
 
     Example:
         >>> import torch, ckptools

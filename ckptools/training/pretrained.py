@@ -9,13 +9,13 @@ gathers the whole model. The output is byte-identical to ``ckpt consolidate`` of
    only: FQN, dtype, global shape and the box of each local shard). torch's own global planning
    then gives the checkpoint metadata ``dcp.save`` would write — the same tensor order and the same
    rank for every replicated tensor.
-2. That metadata becomes a torch-free :class:`~ckptools.manifest.Manifest`, and
-   :func:`ckptools.plan.plan_consolidation` plans the files with consolidate's own key mapping
-   (:func:`ckptools.consolidate.select_tensors`) and tied-weight rule.
+2. That metadata becomes a torch-free :class:`~ckptools.core.manifest.Manifest`, and
+   :func:`ckptools.plan.safetensors.plan_consolidation` plans the files with consolidate's own key
+   mapping (:func:`ckptools.consolidate.select_tensors`) and tied-weight rule.
 3. Rank 0 creates the files (final sizes, headers) in ``<out>.tmp-<id>/`` and the config files; each
    rank ``pwrite``\\s the bytes of its own shards at their planned offsets
-   (:func:`ckptools.plan.runs` maps a shard's box to runs of output elements); after every rank
-   succeeded, rank 0 writes the index last and renames the directory into place.
+   (:func:`ckptools.plan.safetensors.runs` maps a shard's box to runs of output elements); after
+   every rank succeeded, rank 0 writes the index last and renames the directory into place.
 """
 
 from __future__ import annotations
@@ -36,8 +36,20 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from .. import dtypes, storage
-from ..commit import (
+from ckptools.consolidate import (
+    CastDType,
+    find_model_files,
+    select_tensors,
+    tie_setting,
+    tied_candidates,
+)
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.core.sizes import parse_size
+from ckptools.engine.executor import create_files
+from ckptools.errors import CkptError, UsageError
+from ckptools.io import storage
+from ckptools.io.staging import (
     SPOOL_DIR_ENV,
     check_writable,
     commit,
@@ -47,19 +59,8 @@ from ..commit import (
     upload_dir,
     write_file_synced,
 )
-from ..consolidate import (
-    CastDType,
-    find_model_files,
-    select_tensors,
-    tie_setting,
-    tied_candidates,
-)
-from ..errors import CkptError, UsageError
-from ..execute import create_files
-from ..manifest import Chunk, Manifest, TensorEntry
-from ..plan import INDEX_NAME, ConsolidationPlan, plan_consolidation, runs
-from ..sizes import parse_size
-from .state import state_to_save, write_model_config
+from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, plan_consolidation, runs
+from ckptools.training.state import state_to_save, write_model_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -306,7 +307,7 @@ def save_pretrained(
         dtype: cast floating tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         overwrite: replace an existing ``out_dir``.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Returns:
         A :class:`SavePretrainedResult` (``bytes_written`` counts this rank's bytes).

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import UsageError
+from ckptools.errors import UsageError
 
 __all__ = ["RetentionDecision", "RetentionPolicy", "plan_retention"]
 

@@ -25,7 +25,7 @@ copy is written); key per-rank state by rank (``{"rng": {f"rank{r}": ...}}``).
 
 Object storage: a ``path`` with a scheme (``s3://``, ``gs://``, ``memory://``) is written and read
 through torch's ``FsspecWriter`` / ``FsspecReader`` with the storage options in force
-(:func:`ckptools.storage.storage_options`; credentials from the environment otherwise). Remote
+(:func:`ckptools.io.storage.storage_options`; credentials from the environment otherwise). Remote
 writers have shipped data-losing bugs (a stream never flushed leaves a short object), so after a
 remote save every rank checks that each file the metadata names exists and is long enough
 (:func:`check_saved`) and raises if not.
@@ -58,13 +58,14 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import _compat, storage
-from ..errors import (
+from ckptools import _compat
+from ckptools.errors import (
     CheckpointNotFoundError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
     UsageError,
 )
+from ckptools.io import storage
 
 if TYPE_CHECKING:
     from torch import nn
@@ -202,8 +203,8 @@ def check_saved(path: str) -> None:
     Raises:
         IncompleteCheckpointError: a file is missing or shorter than the metadata says.
     """
-    from ..errors import CkptError
-    from ..layouts.dcp import read_dcp
+    from ckptools.errors import CkptError
+    from ckptools.layouts.dcp import read_dcp
 
     try:
         read_dcp(path, check_files=True)
@@ -240,7 +241,7 @@ def save(
             saved through ``state_dict()``.
         process_group: the group to save over (default: the default group).
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Example:
         >>> import torch, ckptools
@@ -324,7 +325,7 @@ def load(
         trust_objects: unpickle non-tensor entries without limits (only for checkpoints you
             wrote that hold custom classes in ``extra``).
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Returns:
         The saved ``extra`` dict, with ``Stateful`` entries as their saved ``state_dict()``.
@@ -407,7 +408,7 @@ def write_model_config(model: nn.Module, directory: str) -> list[str]:
         return []
     if storage.is_url(directory):
         # transformers writes local files: write them in a spool and upload them.
-        from ..commit import spool_dir
+        from ckptools.io.staging import spool_dir
 
         with spool_dir() as spool:
             names = write_model_config(model, spool)

@@ -46,10 +46,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import storage
-from ..commit import IN_PROGRESS
-from ..errors import CheckpointNotFoundError, UsageError
-from .retention import RetentionDecision, RetentionPolicy, plan_retention
+from ckptools.errors import CheckpointNotFoundError, UsageError
+from ckptools.io import storage
+from ckptools.io.staging import IN_PROGRESS
+from ckptools.training.retention import RetentionDecision, RetentionPolicy, plan_retention
 
 __all__ = [
     "MARKER_NAME",
@@ -138,7 +138,7 @@ def create_tmp_dir(tmp: str) -> None:
     if not storage.is_url(tmp):
         os.makedirs(tmp)
         return
-    from ..commit import make_tmp_dir
+    from ckptools.io.staging import make_tmp_dir
 
     make_tmp_dir(tmp)
 

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from ckptools.checksum import CHECKSUM_FILE, write_checksums
 from ckptools.cli.main import cli
+from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 from tests.conftest import Produced
 from tests.support.producers import flip_bit, iter_files
 from tests.support.reference import (
@@ -334,7 +334,7 @@ def test_damage_found_by_one_rank_fails_every_rank(
 ) -> None:
     import ckptools
     from ckptools.collective import balance
-    from ckptools.dcp_write import plan_dcp
+    from ckptools.engine.dcp_writer import plan_dcp
 
     p = produced("fsdp2", world_size=2, optimizer=True)
     src = tmp_path / "src"

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import ckptools
-from ckptools import execute
 from ckptools.cli.main import cli
+from ckptools.engine import executor as execute
 from ckptools.errors import CkptError, UnsafeCheckpointError, UsageError
 from tests.conftest import Produced
 from tests.support.reference import tensor_bytes
@@ -426,7 +426,7 @@ def test_ranks_write_their_shares_and_rank0_commits(
 
 def _failing_on_rank1(rank: int, world_size: int, src: str, out: str) -> str:
     if rank == 1:
-        from ckptools import execute as ex
+        from ckptools.engine import executor as ex
 
         def boom(*args: Any) -> None:
             raise OSError("disk full (simulated on rank 1)")

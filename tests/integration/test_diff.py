@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 import ckptools
 from ckptools.cli.main import EXIT_DIFFERENCES, cli
 from ckptools.diff import BLOCK_BYTES_ENV
+from ckptools.engine.reader import resolve_chunk
+from ckptools.io.storage import LocalReader
 from ckptools.layouts import read_manifest
-from ckptools.reader import resolve_chunk
-from ckptools.storage import LocalReader
 from tests.conftest import Produced
 from tests.support import producers
 

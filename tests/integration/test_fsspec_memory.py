@@ -12,7 +12,7 @@ import fsspec
 import pytest
 
 import ckptools
-from ckptools import storage
+from ckptools.io import storage
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 

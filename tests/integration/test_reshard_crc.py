@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 import ckptools
-from ckptools import dcp_write
-from ckptools.crc32 import crc32
+from ckptools.core.crc32 import crc32
+from ckptools.engine import dcp_writer as dcp_write
+from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import CkptError
+from ckptools.io.storage import LocalReader
 from ckptools.layouts.dcp import read_dcp
-from ckptools.reader import resolve_chunk
-from ckptools.storage import LocalReader
 from tests.conftest import Produced
 from tests.support.producers import flip_bit
 
@@ -119,8 +119,8 @@ def test_in_place_crc_windows_and_ranges_past_the_end(
 ) -> None:
     import mmap
 
-    from ckptools import storage
     from ckptools.errors import CorruptCheckpointError
+    from ckptools.io import storage
 
     data = bytes(range(256)) * 4096  # 1 MiB
     (tmp_path / "f").write_bytes(data)

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 import ckptools
-from ckptools import resume
 from ckptools.errors import UsageError
+from ckptools.io import resume
 from tests.conftest import Produced
 from tests.support.reference import assert_checkpoint_matches, load_reference
 from tests.support.s3 import download

@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 import ckptools
-from ckptools.checksum import write_checksums
 from ckptools.cli.main import cli
-from ckptools.storage import RemoteReader
+from ckptools.io.storage import RemoteReader
+from ckptools.verify.checksums import write_checksums
 from tests.support.checks import assert_reads_match_reference
 from tests.support.s3 import GetCounter, objects, upload
 

@@ -202,7 +202,7 @@ def test_save_pretrained_to_s3_equals_consolidate(s3_bucket: str, tmp_path: Any)
 def test_manager_storage_options_reach_background_saves(
     s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptools import storage
+    from ckptools.io import storage
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # only the options name it
     root = f"{s3_bucket}/opts"

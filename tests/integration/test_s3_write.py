@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import ckptools
-from ckptools import commit, storage
 from ckptools.errors import CkptError, IncompleteCheckpointError, UsageError
+from ckptools.io import staging as commit
+from ckptools.io import storage
 from tests.support.reference import assert_checkpoint_matches, load_reference
 from tests.support.s3 import GetCounter, download, objects, upload
 

@@ -60,7 +60,7 @@ def test_shard_refuses_sharded_input_and_existing_output(
 def test_interrupted_shard_leaves_nothing(
     produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptools.dcp_write as dw
+    import ckptools.engine.dcp_writer as dw
 
     def boom(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

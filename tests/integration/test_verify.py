@@ -17,14 +17,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckptools.checksum import CHECKSUM_FILE, write_checksums
 from ckptools.cli.main import EXIT_DIFFERENCES, cli
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import CorruptCheckpointError
+from ckptools.io.storage import LocalReader
 from ckptools.layouts import read_manifest
-from ckptools.manifest import Chunk, Manifest, TensorEntry
-from ckptools.reader import resolve_chunk
-from ckptools.storage import LocalReader
 from ckptools.verify import BLOCK_BYTES_ENV, Finding, verify
+from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 from tests.conftest import Produced
 from tests.support import producers
 

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import ckptools
-from ckptools import safe_pickle
 from ckptools.cli.main import cli
+from ckptools.formats import safe_pickle
 from tests.support.reference import flat_expected, load_reference, tensor_bytes
 
 

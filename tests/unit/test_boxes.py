@@ -8,9 +8,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptools.boxes import copy_runs, fsdp2_rows
-from ckptools.dcp_write import plan_dcp
-from ckptools.manifest import Chunk, Manifest, TensorEntry
+from ckptools.core.geometry import copy_runs, fsdp2_rows
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.engine.dcp_writer import plan_dcp
 
 
 def _global_index(

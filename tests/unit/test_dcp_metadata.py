@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptools.dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
+from ckptools.formats.dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
 
 
 def test_unpickles_to_the_metadata_torch_builds() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptools import dtypes
+from ckptools.core import dtypes
 
 
 @pytest.mark.parametrize("name", sorted(dtypes.BY_NAME))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ckptools import keys
-from ckptools.manifest import Chunk, Manifest, TensorEntry
+from ckptools.core import keys
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 
 
 def _manifest(paths: list[tuple[str, ...]]) -> Manifest:

@@ -10,11 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptools import dtypes
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.core.sizes import parse_size
+from ckptools.engine.executor import block_bytes, pieces, share_of
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
-from ckptools.execute import block_bytes, pieces, share_of
-from ckptools.manifest import Chunk, Manifest, TensorEntry
-from ckptools.plan import (
+from ckptools.plan.safetensors import (
     INDEX_NAME,
     SINGLE_FILE_NAME,
     ConsolidationPlan,
@@ -25,7 +26,6 @@ from ckptools.plan import (
     shard_groups,
     unique_chunks,
 )
-from ckptools.sizes import parse_size
 
 DTYPES = ["float32", "bfloat16", "float16", "int64", "bool", "float8_e4m3fn", "float64", "uint8"]
 

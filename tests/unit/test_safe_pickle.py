@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptools import safe_pickle
 from ckptools.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptools.formats import safe_pickle
 
 
 class _Payload:

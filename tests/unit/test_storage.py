@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from ckptools import storage
 from ckptools.errors import UsageError
+from ckptools.io import storage
 
 
 @pytest.mark.parametrize(

@@ -8,14 +8,14 @@ import zlib
 import pytest
 import torch
 
-from ckptools import safe_pickle
-from ckptools.storage import LocalReader
-from ckptools.torch_archive import (
+from ckptools.formats import safe_pickle
+from ckptools.formats.torch_archive import (
     load_pickle,
     read_archive,
     record_data_offset,
     tensor_archive_layout,
 )
+from ckptools.io.storage import LocalReader
 
 DTYPES = [
     torch.float32,
@@ -98,7 +98,7 @@ def test_crc32_combine_matches_zlib() -> None:
     import os
     import random
 
-    from ckptools.crc32 import crc32_combine
+    from ckptools.core.crc32 import crc32_combine
 
     rng = random.Random(0)
     for _ in range(200):
@@ -115,7 +115,7 @@ def test_crc32_combine_matches_zlib() -> None:
 def test_cached_tail_equals_a_fresh_build(dtype: str, shape: tuple[int, ...]) -> None:
     import random
 
-    from ckptools.torch_archive import tensor_archive_layout
+    from ckptools.formats.torch_archive import tensor_archive_layout
 
     layout = tensor_archive_layout(dtype, shape)
     assert tensor_archive_layout(dtype, shape) is layout  # planned and written alike: cached

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -12,8 +13,8 @@ from ckptools.cli.main import EXIT_DIFFERENCES, cli
 from ckptools.errors import UsageError
 
 # ``ckptools.verify`` / ``ckptools.diff`` are also the public functions; take the modules.
-verify_module = sys.modules["ckptools.verify"]
-diff_module = sys.modules["ckptools.diff"]
+verify_module = importlib.import_module("ckptools.verify")
+diff_module = importlib.import_module("ckptools.diff")
 
 
 def test_commands_are_registered() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptools.manifest import Chunk, TensorEntry
+from ckptools.core.manifest import Chunk, TensorEntry
 from ckptools.verify import Box, _tiling_findings, tiling_problems
 
 

@@ -1,8 +1,9 @@
-"""The executor: moves the bytes a :class:`~ckptools.plan.ConsolidationPlan` describes.
+"""The executor: moves the bytes a :class:`~ckptools.plan.safetensors.ConsolidationPlan` describes.
 
-One task per stored chunk. A task finds the chunk's raw bytes (:func:`ckptools.reader.resolve_chunk`
+One task per stored chunk. A task finds the chunk's raw bytes
+(:func:`ckptools.engine.reader.resolve_chunk`
 reads a DCP item's archive directory, never its tensor), maps them to output runs with
-:func:`ckptools.plan.runs`, and copies:
+:func:`ckptools.plan.safetensors.runs`, and copies:
 
 * a chunk that lands as one contiguous run is copied in the kernel with ``os.copy_file_range``
   (no user-space buffer at all), falling back to positional reads and writes where the kernel
@@ -31,13 +32,14 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from . import dtypes, storage
-from .errors import CorruptCheckpointError
-from .manifest import Chunk, Manifest
-from .plan import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
-from .progress import ByteProgress
-from .reader import resolve_chunk
-from .storage import Reader, open_reader
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, Manifest
+from ckptools.engine.reader import resolve_chunk
+from ckptools.errors import CorruptCheckpointError
+from ckptools.io import storage
+from ckptools.io.progress import ByteProgress
+from ckptools.io.storage import Reader, open_reader
+from ckptools.plan.safetensors import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -327,7 +329,7 @@ def execute(
     matter and threads (or ranks) need no coordination. Writes no index; the caller commits.
 
     Args:
-        plan: from :func:`ckptools.plan.plan_consolidation` on ``manifest``.
+        plan: from :func:`ckptools.plan.safetensors.plan_consolidation` on ``manifest``.
         manifest: the source checkpoint.
         out_dir: an existing, empty directory (or, with ``share``, one where
             :func:`create_files` already ran).
@@ -336,7 +338,7 @@ def execute(
         quiet: no progress bar.
         share: ``(rank, world_size)``: copy only this rank's share of the chunks into files
             another rank created.
-        skip: names of files an interrupted run already wrote (:mod:`ckptools.resume`); not
+        skip: names of files an interrupted run already wrote (:mod:`ckptools.io.resume`); not
             written again.
         on_file_done: called with a file's name once it is complete and durable (fsynced, or
             uploaded), to journal it; not with ``share``, where no rank sees a file complete.
@@ -406,12 +408,13 @@ def _execute_to_store(
     """:func:`execute` into an object-store prefix: the positional writes need a local file, so
     each output file is written whole into a local spool, then uploaded (a multipart upload for
     big files, which appears only once complete) and deleted while the next file is written.
-    Local disk use stays within a few output files (:data:`ckptools.commit.MAX_PENDING_UPLOADS`).
+    Local disk use stays within a few output files
+    (:data:`ckptools.io.staging.MAX_PENDING_UPLOADS`).
     """
     from dataclasses import replace
 
-    from .commit import Uploader, spool_dir
-    from .errors import UsageError
+    from ckptools.errors import UsageError
+    from ckptools.io.staging import Uploader, spool_dir
 
     if share is not None:
         raise UsageError(

@@ -2,7 +2,7 @@
 
 A conversion of a large checkpoint that is killed (kill -9, a lost node, Ctrl-C) leaves its
 staging location behind: locally the ``<out>.tmp-<id>/`` directory beside OUT, on an object
-store OUT itself without its marker (:mod:`ckptools.commit`). Re-running the same command finds
+store OUT itself without its marker (:mod:`ckptools.io.staging`). Re-running the same command finds
 it and writes only what is missing. What "the same" means is the *fingerprint*: a hash of the
 command, its options that shape the output, the ckptools version and the source's identity (its
 marker files' bytes and every data file's size), so a changed source or option never reuses
@@ -38,8 +38,8 @@ from typing import Any
 
 import xxhash
 
-from . import storage
-from .manifest import Manifest
+from ckptools.core.manifest import Manifest
+from ckptools.io import storage
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ _FORMAT = "ckptools-resume"
 
 
 def _version() -> str:
-    from . import __version__
+    from ckptools._version import __version__
 
     return __version__
 

@@ -6,8 +6,8 @@ aligned), ``<prefix>/byteorder`` and a few version records. DCP stores every ten
 every object of a ``.distcp`` file as one such archive at a byte range of the file.
 
 This module finds the records in an archive (from its zip central directory, which also gives
-each record's CRC-32) and unpickles ``data.pkl`` through :mod:`ckptools.safe_pickle`, so callers
-learn where each tensor's raw bytes are without reading or materialising them.
+each record's CRC-32) and unpickles ``data.pkl`` through :mod:`ckptools.formats.safe_pickle`, so
+callers learn where each tensor's raw bytes are without reading or materialising them.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from . import safe_pickle
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .storage import Reader
+from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.formats import safe_pickle
+from ckptools.io.storage import Reader
 
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOCATOR = b"PK\x06\x07"
@@ -220,7 +220,7 @@ def _pickle_int_tuple(values: tuple[int, ...]) -> bytes:
 
 def tensor_pickle(dtype_name: str, shape: tuple[int, ...]) -> bytes:
     """``data.pkl`` of ``torch.save(t)`` for a contiguous CPU tensor ``t`` stored as key "0"."""
-    from . import dtypes
+    from ckptools.core import dtypes
 
     dt = dtypes.dtype(dtype_name)
     strides = []
@@ -419,7 +419,7 @@ def tensor_archive_layout(dtype_name: str, shape: tuple[int, ...]) -> TensorArch
         >>> layout.data_offset % 64, layout.nbytes
         (0, 24)
     """
-    from . import dtypes
+    from ckptools.core import dtypes
 
     nbytes = dtypes.dtype(dtype_name).itemsize * math.prod(shape)
     head = bytearray()

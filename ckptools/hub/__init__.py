@@ -54,7 +54,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import (
+from ckptools.core.manifest import Manifest
+from ckptools.errors import (
     CheckpointNotFoundError,
     CkptError,
     HubAuthError,
@@ -67,9 +68,8 @@ from .errors import (
     UnknownFormatError,
     UsageError,
 )
-from .manifest import Manifest
-from .progress import ByteProgress
-from .tunables import WORKERS_ENV, env_int, env_size
+from ckptools.io.progress import ByteProgress
+from ckptools.tunables import WORKERS_ENV, env_int, env_size
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def _count(n: int) -> str:
 def resolve_max_file_bytes(value: str | int | None = None) -> int:
     """The per-file limit: ``value`` > ``CKPTOOLS_HUB_MAX_FILE_BYTES`` > the Hub's 50 GB."""
     if value is not None:
-        from .sizes import parse_size
+        from ckptools.core.sizes import parse_size
 
         return parse_size(value)
     return env_size(MAX_FILE_BYTES_ENV, HUB_MAX_FILE_BYTES)
@@ -270,8 +270,8 @@ def check_model_directory(directory: str) -> Manifest:
             (the message names it).
         UsageError: ``directory`` is a distributed checkpoint, not a model directory.
     """
-    from .layouts import detect, read_manifest
-    from .verify import verify
+    from ckptools.layouts import detect, read_manifest
+    from ckptools.verify import verify
 
     if not os.path.isdir(directory):
         what = "is not a directory" if os.path.exists(directory) else "no such directory"
@@ -335,7 +335,7 @@ def preflight(repo_id: str, *, max_shard_size: str | int | None = None) -> None:
     """
     from huggingface_hub.utils import HFValidationError, validate_repo_id  # type: ignore[attr-defined]
 
-    from .sizes import parse_size
+    from ckptools.core.sizes import parse_size
 
     try:
         validate_repo_id(repo_id)
@@ -420,11 +420,11 @@ def provenance(
     Raises:
         CkptError: ``source`` is given but cannot be read.
     """
-    from . import __version__
+    from ckptools._version import __version__
 
     out: dict[str, Any] = {"version": __version__}
     if source is not None:
-        from .layouts import read_manifest
+        from ckptools.layouts import read_manifest
 
         src = read_manifest(source)
         parts = os.path.normpath(os.path.abspath(source)).split(os.sep)

@@ -13,8 +13,8 @@ first one, never raising for damage):
   allowlist: tensors only, objects are never unpickled) and must hold a tensor of the recorded
   dtype and shape; the CRC-32 that the zip format stores for every record is recomputed, so a
   flipped bit is found and named (file, FQN, chunk, rank); ``check_finite`` counts NaN/Inf per
-  tensor; a checksum manifest (:mod:`ckptools.checksum`), when present, is checked per chunk and
-  per file.
+  tensor; a checksum manifest (:mod:`ckptools.verify.checksums`), when present, is checked per
+  chunk and per file.
 
 ``against=`` adds a :func:`ckptools.diff` of the model against another checkpoint.
 
@@ -39,8 +39,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import collective, dtypes, safe_pickle, storage, torch_archive
-from .checksum import (
+from ckptools import collective
+from ckptools.core import dtypes
+from ckptools.core.crc32 import crc32
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.engine.reader import prefetch_archive
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+    UsageError,
+)
+from ckptools.formats import safe_pickle, torch_archive
+from ckptools.io import storage
+from ckptools.io.storage import Reader, open_reader
+from ckptools.tunables import WORKERS_ENV, env_int
+from ckptools.verify.checksums import (
     CHECKSUM_FILE,
     Checksums,
     FileSum,
@@ -50,23 +67,9 @@ from .checksum import (
     load_checksums,
     new_hasher,
 )
-from .crc32 import crc32
-from .errors import (
-    CheckpointNotFoundError,
-    CkptError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    UnsafeCheckpointError,
-    UnsupportedCheckpointError,
-    UsageError,
-)
-from .manifest import Chunk, Manifest, TensorEntry
-from .reader import prefetch_archive
-from .storage import Reader, open_reader
-from .tunables import WORKERS_ENV, env_int
 
 if TYPE_CHECKING:
-    from .diff import DiffReport
+    from ckptools.diff import DiffReport
 
 log = logging.getLogger(__name__)
 
@@ -385,8 +388,8 @@ def _finding_from_error(e: CkptError) -> Finding:
 
 
 def _read(path: str, format: str | None) -> tuple[Manifest | None, list[Finding]]:
-    from .layouts import detect
-    from .layouts.dcp import read_dcp
+    from ckptools.layouts import detect
+    from ckptools.layouts.dcp import read_dcp
 
     layout = detect(path, format)  # a missing path or unknown format is an error, not a finding
     try:
@@ -1097,7 +1100,7 @@ def verify(
             (:mod:`ckptools.collective`). Off by default, because one rank of a training job
             calling ``verify`` alone is the common case.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when nothing was found (the same on
@@ -1152,7 +1155,7 @@ def verify(
     bytes_read = 0
     digests: Digests | None = None
     if not quick:
-        from .layouts.dcp import require_plain
+        from ckptools.layouts.dcp import require_plain
 
         require_plain(manifest)
         want_digests = _collect_digests or sums is not None
@@ -1241,7 +1244,7 @@ def _diff(
     """The comparison with ``against`` (rank 0 compares; every rank gets its report)."""
     if against is None:
         return None
-    from .diff import diff
+    from ckptools.diff import diff
 
     return ranks.from_root(
         lambda: diff(path, against, atol=atol, rtol=rtol, format_a=format), "verify --against"
@@ -1259,7 +1262,7 @@ def _scan(
     workers: int,
     quiet: bool,
 ) -> tuple[list[tuple[str, _FileResult]], int]:
-    from .progress import ByteProgress
+    from ckptools.io.progress import ByteProgress
 
     order = sorted(files, key=lambda rel: -sizes.get(rel, 0))  # biggest first: even finish
     total = sum(sizes.get(rel, 0) for rel in order)

@@ -26,7 +26,7 @@ and checking checksums costs one hash pass over the data, not two.
 checkpoint's structure and CRCs, so it never records the hashes of already-damaged data.
 
 Example:
-    >>> from ckptools.checksum import write_checksums
+    >>> from ckptools.verify.checksums import write_checksums
     >>> sums = write_checksums("checkpoints/step-1000")  # doctest: +SKIP
     >>> sums.path  # doctest: +SKIP
     'checkpoints/step-1000/.ckptools-checksums.json'
@@ -44,9 +44,10 @@ from typing import Any
 
 import xxhash
 
-from . import collective, storage
-from .errors import CorruptCheckpointError
-from .manifest import Manifest
+from ckptools import collective
+from ckptools.core.manifest import Manifest
+from ckptools.errors import CorruptCheckpointError
+from ckptools.io import storage
 
 CHECKSUM_FILE = ".ckptools-checksums.json"
 FORMAT_NAME = "ckptools-checksums"
@@ -202,7 +203,7 @@ def write_checksums(
             writes the manifest. Default: this process alone (what one rank of a training job
             calls).
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
-            or its JSON text; see :func:`ckptools.storage.storage_options`.
+            or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
     Returns:
         The written :class:`Checksums`; ``.path`` is where it went.
@@ -215,7 +216,7 @@ def write_checksums(
         >>> len(sums.items)  # doctest: +SKIP
         84
     """
-    from .verify import verify
+    from ckptools.verify import verify
 
     report = verify(
         path, format=format, workers=workers, quiet=quiet, distributed=distributed,

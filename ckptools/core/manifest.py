@@ -11,7 +11,7 @@ Byte locations come in two encodings:
   (``None`` means row-major contiguous); safetensors and ``torch.save`` files.
 * ``"torch_save"``: ``[offset, offset + length)`` of ``file`` is one ``torch.save`` archive that
   holds the chunk (a DCP ``.distcp`` item); the raw bytes are found by reading the archive's
-  directory, see :mod:`ckptools.torch_archive`.
+  directory, see :mod:`ckptools.formats.torch_archive`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import dtypes, storage
+from ckptools.core import dtypes
+from ckptools.io import storage
 
 Encoding = Literal["raw", "torch_save"]
 
@@ -79,7 +80,7 @@ class ObjectEntry:
 
     ``value`` holds the decoded value when the layout could decode it safely (plain Python data);
     DCP stores objects as separate ``torch.save`` items, located by ``file``/``offset``/``length``,
-    which are only decoded on request (:func:`ckptools.safe_pickle.load_object`).
+    which are only decoded on request (:func:`ckptools.formats.safe_pickle.load_object`).
     """
 
     fqn: str

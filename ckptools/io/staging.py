@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
-from . import storage
-from .errors import UsageError
+from ckptools.errors import UsageError
+from ckptools.io import storage
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def make_tmp_dir(out: str) -> str:
 
 
 def _has_journal(staging: str) -> bool:
-    from .resume import JOURNAL_PREFIX
+    from ckptools.io.resume import JOURNAL_PREFIX
 
     try:
         return any(n.startswith(JOURNAL_PREFIX) for n in storage.listdir(staging))
@@ -197,14 +197,14 @@ def _unlock(staging: str) -> None:
 
 def resumable_staging(out: str, fingerprint: str) -> str:
     """The staging location for ``out`` (as :func:`make_tmp_dir`), or the one an interrupted run
-    of the same conversion (``fingerprint``, :func:`ckptools.resume.fingerprint`) left, whose
+    of the same conversion (``fingerprint``, :func:`ckptools.io.resume.fingerprint`) left, whose
     journaled files the writer then skips. Call :func:`check_writable` first.
 
     Locally the directory is locked for this process until :func:`commit` or :func:`discard`.
     On an object store an interrupted run's prefix is reused as it is (an upload is whole or
     absent, so there is nothing half-written to clear); anything else is cleared as usual.
     """
-    from .resume import Journal, find_local_staging
+    from ckptools.io.resume import Journal, find_local_staging
 
     if storage.is_url(out):
         interrupted = storage.exists(storage.join(out, IN_PROGRESS))
@@ -222,7 +222,7 @@ def discard(tmp: str, error: BaseException | None = None) -> None:
 
     Except after an interrupt (Ctrl-C) of a resumable conversion (one whose staging location
     holds a resume journal): then the files already written are kept, and running the same
-    command again finishes the job (:mod:`ckptools.resume`).
+    command again finishes the job (:mod:`ckptools.io.resume`).
     """
     _unlock(tmp)
     if isinstance(error, KeyboardInterrupt) and _has_journal(tmp):

@@ -35,8 +35,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
-from .errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UsageError
-from .tunables import env_int
+from ckptools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UsageError
+from ckptools.tunables import env_int
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -447,7 +447,7 @@ class Reader(Protocol):
     """
 
     root: str
-    #: bytes :func:`ckptools.torch_archive.read_archive` reads from an archive's end
+    #: bytes :func:`ckptools.formats.torch_archive.read_archive` reads from an archive's end
     archive_tail_bytes: int
 
     def fileno(self, rel: str) -> int | None: ...
@@ -586,7 +586,7 @@ class LocalReader:
         place (read-only ``mmap`` windows of :data:`CRC_WINDOW_BYTES`, unmapped as it goes, so
         neither a copy nor the resident set grows with the range); raises as :meth:`read` at a
         short file (checked first: touching a mapping past the end would be SIGBUS)."""
-        from .crc32 import crc32
+        from ckptools.core.crc32 import crc32
 
         fd = self._fd(rel)
         end = offset + length

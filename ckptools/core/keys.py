@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .manifest import Manifest
+from ckptools.core.manifest import Manifest
 
 #: containers that hold the model's state dict in the layouts users have
 MODEL_CONTAINERS = ("model", "module", "state_dict", "model_state_dict", "model_state")

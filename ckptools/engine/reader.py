@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from . import dtypes, safe_pickle, torch_archive
-from .errors import CorruptCheckpointError
-from .manifest import Chunk, Manifest, ObjectEntry, TensorEntry
-from .storage import Reader, open_reader
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, Manifest, ObjectEntry, TensorEntry
+from ckptools.errors import CorruptCheckpointError
+from ckptools.formats import safe_pickle, torch_archive
+from ckptools.io.storage import Reader, open_reader
 
 if TYPE_CHECKING:
     import torch
@@ -126,8 +127,9 @@ def read_tensor(manifest: Manifest, fqn: str, reader: Reader | None = None) -> t
 def read_object(manifest: Manifest, fqn: str, reader: Reader | None = None) -> Any:
     """Decode the non-tensor entry ``fqn`` through the allowlist (never runs checkpoint code).
 
-    Returns plain Python values; ``io.BytesIO`` as :class:`~ckptools.safe_pickle.BytesValue`,
-    tensors as :class:`~ckptools.safe_pickle.TensorRef`.
+    Returns plain Python values; ``io.BytesIO`` as
+    :class:`~ckptools.formats.safe_pickle.BytesValue`,
+    tensors as :class:`~ckptools.formats.safe_pickle.TensorRef`.
 
     Raises:
         UnsafeCheckpointError: the object needs a global outside the allowlist.

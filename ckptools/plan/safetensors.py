@@ -1,6 +1,6 @@
 """Planning a consolidation: which stored chunks land where in which safetensors file (pure).
 
-The planner takes a :class:`~ckptools.manifest.Manifest` and the output names of the tensors to
+The planner takes a :class:`~ckptools.core.manifest.Manifest` and the output names of the tensors to
 export, and returns a frozen :class:`ConsolidationPlan`: the output files, each with its complete
 safetensors header (as bytes) and, for every tensor, its byte range in the file and the source
 chunks that tile it. It does no I/O and imports no torch, so ``--dry-run`` can print it and
@@ -8,8 +8,8 @@ property tests can check it. Cost is linear in the number of chunks; per-row wor
 on dim 1 lands as one run per row) is left to :func:`runs`, which the executor calls per chunk.
 
 Source byte locations of DCP chunks are only known after reading each item's archive directory
-(:func:`ckptools.reader.resolve_chunk`), which is I/O, so the plan names chunks and the executor
-resolves them; :func:`runs` then maps a chunk's (contiguous) elements to output elements.
+(:func:`ckptools.engine.reader.resolve_chunk`), which is I/O, so the plan names chunks and the
+executor resolves them; :func:`runs` then maps a chunk's (contiguous) elements to output elements.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import dtypes
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError
-from .manifest import Chunk, Manifest, TensorEntry
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -246,7 +246,7 @@ def plan_consolidation(
     floating tensors only.
 
     Example:
-        >>> from ckptools.manifest import Chunk, Manifest, TensorEntry
+        >>> from ckptools.core.manifest import Chunk, Manifest, TensorEntry
         >>> t = TensorEntry("w", "float32", (2, 3), (Chunk((0, 0), (2, 3), "f", 0, 24),))
         >>> m = Manifest("ck", "safetensors", "hf", {"w": t}, {}, {})
         >>> plan = plan_consolidation(m, {"w": "w"}, max_shard_size=10**9)

@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import dtypes
-from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
+from ckptools.core import dtypes
+from ckptools.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 
 class Record:

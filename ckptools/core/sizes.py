@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import UsageError
+from ckptools.errors import UsageError
 
 _UNITS = {
     "": 1,

@@ -1,16 +1,18 @@
 """Writing DCP checkpoints laid out for a world size, from any manifest (reshard and shard).
 
 Planning (:func:`plan_dcp`) is pure: each tensor is split on dim 0 the way FSDP2 ``fully_shard``
-splits it on N ranks (:func:`ckptools.boxes.fsdp2_rows`), rank r's pieces go to ``__r_0.distcp``;
+splits it on N ranks (:func:`ckptools.core.geometry.fsdp2_rows`), rank r's pieces go to
+``__r_0.distcp``;
 tensors that cannot be split (0-dim, or stored whole by a multi-rank source, i.e. replicated)
 and the single empty box that FSDP2 records for ranks without rows are stored once, on the
 least-loaded rank, as DCP's own deduplication does. Each piece is a ``torch.save`` archive whose
-bytes around the tensor data are computed by :func:`ckptools.torch_archive.tensor_archive_layout`,
+bytes around the tensor data are computed by
+:func:`ckptools.formats.torch_archive.tensor_archive_layout`,
 so every item's size, and hence every byte offset, is known before anything is written.
 
 Execution (:func:`write_dcp`) fills each piece block by block from the source chunks that
-intersect it (:func:`ckptools.boxes.copy_runs`), computing the archive's CRC-32 in order, with
-memory bounded by the block size times the number of files written at once. Objects (non-tensor
+intersect it (:func:`ckptools.core.geometry.copy_runs`), computing the archive's CRC-32 in order,
+with memory bounded by the block size times the number of files written at once. Objects (non-tensor
 entries) are copied byte for byte, never unpickled. ``.metadata`` is written last, with torch's
 own metadata classes, so torch's ``dcp.load`` reads the result at N ranks with each rank
 reading only its own file.
@@ -29,17 +31,18 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import dtypes, torch_archive
-from .boxes import copy_runs, fsdp2_rows, intersect
-from .crc32 import crc32, crc32_combine
-from .dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
-from .errors import CkptError, CorruptCheckpointError, UsageError
-from .execute import FileSyncer, kernel_copy, run_all
-from .manifest import Chunk, Manifest, TensorEntry
-from .plan import unique_chunks
-from .progress import ByteProgress
-from .reader import resolve_chunk
-from .storage import Reader, is_url, open_reader
+from ckptools.core import dtypes
+from ckptools.core.crc32 import crc32, crc32_combine
+from ckptools.core.geometry import copy_runs, fsdp2_rows, intersect
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.engine.executor import FileSyncer, kernel_copy, run_all
+from ckptools.engine.reader import resolve_chunk
+from ckptools.errors import CkptError, CorruptCheckpointError, UsageError
+from ckptools.formats import torch_archive
+from ckptools.formats.dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
+from ckptools.io.progress import ByteProgress
+from ckptools.io.storage import Reader, is_url, open_reader
+from ckptools.plan.safetensors import unique_chunks
 
 #: Bytes of one copy block per file being written: big enough that syscalls are a rounding
 #: error, small enough that writing a few files at once stays far below the 512 MiB budget.
@@ -675,7 +678,7 @@ def write_metadata(out_dir: str, plan: DcpPlan) -> None:
     data = metadata_pickle(tensors, objects, plan.paths, str(uuid.uuid4()))
     if is_url(out_dir):
         # One PUT: the object appears whole or not at all, so no temporary name is needed.
-        from .commit import write_file_synced
+        from ckptools.io.staging import write_file_synced
 
         write_file_synced(f"{out_dir.rstrip('/')}/{METADATA_FILE}", data)
         return
@@ -693,8 +696,8 @@ class _OutputFiles:
     Items run in (rank, offset) order, so only about ``workers`` files are open at once: a
     reshard to 1,024 ranks never holds 1,024 descriptors (a common ``ulimit -n``). A file is
     created (empty, even when it gets no item, as DCP writes one per rank), and after its last
-    item handed to a :class:`ckptools.execute.FileSyncer` that fsyncs, closes and reports it,
-    so the copying threads go on while the disk catches up.
+    item handed to a :class:`ckptools.engine.executor.FileSyncer` that fsyncs, closes and reports
+    it, so the copying threads go on while the disk catches up.
     """
 
     def __init__(
@@ -763,7 +766,7 @@ def write_dcp(
     torchrun, see :mod:`ckptools.collective`) only those files are written, and no
     ``.metadata``: rank 0 writes it (:func:`write_metadata`) once every process is done.
     ``on_file_done(r)`` is called once file r is complete and durable (fsynced, or uploaded),
-    to journal it (:mod:`ckptools.resume`).
+    to journal it (:mod:`ckptools.io.resume`).
     """
     if is_url(out_dir):
         return _write_dcp_to_store(
@@ -836,9 +839,9 @@ def _write_dcp_to_store(
     time, into a local spool with the positional writes a local file allows, uploaded (a
     multipart upload appears only once complete) and deleted while the next ones are written;
     ``.metadata`` is one PUT after every upload has finished. Local disk use stays within a few
-    rank files (:data:`ckptools.commit.MAX_PENDING_UPLOADS` plus those being written).
+    rank files (:data:`ckptools.io.staging.MAX_PENDING_UPLOADS` plus those being written).
     """
-    from .commit import Uploader, spool_dir
+    from ckptools.io.staging import Uploader, spool_dir
 
     mine = list(range(plan.world_size)) if only_files is None else sorted(set(only_files))
     step = max(1, workers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UnsupportedCheckpointError
+from ckptools.errors import UnsupportedCheckpointError
 
 
 @dataclass(frozen=True, slots=True)
