@@ -19,14 +19,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptools import collective
+from ckptools import collective, tunables
 from ckptools.collective import Ranks
 from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import parse_size
 from ckptools.engine.executor import (
-    DEFAULT_MEMORY_BUDGET_BYTES,
-    MEMORY_BUDGET_ENV,
     create_files,
     execute,
 )
@@ -45,15 +43,11 @@ from ckptools.io.staging import (
 )
 from ckptools.layouts import read_manifest
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
-from ckptools.tunables import WORKERS_ENV, env_int
 
 log = logging.getLogger(__name__)
 
 #: transformers' own default for ``save_pretrained`` and what the Hub expects.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-#: A few threads keep one disk busy (reads of one chunk overlap writes of another); more mostly
-#: add contention on small machines. Override with ``workers=`` or ``CKPTOOLS_WORKERS``.
-DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
 #: Files beside a checkpoint that make a loadable model directory.
 MODEL_FILES = (
     "config.json",
@@ -345,7 +339,7 @@ def consolidate(
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing ``out``.
         dry_run: plan only; write nothing.
-        workers: copy threads (default ``CKPTOOLS_WORKERS`` or :data:`DEFAULT_WORKERS`).
+        workers: copy threads (default ``CKPTOOLS_WORKERS``, else up to 4).
         memory_budget: bytes of copy buffers (default ``CKPTOOLS_MEMORY_BUDGET`` or 256 MiB).
         format: force the source layout instead of detecting it.
         quiet: no progress bar.
@@ -374,11 +368,8 @@ def consolidate(
         not dtypes.is_dtype_name(dtype) or not dtypes.dtype(dtype).is_floating
     ):
         raise UsageError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32")
-    n_workers = workers if workers is not None else env_int(WORKERS_ENV, DEFAULT_WORKERS)
-    if n_workers < 1:
-        raise UsageError(f"workers must be at least 1, got {n_workers}")
-    budget_value = memory_budget or os.environ.get(MEMORY_BUDGET_ENV) or DEFAULT_MEMORY_BUDGET_BYTES
-    budget = parse_size(budget_value)
+    n_workers = tunables.workers(workers)
+    budget = tunables.memory_budget(memory_budget)
     out = out.rstrip("/") or out
     check_writable(out, overwrite)
 

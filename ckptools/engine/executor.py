@@ -40,6 +40,7 @@ from ckptools.io import storage
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader, open_reader
 from ckptools.plan.safetensors import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
+from ckptools.tunables import DEFAULT_MEMORY_BUDGET_BYTES
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -49,9 +50,6 @@ SYNCS_PENDING = 4
 
 log = logging.getLogger(__name__)
 
-#: Total bytes of copy buffers over all threads. 256 MiB keeps the process (interpreter, the
-#: manifest and, when casting, torch) under the 512 MiB peak RSS the issue sets, at any model size.
-DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
 #: Largest single buffer: beyond ~16 MiB per read/write call, syscall overhead is already <0.1%,
 #: and smaller blocks let several threads keep the disk busy.
 MAX_BLOCK_BYTES = 16 * 2**20
@@ -60,7 +58,6 @@ _BLOCK_ALIGN_BYTES = 64
 #: Bytes per copy_file_range call: no memory is involved, so only the latency of a stop (error,
 #: Ctrl-C) bounds it; at ~2 GB/s a step takes ~0.1 s.
 KERNEL_COPY_STEP_BYTES = 256 * 2**20
-MEMORY_BUDGET_ENV = "CKPTOOLS_MEMORY_BUDGET"
 # errnos with which copy_file_range says "not here" (other filesystem, old kernel, special file)
 _NO_COPY_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
 
