@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ckptools.cli.options import json_option
-from ckptools.cli.render import dumps, table
+from ckptools.cli.render import dumps, human_size, table
 
 
 @click.command("push")
@@ -89,8 +89,6 @@ def push_command(
 def render_push(d: dict[str, Any]) -> str:
     """Human text for a :class:`~ckptools.hub.PushResult` dict (sizes in decimal units, as the
     Hub states its limit and ``--max-shard-size`` reads them)."""
-    from ckptools.hub import human_size
-
     lines = []
     target = d["repo_id"] + (f" @ {d['revision']}" if d["revision"] else "")
     if d["dry_run"]:

@@ -6,23 +6,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_count(n: int) -> str:
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
+# Re-exported: the commands render sizes through this module; the formats live with parse_size.
+from ckptools.core.sizes import human_bytes as human_bytes
+from ckptools.core.sizes import human_count as human_count
+from ckptools.core.sizes import human_size as human_size
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:

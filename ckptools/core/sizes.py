@@ -1,4 +1,5 @@
-"""Byte sizes written the way users write them: ``"5GB"``, ``"300KB"``, ``"2GiB"``, ``1024``.
+"""Byte sizes, read the way users write them (``"5GB"``, ``"300KB"``, ``"2GiB"``, ``1024``) and
+written back for people (``"5.0 GB"``, ``"1.5 GiB"``, ``"1.24B"`` parameters).
 
 Decimal units (KB, MB, GB, TB) are powers of 1000 and binary units (KiB, MiB, GiB, TiB) powers of
 1024, as in ``transformers``' ``max_shard_size``, so ``"5GB"`` here splits where
@@ -58,3 +59,51 @@ def parse_size(value: str | int) -> int:
     if n <= 0:
         raise UsageError(f"size must be positive, got {value!r}")
     return n
+
+
+def _scaled(n: int, units: tuple[str, ...]) -> tuple[float, str] | None:
+    """``n`` in the largest of ``units`` (largest first) that it reaches, or None below them."""
+    for unit in units:
+        div = _UNITS[unit.upper()]
+        if n >= div:
+            return n / div, unit
+    return None
+
+
+def human_size(n: int) -> str:
+    """``n`` bytes in decimal units, as the Hub states its limits and ``--max-shard-size`` reads
+    them (``"50.0 GB"``).
+
+    Example:
+        >>> human_size(50 * 10**9), human_size(999)
+        ('50.0 GB', '999 B')
+    """
+    scaled = _scaled(n, ("TB", "GB", "MB", "KB"))
+    return f"{scaled[0]:.1f} {scaled[1]}" if scaled else f"{n} B"
+
+
+def human_bytes(n: int | None) -> str:
+    """``n`` bytes in binary units, as the CLI reports what it read and wrote (``"1.5 GiB"``);
+    ``"-"`` for an unknown size.
+
+    Example:
+        >>> human_bytes(3 * 2**29), human_bytes(1023), human_bytes(None)
+        ('1.5 GiB', '1023 B', '-')
+    """
+    if n is None:
+        return "-"
+    scaled = _scaled(n, ("TiB", "GiB", "MiB", "KiB"))
+    return f"{scaled[0]:.1f} {scaled[1]}" if scaled else f"{n} B"
+
+
+def human_count(n: int) -> str:
+    """A count (of parameters) with K/M/B suffixes (``"1.24B"``).
+
+    Example:
+        >>> human_count(1_235_814_400), human_count(512)
+        ('1.24B', '512')
+    """
+    for unit, div in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
