@@ -45,7 +45,14 @@ from ckptools.hub.checks import (
     resolve_max_file_bytes,
 )
 from ckptools.hub.errors import SUGGESTED_MAX_SHARD_SIZE, hub_error
-from ckptools.hub.push import PushPlan, PushResult, hash_files, plan_push, push_to_hub
+from ckptools.hub.push import (
+    PushOptions,
+    PushPlan,
+    PushResult,
+    hash_files,
+    plan_push,
+    push_to_hub,
+)
 
 __all__ = [
     "CARD_NAME",
@@ -55,6 +62,7 @@ __all__ = [
     "MAX_FILE_BYTES_ENV",
     "SUGGESTED_MAX_SHARD_SIZE",
     "HubFile",
+    "PushOptions",
     "PushPlan",
     "PushResult",
     "check_model_directory",

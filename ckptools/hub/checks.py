@@ -116,26 +116,37 @@ def check_model_directory(directory: str) -> Manifest:
             fqn=first.fqn,
         )
     manifest = read_manifest(directory)
+    stray = _stray_weights(directory, manifest)
+    if stray is not None:
+        name, why = stray
+        path = os.path.join(directory, name)
+        raise IncompleteCheckpointError(f"{path}: {why}; nothing was uploaded", path=path)
+    return manifest
+
+
+def _stray_weights(directory: str, manifest: Manifest) -> tuple[str, str] | None:
+    """A ``.safetensors`` file that loaders would not read as part of the model, and why: one
+    the index does not name (left from an earlier run), or a shard without any index (the index
+    is written last, so the save never finished)."""
+    if manifest.format != "safetensors":
+        return None
     top = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    if manifest.format == "safetensors" and manifest.markers:
+    if manifest.markers:
         stray = [n for n in top if n not in manifest.files]
         if stray:
-            raise IncompleteCheckpointError(
-                f"{os.path.join(directory, stray[0])}: not named by {manifest.markers[0]} (left "
-                "from an earlier save?); loaders ignore it and the Hub would store it: remove it, "
-                "or consolidate into a new directory; nothing was uploaded",
-                path=os.path.join(directory, stray[0]),
+            return stray[0], (
+                f"not named by {manifest.markers[0]} (left from an earlier save?); loaders "
+                "ignore it and the Hub would store it: remove it, or consolidate into a new "
+                "directory"
             )
-    elif manifest.format == "safetensors":
-        sharded = [n for n in top if _SHARD_NAME.search(n)]
-        if sharded:
-            raise IncompleteCheckpointError(
-                f"{os.path.join(directory, sharded[0])}: a shard, but the directory has no "
-                "model.safetensors.index.json (written last, so the save never finished): "
-                "consolidate again; nothing was uploaded",
-                path=os.path.join(directory, sharded[0]),
-            )
-    return manifest
+        return None
+    sharded = [n for n in top if _SHARD_NAME.search(n)]
+    if sharded:
+        return sharded[0], (
+            "a shard, but the directory has no model.safetensors.index.json (written last, so "
+            "the save never finished): consolidate again"
+        )
+    return None
 
 
 def preflight(repo_id: str, *, max_shard_size: str | int | None = None) -> None:

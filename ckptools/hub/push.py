@@ -130,12 +130,30 @@ class PushResult:
 
 
 @dataclass(frozen=True)
+class PushOptions:
+    """How to push: the keyword arguments of :func:`push_to_hub` (but ``token``, which no result
+    or plan should hold), as one value the steps share."""
+
+    private: bool = False
+    revision: str | None = None
+    commit_message: str | None = None
+    create_pr: bool = False
+    endpoint: str | None = None
+    source: str | None = None
+    dry_run: bool = False
+    quiet: bool = False
+    max_file_bytes: str | int | None = None
+    workers: int | None = None
+
+
+@dataclass(frozen=True)
 class PushPlan:
     """What a push will commit and where, decided locally before the first request.
 
     Attributes:
         directory: the model directory (checked complete, every file within the limit).
         repo_id: the repository as given.
+        options: how to push, as given.
         files: ``(path in repo, size)`` of every file of the directory.
         manifest: the directory's manifest (which files hold weights).
         config: its ``config.json`` (``{}`` without one).
@@ -143,13 +161,14 @@ class PushPlan:
         own_card: the directory has its own ``README.md`` (no card is generated).
         message: the commit summary.
         max_file_bytes: the per-file limit the files were checked against.
-        hub_url: the Hub's URL as results show it; ``endpoint`` is the argument as given.
+        hub_url: the Hub's URL as results show it.
         workers: threads hashing the files.
         notes: facts about the directory worth showing.
     """
 
     directory: str
     repo_id: str
+    options: PushOptions
     files: tuple[tuple[str, int], ...]
     manifest: Manifest
     config: Mapping[str, Any]
@@ -158,12 +177,7 @@ class PushPlan:
     message: str
     max_file_bytes: int
     hub_url: str
-    endpoint: str | None
     workers: int
-    private: bool = False
-    revision: str | None = None
-    create_pr: bool = False
-    dry_run: bool = False
     notes: tuple[str, ...] = ()
 
     @property
@@ -241,9 +255,7 @@ def push_to_hub(
         >>> print(r.commit_url)  # doctest: +SKIP
     """
     started = time.perf_counter()
-    plan = plan_push(
-        directory,
-        repo_id,
+    options = PushOptions(
         private=private,
         revision=revision,
         commit_message=commit_message,
@@ -251,33 +263,22 @@ def push_to_hub(
         endpoint=endpoint,
         source=source,
         dry_run=dry_run,
+        quiet=quiet,
         max_file_bytes=max_file_bytes,
         workers=workers,
     )
+    plan = plan_push(directory, repo_id, options)
     if dry_run:
         return _result(plan, _contents(plan, None), started)
     t_hash = time.perf_counter()
     sha256 = hash_files(plan.directory, plan.files, workers=plan.workers, quiet=quiet)
     hash_seconds = time.perf_counter() - t_hash
     contents = _contents(plan, sha256)
-    committed = _upload(plan, contents, sha256, token=token, quiet=quiet)
+    committed = _upload(plan, contents, sha256, token=token)
     return _result(plan, contents, started, hash_seconds=hash_seconds, **committed)
 
 
-def plan_push(
-    directory: str,
-    repo_id: str,
-    *,
-    private: bool = False,
-    revision: str | None = None,
-    commit_message: str | None = None,
-    create_pr: bool = False,
-    endpoint: str | None = None,
-    source: str | None = None,
-    dry_run: bool = False,
-    max_file_bytes: str | int | None = None,
-    workers: int | None = None,
-) -> PushPlan:
+def plan_push(directory: str, repo_id: str, options: PushOptions | None = None) -> PushPlan:
     """Every check of :func:`push_to_hub` that needs no network, and what it will commit.
 
     Raises:
@@ -287,15 +288,16 @@ def plan_push(
     """
     from huggingface_hub import constants
 
+    options = options or PushOptions()
     preflight(repo_id)
-    if revision is not None and not revision.strip():
+    if options.revision is not None and not options.revision.strip():
         raise UsageError("revision must not be empty")
-    n_workers = tunables.workers(workers)
-    limit = resolve_max_file_bytes(max_file_bytes)
+    n_workers = tunables.workers(options.workers)
+    limit = resolve_max_file_bytes(options.max_file_bytes)
     directory = directory.rstrip("/") or directory
     manifest = check_model_directory(directory)
     files = list_files(directory)
-    check_sizes(files, limit, directory=directory, repo_id=repo_id, source=source)
+    check_sizes(files, limit, directory=directory, repo_id=repo_id, source=options.source)
     own_card = any(name == CARD_NAME for name, _ in files)
     config = read_config(directory)
     notes: list[str] = []
@@ -303,24 +305,20 @@ def plan_push(
         notes.append("no config.json: from_pretrained cannot load the repository without one")
     if own_card:
         notes.append(f"{CARD_NAME} uploaded as it is (no model card generated)")
-    prov = provenance(manifest, source)
+    prov = provenance(manifest, options.source)
     return PushPlan(
         directory=directory,
         repo_id=repo_id,
+        options=options,
         files=tuple(files),
         manifest=manifest,
         config=config,
         provenance=prov,
         own_card=own_card,
-        message=commit_message or default_message(prov),
+        message=options.commit_message or default_message(prov),
         max_file_bytes=limit,
-        hub_url=(endpoint or constants.ENDPOINT).rstrip("/"),
-        endpoint=endpoint,
+        hub_url=(options.endpoint or constants.ENDPOINT).rstrip("/"),
         workers=n_workers,
-        private=private,
-        revision=revision,
-        create_pr=create_pr,
-        dry_run=dry_run,
         notes=tuple(notes),
     )
 
@@ -348,24 +346,24 @@ def _upload(
     sha256: Mapping[str, str],
     *,
     token: str | None,
-    quiet: bool,
 ) -> dict[str, Any]:
     """Create the repository (and branch) if needed and commit the files; the
     :class:`PushResult` fields the Hub's answers fill."""
     from huggingface_hub import HfApi
 
-    api = HfApi(endpoint=plan.endpoint, token=token)
+    opts = plan.options
+    api = HfApi(endpoint=opts.endpoint, token=token)
     card = contents.card_text.encode() if contents.card_text is not None else None
     names = [name for name, _ in plan.files]
     # A pull request is one reviewable commit, so it always takes the single-commit path.
-    multi = plan.total_bytes > large_folder_bytes() and not plan.create_pr
+    multi = plan.total_bytes > large_folder_bytes() and not opts.create_pr
     with (
-        raised_as_hub_errors(repo_id=plan.repo_id, endpoint=plan.hub_url, revision=plan.revision),
-        _hub_progress(quiet),
+        raised_as_hub_errors(repo_id=plan.repo_id, endpoint=plan.hub_url, revision=opts.revision),
+        _hub_progress(opts.quiet),
     ):
-        repo_id, repo_url, created = _create_repo(api, plan.repo_id, plan.private)
-        revision = plan.revision
-        if revision is not None and not plan.create_pr and not revision.startswith("refs/"):
+        repo_id, repo_url, created = _create_repo(api, plan.repo_id, opts.private)
+        revision = opts.revision
+        if revision is not None and not opts.create_pr and not revision.startswith("refs/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         if multi:
             info = _upload_large_folder(api, repo_id, plan, sha256, card)
@@ -374,8 +372,8 @@ def _upload(
                 repo_id,
                 _additions(plan.directory, names, sha256, card),
                 commit_message=plan.message,
-                revision=revision,
-                create_pr=plan.create_pr,
+                revision=opts.revision,
+                create_pr=opts.create_pr,
             )
     return {
         "repo_id": repo_id,
@@ -402,13 +400,13 @@ def _upload_large_folder(
         folder_path=plan.directory,
         allow_patterns=[_glob_escape(n) for n in data],
         commit_message=plan.message,
-        revision=plan.revision,
+        revision=plan.options.revision,
     )
     return api.create_commit(
         repo_id,
         _additions(plan.directory, rest, sha256, card),
         commit_message=f"{plan.message} (index, config and model card)",
-        revision=plan.revision,
+        revision=plan.options.revision,
     )
 
 
@@ -416,9 +414,9 @@ def _result(plan: PushPlan, contents: _Contents, started: float, **committed: An
     """The :class:`PushResult` of ``plan``; ``committed`` holds what the Hub answered (nothing
     for a dry run)."""
     notes = list(plan.notes)
-    if plan.dry_run and not plan.own_card:
+    if plan.options.dry_run and not plan.own_card:
         notes.append("the model card gets each file's sha256 when pushed")
-    if committed.get("created_repo") is False and plan.private:
+    if committed.get("created_repo") is False and plan.options.private:
         notes.append("the repository existed (private); pushed into it")
     committed.setdefault("repo_id", plan.repo_id)
     return PushResult(
@@ -428,10 +426,10 @@ def _result(plan: PushPlan, contents: _Contents, started: float, **committed: An
         card="existing" if plan.own_card else "generated",
         provenance=contents.provenance,
         max_file_bytes=plan.max_file_bytes,
-        dry_run=plan.dry_run,
-        private=plan.private,
-        revision=plan.revision,
-        create_pr=plan.create_pr,
+        dry_run=plan.options.dry_run,
+        private=plan.options.private,
+        revision=plan.options.revision,
+        create_pr=plan.options.create_pr,
         commit_message=plan.message,
         endpoint=plan.hub_url,
         card_text=contents.card_text,

@@ -371,3 +371,95 @@ def test_network_down_is_one_line(tmp_path: Path) -> None:
     assert isinstance(e.value, ConnectionError) and "cannot reach the Hub" in str(e.value)
     code, out = invoke("push", str(model), REPO, "--endpoint", url, "--token", TOKEN, "-q")
     assert code == EXIT_ERROR and out.count("\n") == 1 and out.startswith(f"error: {url}: ")
+
+
+def http_error(cls: type[BaseException], status: int, said: str = "nope") -> BaseException:
+    """An exception of ``huggingface_hub`` carrying a response with ``status``, built with the
+    HTTP library that this ``huggingface_hub`` uses."""
+    import importlib
+
+    for name in ("httpx2", "httpx"):
+        try:
+            lib = importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    else:
+        pytest.skip("huggingface_hub on requests: covered by the HubServer tests")
+    response = lib.Response(status, request=lib.Request("POST", "https://hub.test/api/x"))
+    return cls(f"{status} Client Error: {said}", response=response, server_message=said)
+
+
+def test_error_table_first_match_wins() -> None:
+    from huggingface_hub.utils import (  # type: ignore[attr-defined]
+        HfHubHTTPError,
+        HFValidationError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    from ckptools.hub.errors import hub_error
+
+    def mapped(e: BaseException) -> BaseException | None:
+        return hub_error(e, repo_id="me/m", endpoint="https://hub.test", revision=None)
+
+    # The client raises RepositoryNotFoundError for a 401 too: it must read as a login problem.
+    e = mapped(http_error(RepositoryNotFoundError, 401))
+    assert isinstance(e, HubAuthError) and e.status == 401 and "hf auth login" in str(e)
+    e = mapped(http_error(RepositoryNotFoundError, 404))
+    assert isinstance(e, HubNotFoundError) and str(e).startswith("me/m: repository not found")
+    e = mapped(http_error(HfHubHTTPError, 404))
+    assert isinstance(e, HubNotFoundError) and e.status == 404
+    e = mapped(http_error(HfHubHTTPError, 403))
+    assert isinstance(e, HubAuthError) and "on the 'me' namespace" in str(e)
+    e = mapped(http_error(HfHubHTTPError, 502, "bad gateway"))
+    assert type(e) is HubError and str(e) == (
+        "https://hub.test: the Hub failed (502) (bad gateway): try again later; re-running the "
+        "push resumes it (files already on the Hub are not sent again)"
+    )
+    e = mapped(http_error(HfHubHTTPError, 418))
+    assert type(e) is HubError and str(e) == "me/m: the Hub refused the request (418) (nope)"
+    # OfflineModeIsEnabled is a ConnectionError, HFValidationError a ValueError: earlier rows.
+    e = mapped(OfflineModeIsEnabled("offline"))
+    assert isinstance(e, HubConnectionError) and "HF_HUB_OFFLINE" in str(e)
+    e = mapped(HFValidationError("Repo id must be in the form 'repo_name'\nmore"))
+    assert type(e) is UsageError and str(e) == "'me/m': Repo id must be in the form 'repo_name'"
+    e = mapped(ValueError("Invalid metadata in README.md.\n- bad: key\n- other\n- third"))
+    assert isinstance(e, HubError) and e.status == 400 and "(bad: key other)" in str(e)
+    e = mapped(ConnectionError("refused\ntrace"))
+    assert isinstance(e, HubConnectionError) and "(ConnectionError: refused)" in str(e)
+    assert mapped(ValueError("a bug")) is None and mapped(KeyError("x")) is None
+
+
+def test_human_sizes_are_written_once() -> None:
+    from ckptools.cli import render
+    from ckptools.core import sizes
+
+    assert render.human_bytes is sizes.human_bytes and render.human_count is sizes.human_count
+    assert [sizes.human_size(n) for n in (0, 999, 1000, 5 * 10**9, 50 * 10**9 - 1)] == [
+        "0 B",
+        "999 B",
+        "1.0 KB",
+        "5.0 GB",
+        "50.0 GB",
+    ]
+    assert [sizes.human_bytes(n) for n in (None, 1023, 1024, 3 * 2**29, 2**50)] == [
+        "-",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 GiB",
+        "1024.0 TiB",
+    ]
+    assert [sizes.human_count(n) for n in (999, 1000, 1_235_814_400)] == ["999", "1.00K", "1.24B"]
+
+
+def test_hub_modules_import_each_other_directly() -> None:
+    import ast
+
+    hub_dir = Path(ckptools.__file__).parent / "hub"
+    for path in hub_dir.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.module != "ckptools.hub", f"{path.name} imports from the package"
