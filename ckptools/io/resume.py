@@ -164,16 +164,9 @@ class Journal:
                 },
             }
         ).encode()
+        # atomic: a journal torn by a crash would send all of this writer's files to be redone
         path = storage.join(self.staging, f"{JOURNAL_PREFIX}{self.writer}.json")
-        if storage.is_url(path):
-            storage.write_bytes(path, data)  # an object PUT is atomic
-            return
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        storage.write_atomic(path, data)
 
     def discard(self) -> None:
         """Remove every writer's journal part (before the marker commits the output)."""
