@@ -149,11 +149,18 @@ def listdir(path: str) -> list[str]:
 
 def file_sizes(directory: str, names: Sequence[str] | None = None) -> dict[str, int]:
     """Name -> size of the files directly in ``directory`` (only ``names`` when given; those
-    that do not exist are left out). One listing on object stores, one ``stat`` each locally."""
+    that do not exist are left out, and a missing ``directory`` holds none, as on an object store
+    where a prefix without objects is not there). One listing on object stores, one ``stat``
+    each locally."""
     if not is_url(directory):
         local = local_path(directory)
         out: dict[str, int] = {}
-        for name in names if names is not None else os.listdir(local):
+        if names is None:
+            try:
+                names = os.listdir(local)
+            except (FileNotFoundError, NotADirectoryError):
+                return out
+        for name in names:
             try:
                 st = os.stat(os.path.join(local, name))
             except (FileNotFoundError, NotADirectoryError):
