@@ -61,10 +61,12 @@ def write_synced(path: str, data: bytes, *, exclusive: bool = False) -> None:
         os.fsync(f.fileno())
 
 
-def replace_synced(path: str, data: bytes) -> None:
+def replace_synced(path: str, data: bytes, *, sync_dir: bool = True) -> None:
     """Atomically replace ``path`` with ``data``: written to a temporary name beside it, fsynced,
-    renamed over ``path``, and the directory fsynced. A crash leaves the old content or the new,
-    never a torn file under ``path`` (at worst a ``<name>.tmp-<id>`` file beside it)."""
+    renamed over ``path``, and (``sync_dir``) the directory fsynced. A crash leaves the old
+    content or the new, never a torn file under ``path`` (at worst a ``<name>.tmp-<id>`` file
+    beside it). Without ``sync_dir`` a crash may bring the old content back: fine for a record
+    that only saves work (a resume journal), not for a commit marker."""
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     try:
         write_synced(tmp, data, exclusive=True)
@@ -73,4 +75,5 @@ def replace_synced(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if sync_dir:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -243,12 +243,13 @@ def write_bytes(path: str, data: bytes, *, exclusive: bool = False) -> None:
     fs.pipe_file(inner, data)
 
 
-def write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes, *, sync_dir: bool = True) -> None:
     """Replace the small file ``path`` with ``data`` so that readers see the old or the new
-    content, never a torn one: locally a synced temporary file renamed over it
-    (:func:`ckptools.io.durable.replace_synced`); on object stores one PUT, atomic already."""
+    content, never a torn one: locally a synced temporary file renamed over it, the directory
+    fsynced unless ``sync_dir`` is off (:func:`ckptools.io.durable.replace_synced`); on object
+    stores one PUT, atomic already."""
     if not is_url(path):
-        durable.replace_synced(local_path(path), data)
+        durable.replace_synced(local_path(path), data, sync_dir=sync_dir)
         return
     write_bytes(path, data)
 

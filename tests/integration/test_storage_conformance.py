@@ -144,18 +144,20 @@ def test_reader_reads_exact_ranges(root: str) -> None:
 def test_reader_short_read_names_the_file(root: str) -> None:
     _put(root, {"short.bin": b"x" * 100})
     with storage.open_reader(root) as reader:
-        with pytest.raises(CorruptCheckpointError, match="short.bin.*truncated") as info:
+        with pytest.raises(CorruptCheckpointError, match=r"short\.bin.*truncated") as info:
             reader.read("short.bin", 90, 20)
         assert "short.bin" in str(info.value.path)
-        with pytest.raises(CorruptCheckpointError, match="short.bin"):
+        with pytest.raises(CorruptCheckpointError, match=r"short\.bin"):
             reader.readinto("short.bin", 50, memoryview(bytearray(60)))
 
 
 def test_reader_missing_file_names_it(root: str) -> None:
     _put(root, {"present": b"1"})
-    with storage.open_reader(root) as reader:
-        with pytest.raises(CheckpointNotFoundError, match="gone.distcp.*missing"):
-            reader.read("gone.distcp", 0, 1)
+    with (
+        storage.open_reader(root) as reader,
+        pytest.raises(CheckpointNotFoundError, match=r"gone\.distcp.*missing"),
+    ):
+        reader.read("gone.distcp", 0, 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,10 +190,9 @@ def test_committed_output_has_marker_and_all_files(root: str) -> None:
 
 def test_failed_write_leaves_nothing_complete(root: str) -> None:
     out = storage.join(root, "out")
-    with pytest.raises(RuntimeError, match="disk full"):
-        with staging.output_dir(out) as tmp:
-            _put(tmp, {"a.safetensors": b"a" * 10})
-            raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError, match="disk full"), staging.output_dir(out) as tmp:
+        _put(tmp, {"a.safetensors": b"a" * 10})
+        raise RuntimeError("disk full")
     assert not storage.exists(storage.join(out, MARKER))
     assert storage.walk_files(root) == {}  # the staging location went with it
 
