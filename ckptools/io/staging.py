@@ -42,7 +42,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Protocol
@@ -73,7 +73,7 @@ def _is_marker(rel: str) -> bool:
     return name in MARKER_NAMES or name in _WHOLE_MODEL_FILES
 
 
-def _markers_first(rels: Iterator[str] | list[str]) -> list[str]:
+def _markers_first(rels: Iterable[str]) -> list[str]:
     """``rels`` ordered for removal: commit markers first (deepest first), then the rest, so a
     checkpoint being removed stops looking complete before any of its data goes."""
     rels = list(rels)
@@ -250,7 +250,7 @@ class ObjectStoreStaging:
     def begin(self, tmp: str) -> str:
         note = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
         storage.write_bytes(storage.join(tmp, IN_PROGRESS), json.dumps(note).encode())
-        for rel in _markers_first(list(storage.walk_files(tmp))):
+        for rel in _markers_first(storage.walk_files(tmp)):
             if rel != IN_PROGRESS:
                 storage.remove(storage.join(tmp, rel))
         return tmp.rstrip("/")
@@ -276,7 +276,7 @@ class ObjectStoreStaging:
                 storage.remove_tree(tmp)
 
     def delete(self, out: str, *, name: str | None = None) -> None:
-        for rel in _markers_first(list(storage.walk_files(out))):
+        for rel in _markers_first(storage.walk_files(out)):
             if not _is_marker(rel):
                 break
             storage.remove(storage.join(out, rel))
@@ -384,14 +384,19 @@ def copy_into(src: str, dst: str) -> None:
         storage.put_file(local, dst)
 
 
-@contextmanager
-def spool_dir() -> Iterator[str]:
-    """A private local directory for files on their way to an object store (``CKPTOOLS_SPOOL_DIR``
-    or the system temporary directory), removed afterwards."""
+def make_spool_dir(prefix: str = "ckptools-spool-") -> str:
+    """Create a private local directory for files on their way to an object store, in
+    ``CKPTOOLS_SPOOL_DIR`` or the system temporary directory; the caller removes it."""
     base = os.environ.get(SPOOL_DIR_ENV) or None
     if base:
         os.makedirs(base, exist_ok=True)
-    path = tempfile.mkdtemp(prefix="ckptools-spool-", dir=base)
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
+@contextmanager
+def spool_dir() -> Iterator[str]:
+    """A :func:`make_spool_dir` directory, removed afterwards."""
+    path = make_spool_dir()
     try:
         yield path
     finally:
