@@ -1,20 +1,28 @@
 """Output locations and their commit: local directories by rename, object stores by marker last.
 
 Every writer (consolidate, reshard, shard, ``save_pretrained``, the training manager) goes
-through the same four steps, whatever OUT is:
+through the same steps, whatever OUT is; what differs between a local directory and an object
+store is one :class:`Staging` strategy, chosen once by :func:`staging_for` (modelled on orbax's
+pair of temporary-path classes, atomic rename and commit file):
 
-* :func:`check_writable` (before any work): refuse an OUT that exists (locally) or that holds a
+* ``check_writable`` (before any work): refuse an OUT that exists (locally) or that holds a
   checkpoint or foreign objects (object store), unless ``overwrite``;
-* :func:`make_tmp_dir` returns the *staging location* to write into: locally a fresh
+* ``location`` + ``begin`` give the *staging location* to write into: locally a fresh
   ``<out>.tmp-<id>/`` beside OUT (same filesystem, so rename works); on an object store, which
   has no rename, OUT itself, after an in-progress note (:data:`IN_PROGRESS`) is written and
   whatever an earlier run or ``overwrite`` left there is removed, commit markers first;
+  ``resume`` reuses the location an interrupted run of the same conversion left instead;
 * the writer writes its files there, its marker (DCP ``.metadata``, the safetensors index,
   ``.ckptools-complete``) last. Writers accept a URL as their output directory: they write each
   file into a local spool and upload it once complete (:class:`Uploader`);
-* :func:`commit` publishes: locally fsync and rename (an existing OUT is moved aside first); on an
+* ``commit`` publishes: locally fsync and rename (an existing OUT is moved aside first); on an
   object store the marker is already the commit, and the in-progress note is removed.
-  :func:`discard` removes the staging location on failure.
+  ``discard`` removes the staging location on failure; ``delete`` removes a committed output so
+  that no half-deleted one ever looks complete.
+
+The module functions (:func:`check_writable`, :func:`make_tmp_dir`, :func:`resumable_staging`,
+:func:`commit`, :func:`discard`, :func:`output_dir`, ...) are these steps for the strategy of
+their OUT.
 
 An exception, Ctrl-C or full disk removes the staging location, so nothing that looks complete is
 ever left behind: locally a kill -9 leaves only a ``*.tmp-*`` directory, never OUT; on an object
@@ -34,12 +42,13 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Protocol
 
 from ckptools.errors import UsageError
-from ckptools.io import storage
+from ckptools.io import durable, resume, storage
 
 log = logging.getLogger(__name__)
 
@@ -59,60 +68,239 @@ SPOOL_DIR_ENV = "CKPTOOLS_SPOOL_DIR"
 MAX_PENDING_UPLOADS = 2
 
 
-def fsync_dir(path: str) -> None:
-    if storage.is_url(path):
-        return  # an object store has no directory entries to make durable
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_marker(rel: str) -> bool:
     name = rel.rsplit("/", 1)[-1]
     return name in MARKER_NAMES or name in _WHOLE_MODEL_FILES
 
 
-def check_writable(out: str, overwrite: bool) -> None:
-    """Refuse an existing OUT unless ``overwrite`` (checked before any work starts).
+def _markers_first(rels: Iterable[str]) -> list[str]:
+    """``rels`` ordered for removal: commit markers first (deepest first), then the rest, so a
+    checkpoint being removed stops looking complete before any of its data goes."""
+    rels = list(rels)
+    markers = sorted((r for r in rels if _is_marker(r)), key=lambda r: -r.count("/"))
+    return markers + [r for r in rels if not _is_marker(r)]
 
-    On an object store OUT is a prefix: one that holds nothing, or only what an interrupted
-    ckptools write left (the in-progress note and no marker), is writable; one that holds a
-    committed checkpoint or anything else needs ``overwrite``.
+
+class Staging(Protocol):
+    """How outputs of one kind of location are staged, committed and removed.
+
+    ``name`` arguments are the local sibling's name for a staging location or an output moved
+    aside (the training store names its own, ``.tmp-step-<n>-<id>``); object stores ignore them.
     """
-    if not storage.is_url(out):
+
+    def check_writable(self, out: str, overwrite: bool) -> None:
+        """Refuse an existing ``out`` unless ``overwrite`` (before any work starts)."""
+        ...
+
+    def location(self, out: str, name: str | None = None) -> str:
+        """Where the files that become ``out`` are written (not created yet)."""
+        ...
+
+    def begin(self, tmp: str) -> str:
+        """Create the staging location ``tmp``; returns it. Call ``check_writable`` first."""
+        ...
+
+    def resume(self, out: str, fingerprint: str) -> str:
+        """The staging location an interrupted run of the same conversion left, else a new
+        one; held for this process until ``commit`` or ``discard``."""
+        ...
+
+    def sync(self, tmp: str, *, files: bool = False) -> None:
+        """Make what was written under ``tmp`` durable (``files``: each file too, not only
+        the directory entries), before the marker that declares it complete."""
+        ...
+
+    def commit(self, tmp: str, out: str, *, overwrite: bool, name: str | None = None) -> bool:
+        """Publish ``tmp`` (marker written) as ``out``; True when an existing ``out`` was
+        replaced."""
+        ...
+
+    def discard(self, tmp: str, *, keep: bool = False) -> None:
+        """Give up the staging location ``tmp``: removed, unless ``keep`` (to resume)."""
+        ...
+
+    def delete(self, out: str, *, name: str | None = None) -> None:
+        """Remove the committed output ``out`` so that no half-deleted one looks complete."""
+        ...
+
+
+class LocalStaging:
+    """A local directory: staged in ``<out>.tmp-<id>/`` beside OUT, committed by an atomic rename
+    after fsyncs; a staging location being written is held under an exclusive ``flock``, so that
+    a second run of the same conversion neither resumes into it nor removes it meanwhile."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, int] = {}
+
+    def check_writable(self, out: str, overwrite: bool) -> None:
         if os.path.lexists(out) and not overwrite:
             raise UsageError(f"{out}: already exists; pass --overwrite to replace it", path=out)
-        return
-    if overwrite:
-        return
-    held = storage.walk_files(out)
-    if not held:
-        return
-    markers = sorted(rel for rel in held if _is_marker(rel))
-    if markers:
-        raise UsageError(
-            f"{out}: already holds a checkpoint ({markers[0]}); pass --overwrite to replace it",
-            path=out,
-        )
-    if IN_PROGRESS not in held:
-        raise UsageError(
-            f"{out}: not empty ({len(held)} objects, e.g. {sorted(held)[0]}); pass --overwrite "
-            "to replace them",
-            path=out,
-        )
+
+    def location(self, out: str, name: str | None = None) -> str:
+        if name is None:
+            return f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
+        return os.path.join(os.path.dirname(out), name)
+
+    def begin(self, tmp: str) -> str:
+        os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+        os.mkdir(tmp)
+        return tmp
+
+    def resume(self, out: str, fingerprint: str) -> str:
+        staging = resume.find_local_staging(out, fingerprint) or self.begin(self.location(out))
+        self._lock(staging, out)
+        return staging
+
+    def _lock(self, staging: str, out: str) -> None:
+        import fcntl
+
+        fd = os.open(staging, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            raise UsageError(
+                f"{out}: another ckptools run is writing it (in {staging}); wait for it to finish",
+                path=out,
+            ) from e
+        self._locks[staging] = fd
+
+    def _unlock(self, staging: str) -> None:
+        fd = self._locks.pop(staging, None)
+        if fd is not None:
+            os.close(fd)
+
+    def sync(self, tmp: str, *, files: bool = False) -> None:
+        if files:
+            durable.fsync_tree(tmp)
+        else:
+            durable.fsync_dir(tmp)
+
+    def _aside(self, out: str, name: str | None) -> str:
+        """Where ``out`` is renamed before it is replaced or deleted: the same filesystem, so
+        the rename is atomic, and a name that cleanup recognises as not a checkpoint."""
+        if name is None:
+            return f"{os.path.abspath(out)}.old-{secrets.token_hex(4)}"
+        return os.path.join(os.path.dirname(out), name)
+
+    def commit(self, tmp: str, out: str, *, overwrite: bool, name: str | None = None) -> bool:
+        self._unlock(tmp)
+        old = None
+        if os.path.lexists(out):
+            if not overwrite:
+                raise UsageError(f"{out}: appeared while writing; pass --overwrite to replace it")
+            old = self._aside(out, name)
+            os.rename(out, old)
+        os.rename(tmp, out)
+        durable.fsync_dir(os.path.dirname(os.path.abspath(out)))
+        if old is not None:
+            _remove_local(old)
+        return old is not None
+
+    def discard(self, tmp: str, *, keep: bool = False) -> None:
+        self._unlock(tmp)
+        if not keep:
+            _remove_local(tmp)
+
+    def delete(self, out: str, *, name: str | None = None) -> None:
+        trash = self._aside(out, name)
+        os.rename(out, trash)
+        durable.fsync_dir(os.path.dirname(os.path.abspath(out)))
+        _remove_local(trash)
 
 
-def _clear_remote(out: str) -> None:
-    """Remove everything under ``out`` but the in-progress note, commit markers first (so a
-    checkpoint being replaced stops looking complete before any of its data goes)."""
-    held = storage.walk_files(out)
-    for rel in sorted((r for r in held if _is_marker(r)), key=lambda r: -r.count("/")):
-        storage.remove(storage.join(out, rel))
-    for rel in held:
-        if rel != IN_PROGRESS and not _is_marker(rel):
+def _remove_local(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+class ObjectStoreStaging:
+    """An object-store prefix, which has no rename: written in place after an in-progress note,
+    committed by its marker written last, the note removed after it. Every object is whole or
+    absent, so a prefix without its marker is incomplete, whatever else it holds."""
+
+    def check_writable(self, out: str, overwrite: bool) -> None:
+        """OUT is a prefix: one that holds nothing, or only what an interrupted ckptools write
+        left (the in-progress note and no marker), is writable; one that holds a committed
+        checkpoint or anything else needs ``overwrite``."""
+        if overwrite:
+            return
+        held = storage.walk_files(out)
+        if not held:
+            return
+        markers = sorted(rel for rel in held if _is_marker(rel))
+        if markers:
+            raise UsageError(
+                f"{out}: already holds a checkpoint ({markers[0]}); pass --overwrite to replace it",
+                path=out,
+            )
+        if IN_PROGRESS not in held:
+            raise UsageError(
+                f"{out}: not empty ({len(held)} objects, e.g. {sorted(held)[0]}); pass "
+                "--overwrite to replace them",
+                path=out,
+            )
+
+    def location(self, out: str, name: str | None = None) -> str:
+        return out.rstrip("/")
+
+    def begin(self, tmp: str) -> str:
+        note = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        storage.write_bytes(storage.join(tmp, IN_PROGRESS), json.dumps(note).encode())
+        for rel in _markers_first(storage.walk_files(tmp)):
+            if rel != IN_PROGRESS:
+                storage.remove(storage.join(tmp, rel))
+        return tmp.rstrip("/")
+
+    def resume(self, out: str, fingerprint: str) -> str:
+        """An interrupted run's prefix is reused as it is (an upload is whole or absent, so
+        there is nothing half-written to clear); anything else is cleared as ``begin`` does."""
+        interrupted = storage.exists(storage.join(out, IN_PROGRESS))
+        if interrupted and resume.Journal.open(out, fingerprint).resumed:
+            return out.rstrip("/")
+        return self.begin(self.location(out))
+
+    def sync(self, tmp: str, *, files: bool = False) -> None:
+        """Nothing to do: an uploaded object is durable, and there are no directory entries."""
+
+    def commit(self, tmp: str, out: str, *, overwrite: bool, name: str | None = None) -> bool:
+        storage.remove(storage.join(out, IN_PROGRESS))
+        return False
+
+    def discard(self, tmp: str, *, keep: bool = False) -> None:
+        if not keep:
+            with contextlib.suppress(Exception):  # best effort: the missing marker already tells
+                storage.remove_tree(tmp)
+
+    def delete(self, out: str, *, name: str | None = None) -> None:
+        for rel in _markers_first(storage.walk_files(out)):
+            if not _is_marker(rel):
+                break
             storage.remove(storage.join(out, rel))
+        storage.remove_tree(out)
+
+
+_LOCAL = LocalStaging()
+_OBJECT_STORE = ObjectStoreStaging()
+
+
+def staging_for(out: str) -> Staging:
+    """The strategy for outputs at ``out``: the one place that asks whether it is a URL."""
+    return _OBJECT_STORE if storage.is_url(out) else _LOCAL
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of the directory ``path`` durable (nothing to do on an object store)."""
+    staging_for(path).sync(path)
+
+
+def check_writable(out: str, overwrite: bool) -> None:
+    """Refuse an existing OUT unless ``overwrite`` (checked before any work starts); see
+    :meth:`ObjectStoreStaging.check_writable` for what counts as existing on an object store."""
+    staging_for(out).check_writable(out, overwrite)
 
 
 def commit(tmp: str, out: str, overwrite: bool) -> None:
@@ -122,23 +310,7 @@ def commit(tmp: str, out: str, overwrite: bool) -> None:
     aside first). On an object store ``tmp`` is ``out``, whose marker the writer has written
     last; only the in-progress note is left to remove.
     """
-    _unlock(tmp)
-    if storage.is_url(out):
-        storage.remove(storage.join(out, IN_PROGRESS))
-        return
-    old = None
-    if os.path.lexists(out):
-        if not overwrite:
-            raise UsageError(f"{out}: appeared while writing; pass --overwrite to replace it")
-        old = f"{os.path.abspath(out)}.old-{secrets.token_hex(4)}"
-        os.rename(out, old)
-    os.rename(tmp, out)
-    fsync_dir(os.path.dirname(os.path.abspath(out)))
-    if old is not None:
-        if os.path.isdir(old) and not os.path.islink(old):
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.remove(old)
+    staging_for(out).commit(tmp, out, overwrite=overwrite)
 
 
 def make_tmp_dir(out: str) -> str:
@@ -148,51 +320,15 @@ def make_tmp_dir(out: str) -> str:
     store ``out`` itself, holding only the in-progress note; call :func:`check_writable` first,
     since whatever else is there is removed.
     """
-    if storage.is_url(out):
-        note = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
-        storage.write_bytes(storage.join(out, IN_PROGRESS), json.dumps(note).encode())
-        _clear_remote(out)
-        return out.rstrip("/")
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
-    os.mkdir(tmp)
-    return tmp
+    strategy = staging_for(out)
+    return strategy.begin(strategy.location(out))
 
 
 def _has_journal(staging: str) -> bool:
-    from ckptools.io.resume import JOURNAL_PREFIX
-
     try:
-        return any(n.startswith(JOURNAL_PREFIX) for n in storage.listdir(staging))
+        return any(n.startswith(resume.JOURNAL_PREFIX) for n in storage.listdir(staging))
     except (OSError, ValueError):
         return False
-
-
-#: Staging directories this process writes, each held under an exclusive ``flock`` so that a
-#: second run of the same conversion neither resumes into it nor removes it meanwhile.
-_LOCKS: dict[str, int] = {}
-
-
-def _lock(staging: str, out: str) -> None:
-    import fcntl
-
-    fd = os.open(staging, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as e:
-        os.close(fd)
-        raise UsageError(
-            f"{out}: another ckptools run is writing it (in {staging}); wait for it to finish",
-            path=out,
-        ) from e
-    _LOCKS[staging] = fd
-
-
-def _unlock(staging: str) -> None:
-    fd = _LOCKS.pop(staging, None)
-    if fd is not None:
-        os.close(fd)
 
 
 def resumable_staging(out: str, fingerprint: str) -> str:
@@ -204,17 +340,7 @@ def resumable_staging(out: str, fingerprint: str) -> str:
     On an object store an interrupted run's prefix is reused as it is (an upload is whole or
     absent, so there is nothing half-written to clear); anything else is cleared as usual.
     """
-    from ckptools.io.resume import Journal, find_local_staging
-
-    if storage.is_url(out):
-        interrupted = storage.exists(storage.join(out, IN_PROGRESS))
-        if interrupted and Journal.open(out, fingerprint).resumed:
-            return out.rstrip("/")
-        return make_tmp_dir(out)
-    found = find_local_staging(out, fingerprint)
-    staging = found or make_tmp_dir(out)
-    _lock(staging, out)
-    return staging
+    return staging_for(out).resume(out, fingerprint)
 
 
 def discard(tmp: str, error: BaseException | None = None) -> None:
@@ -224,30 +350,19 @@ def discard(tmp: str, error: BaseException | None = None) -> None:
     holds a resume journal): then the files already written are kept, and running the same
     command again finishes the job (:mod:`ckptools.io.resume`).
     """
-    _unlock(tmp)
-    if isinstance(error, KeyboardInterrupt) and _has_journal(tmp):
+    keep = isinstance(error, KeyboardInterrupt) and _has_journal(tmp)
+    if keep:
         log.warning(
             "interrupted: the files written so far are kept in %s; run the same command again "
             "to resume, or delete it", tmp,
         )  # fmt: skip
-        return
-    if storage.is_url(tmp):
-        with contextlib.suppress(Exception):  # best effort: the missing marker already tells
-            storage.remove_tree(tmp)
-        return
-    shutil.rmtree(tmp, ignore_errors=True)
+    staging_for(tmp).discard(tmp, keep=keep)
 
 
 def write_file_synced(path: str, data: bytes) -> None:
     """Write a new small file (an index, a marker) and make it durable before anyone relies on
     it: fsynced locally, one whole PUT on an object store."""
-    if storage.is_url(path):
-        storage.write_bytes(path, data)
-        return
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    storage.write_bytes(path, data, exclusive=True)
 
 
 def copy_into(src: str, dst: str) -> None:
@@ -258,8 +373,7 @@ def copy_into(src: str, dst: str) -> None:
             storage.get_file(src, dst)
         else:
             shutil.copy2(src, dst)
-        with open(dst, "rb") as f:
-            os.fsync(f.fileno())
+        durable.fsync_file(dst)
         return
     if not storage.is_url(src):
         storage.put_file(src, dst)
@@ -270,14 +384,19 @@ def copy_into(src: str, dst: str) -> None:
         storage.put_file(local, dst)
 
 
-@contextmanager
-def spool_dir() -> Iterator[str]:
-    """A private local directory for files on their way to an object store (``CKPTOOLS_SPOOL_DIR``
-    or the system temporary directory), removed afterwards."""
+def make_spool_dir(prefix: str = "ckptools-spool-") -> str:
+    """Create a private local directory for files on their way to an object store, in
+    ``CKPTOOLS_SPOOL_DIR`` or the system temporary directory; the caller removes it."""
     base = os.environ.get(SPOOL_DIR_ENV) or None
     if base:
         os.makedirs(base, exist_ok=True)
-    path = tempfile.mkdtemp(prefix="ckptools-spool-", dir=base)
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
+
+
+@contextmanager
+def spool_dir() -> Iterator[str]:
+    """A :func:`make_spool_dir` directory, removed afterwards."""
+    path = make_spool_dir()
     try:
         yield path
     finally:

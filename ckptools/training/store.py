@@ -33,14 +33,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import re
 import secrets
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,7 +46,7 @@ from typing import Any
 
 from ckptools.errors import CheckpointNotFoundError, UsageError
 from ckptools.io import storage
-from ckptools.io.staging import IN_PROGRESS
+from ckptools.io.staging import IN_PROGRESS, staging_for
 from ckptools.training.retention import RetentionDecision, RetentionPolicy, plan_retention
 
 __all__ = [
@@ -126,52 +124,22 @@ def new_tmp_dir(root: str, step: int, token: str | None = None) -> str:
     """A fresh name ``root/.tmp-step-<step>-<id>`` (not created). ``token`` must be the same on
     every rank, so the caller picks it on one rank and broadcasts it. On an object store, which
     cannot rename, the final ``root/step-<step>`` itself."""
-    if storage.is_url(root):
-        return step_dir(root, step)
-    return os.path.join(root, f".tmp-step-{step}-{token or secrets.token_hex(6)}")
+    name = f".tmp-step-{step}-{token or secrets.token_hex(6)}"
+    return staging_for(root).location(step_dir(root, step), name)
 
 
 def create_tmp_dir(tmp: str) -> None:
     """Create the directory :func:`new_tmp_dir` named. One rank calls it, with no save of this
     root in flight. On an object store: the in-progress note, then whatever an earlier save of
     the same step left is removed, its marker first."""
-    if not storage.is_url(tmp):
-        os.makedirs(tmp)
-        return
-    from ckptools.io.staging import make_tmp_dir
-
-    make_tmp_dir(tmp)
-
-
-def _fsync_path(path: str, *, directory: bool) -> None:
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:  # pragma: no cover - platforms that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def _walk_files(directory: str) -> dict[str, int]:
-    """Relative path -> size of every regular file below ``directory``."""
-    return storage.walk_files(directory)
+    staging_for(tmp).begin(tmp)
 
 
 def fsync_tree(directory: str) -> None:
     """fsync every file and directory below ``directory`` (data reaches the disk before the
     marker that declares it complete). Nothing to do on an object store: an uploaded object
     is durable."""
-    if storage.is_url(directory):
-        return
-    for dirpath, _, filenames in os.walk(directory):
-        for name in filenames:
-            _fsync_path(os.path.join(dirpath, name), directory=False)
-        _fsync_path(dirpath, directory=True)
+    staging_for(directory).sync(directory, files=True)
 
 
 def _json_safe(value: Any) -> Any:
@@ -207,7 +175,7 @@ def write_marker(
     fsync_tree(tmp)
     files = {
         k: v
-        for k, v in _walk_files(tmp).items()
+        for k, v in storage.walk_files(tmp).items()
         if not k.startswith(MARKER_NAME) and k != IN_PROGRESS
     }
     marker: dict[str, Any] = {
@@ -220,18 +188,10 @@ def write_marker(
         "files": dict(sorted(files.items())),
         **dict(extra_fields or {}),
     }
-    if storage.is_url(tmp):
-        # One PUT: the marker object appears whole or not at all.
-        text = json.dumps(marker, indent=1, sort_keys=True)
-        storage.write_bytes(storage.join(tmp, MARKER_NAME), text.encode())
-        return marker
-    part = os.path.join(tmp, MARKER_NAME + ".part")
-    with open(part, "w", encoding="utf-8") as f:
-        json.dump(marker, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, os.path.join(tmp, MARKER_NAME))
-    _fsync_path(tmp, directory=True)
+    # locally a synced temporary file renamed into place, on an object store one PUT: the
+    # marker appears whole or not at all
+    text = json.dumps(marker, indent=1, sort_keys=True)
+    storage.write_atomic(storage.join(tmp, MARKER_NAME), text.encode())
     return marker
 
 
@@ -253,14 +213,10 @@ def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
     files = marker.get("files")
     if not isinstance(files, dict):
         return None, f"{MARKER_NAME} lists no files"
-    present = storage.walk_files(directory) if storage.is_url(directory) else None
+    present = storage.file_sizes(directory, list(files))
     for name, size in files.items():
-        try:
-            if present is not None:
-                found = present[name]
-            else:
-                found = os.path.getsize(os.path.join(directory, name))
-        except (OSError, KeyError):
+        found = present.get(name)
+        if found is None:
             return None, f"missing file {name}"
         if found != size:
             return None, f"{name} is {found} bytes, marker says {size}"
@@ -297,7 +253,7 @@ def list_checkpoints(
         if not (m or tmp) or not (remote or os.path.isdir(full)):
             continue
         step = int((m or tmp).group(1))  # type: ignore[union-attr]
-        size = sum(_walk_files(full).values())
+        size = sum(storage.walk_files(full).values())
         if tmp:
             infos.append(
                 CheckpointInfo(step, full, False, "save in progress or crashed", size_bytes=size)
@@ -328,17 +284,10 @@ def list_checkpoints(
     return infos
 
 
-def _discard(root: str, path: str, label: str) -> None:
-    """Rename ``path`` out of the way (atomic), then delete it. On an object store: delete its
-    marker first (it stops being complete at once), then the rest."""
-    if storage.is_url(path):
-        storage.remove(storage.join(path, MARKER_NAME))
-        storage.remove_tree(path)
-        return
-    trash = os.path.join(root, f"{_TMP_PREFIX}delete-{label}-{secrets.token_hex(6)}")
-    os.rename(path, trash)
-    _fsync_path(root, directory=True)
-    shutil.rmtree(trash, ignore_errors=True)
+def _trash_name(label: str) -> str:
+    """Where a checkpoint is renamed before it is removed: a ``.tmp-`` name, so
+    :func:`clean_stale` finishes the removal should the process die half-way."""
+    return f"{_TMP_PREFIX}delete-{label}-{secrets.token_hex(6)}"
 
 
 def commit(tmp: str, final: str) -> None:
@@ -348,20 +297,14 @@ def commit(tmp: str, final: str) -> None:
     between the two renames, :func:`clean_stale` rolls ``tmp`` forward. On an object store
     ``tmp`` is ``final``, committed by its marker; the in-progress note is removed.
     """
-    if storage.is_url(final):
-        storage.remove(storage.join(final, IN_PROGRESS))
-        return
-    root = os.path.dirname(final)
-    if os.path.exists(final):
-        log.warning("replacing existing checkpoint %s", final)
-        _discard(root, final, os.path.basename(final))
-    os.rename(tmp, final)
-    _fsync_path(root, directory=True)
+    name = _trash_name(storage.basename(final))
+    if staging_for(final).commit(tmp, final, overwrite=True, name=name):
+        log.warning("replaced existing checkpoint %s", final)
 
 
 def delete_checkpoint(root: str, step: int) -> None:
     """Delete ``root/step-<step>`` so that no partial state ever keeps its name. One rank."""
-    _discard(root, step_dir(root, step), f"step-{step}")
+    staging_for(root).delete(step_dir(root, step), name=_trash_name(f"step-{step}"))
 
 
 def clean_stale(root: str) -> list[str]:
@@ -375,6 +318,7 @@ def clean_stale(root: str) -> list[str]:
         return _clean_stale_remote(root)
     if not os.path.isdir(root):
         return []
+    local = staging_for(root)
     handled: list[str] = []
     for name in sorted(os.listdir(root)):
         if not name.startswith(_TMP_PREFIX):
@@ -386,16 +330,11 @@ def clean_stale(root: str) -> list[str]:
             marker, _ = read_marker(full)
             if marker is not None and not os.path.exists(final):
                 log.info("rolling forward committed save %s -> %s", full, final)
-                os.rename(full, final)
-                _fsync_path(root, directory=True)
+                local.commit(full, final, overwrite=False)
                 handled.append(name)
                 continue
         log.info("removing stale %s", full)
-        if os.path.isdir(full):
-            shutil.rmtree(full, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(full)
+        local.discard(full)
         handled.append(name)
     return handled
 

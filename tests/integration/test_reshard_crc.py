@@ -120,12 +120,12 @@ def test_in_place_crc_windows_and_ranges_past_the_end(
     import mmap
 
     from ckptools.errors import CorruptCheckpointError
-    from ckptools.io import storage
+    from ckptools.io import readers
 
     data = bytes(range(256)) * 4096  # 1 MiB
     (tmp_path / "f").write_bytes(data)
     # windows smaller than the range, starting off the allocation granularity
-    monkeypatch.setattr(storage, "CRC_WINDOW_BYTES", 2 * mmap.ALLOCATIONGRANULARITY)
+    monkeypatch.setattr(readers, "CRC_WINDOW_BYTES", 2 * mmap.ALLOCATIONGRANULARITY)
     with LocalReader(str(tmp_path)) as reader:
         for offset, length in [(0, len(data)), (100, 50), (12345, 700_001), (len(data), 0)]:
             assert reader.crc32("f", offset, length) == zlib.crc32(data[offset : offset + length])
