@@ -26,7 +26,7 @@ from ckptools import collective
 from ckptools.collective import Ranks
 from ckptools.core.manifest import Manifest
 from ckptools.engine import dcp_writer as dcp_write
-from ckptools.engine.dcp_writer import DcpPlan, file_name, plan_dcp, write_dcp
+from ckptools.engine.dcp_writer import write_dcp
 from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
@@ -41,6 +41,7 @@ from ckptools.io.staging import (
 )
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import read_dcp, require_plain
+from ckptools.plan.dcp import DcpPlan, file_name, plan_dcp
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 
 RankState = Literal["keep", "drop"]

@@ -16,25 +16,23 @@ reads a DCP item's archive directory, never its tensor), maps them to output run
 
 Memory is bounded by ``workers × block``: each thread owns one block buffer, sized from the
 memory budget. Writes use positional I/O on a shared descriptor, so threads never contend on a
-file position.
+file position. The threads, the syncing thread and the kernel and positional copies are
+:mod:`ckptools.engine.runtime`'s, shared with the DCP writer.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
-import logging
 import os
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
 
 from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, Manifest
 from ckptools.engine.reader import resolve_chunk
+from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, kernel_copy, pwrite_all, run_all
 from ckptools.errors import CorruptCheckpointError
 from ckptools.io import storage
 from ckptools.io.progress import ByteProgress
@@ -42,24 +40,8 @@ from ckptools.io.storage import Reader, open_reader
 from ckptools.plan.safetensors import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
 from ckptools.tunables import DEFAULT_MEMORY_BUDGET_BYTES
 
-T = TypeVar("T")
-K = TypeVar("K")
-
-#: Finished output files that may wait for their fsync at once (each keeps a descriptor open).
-SYNCS_PENDING = 4
-
-log = logging.getLogger(__name__)
-
-#: Largest single buffer: beyond ~16 MiB per read/write call, syscall overhead is already <0.1%,
-#: and smaller blocks let several threads keep the disk busy.
-MAX_BLOCK_BYTES = 16 * 2**20
 #: Blocks are a multiple of the largest itemsize (complex128) so no element is ever split.
 _BLOCK_ALIGN_BYTES = 64
-#: Bytes per copy_file_range call: no memory is involved, so only the latency of a stop (error,
-#: Ctrl-C) bounds it; at ~2 GB/s a step takes ~0.1 s.
-KERNEL_COPY_STEP_BYTES = 256 * 2**20
-# errnos with which copy_file_range says "not here" (other filesystem, old kernel, special file)
-_NO_COPY_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
 
 
 @dataclass(frozen=True)
@@ -71,7 +53,7 @@ class ExecuteStats:
 
 def block_bytes(memory_budget: int, workers: int) -> int:
     """Per-thread buffer size for ``workers`` threads sharing ``memory_budget`` bytes."""
-    per = min(MAX_BLOCK_BYTES, memory_budget // max(1, workers))
+    per = min(BLOCK_BYTES, memory_budget // max(1, workers))
     return max(_BLOCK_ALIGN_BYTES, per - per % _BLOCK_ALIGN_BYTES)
 
 
@@ -171,7 +153,7 @@ class _Copier:
             self.reader.readinto(raw.file, raw.offset + first * isz, buf)
             for src, dst, n in block:
                 at = (src - first) * isz
-                _pwrite_all(fd, buf[at : at + n * isz], tensor.begin + dst * isz)
+                pwrite_all(fd, buf[at : at + n * isz], tensor.begin + dst * isz)
             self.progress.update(nbytes)
 
     def _copy_range(self, raw: Chunk, src_off: int, fd: int, dst_off: int, nbytes: int) -> bool:
@@ -208,7 +190,7 @@ class _Copier:
             whole = flat.as_strided(raw.sizes, raw.strides).contiguous().to(dst_t).reshape(-1)
             mem = whole.view(torch.uint8).numpy().data
             for src, dst, n in chunk_runs:
-                _pwrite_all(
+                pwrite_all(
                     fd, mem[src * dst_isz : (src + n) * dst_isz], tensor.begin + dst * dst_isz
                 )
             self.progress.update(len(mem))
@@ -224,50 +206,8 @@ class _Copier:
             mem = cast.view(torch.uint8).numpy().data
             for src, dst, n in block:
                 at = (src - first) * dst_isz
-                _pwrite_all(fd, mem[at : at + n * dst_isz], tensor.begin + dst * dst_isz)
+                pwrite_all(fd, mem[at : at + n * dst_isz], tensor.begin + dst * dst_isz)
             self.progress.update(count * dst_isz)
-
-
-def kernel_copy(
-    src_fd: int | None,
-    dst_fd: int,
-    src_off: int,
-    dst_off: int,
-    nbytes: int,
-    on_progress: Callable[[int], None],
-    stop: threading.Event | None = None,
-) -> bool:
-    """Copy ``nbytes`` between files inside the kernel (``os.copy_file_range``).
-
-    Returns False, having copied nothing, where the kernel or filesystem does not support it, or
-    the source has no descriptor (``src_fd`` None: an object store); the caller falls back to
-    reads and writes. Raises ``EOFError(offset)`` at a short source.
-    """
-    if src_fd is None or not hasattr(os, "copy_file_range"):
-        return False
-    done = 0
-    while done < nbytes:
-        if stop is not None and stop.is_set():
-            return True
-        step = min(nbytes - done, KERNEL_COPY_STEP_BYTES)
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, step, src_off + done, dst_off + done)
-        except OSError as e:
-            if e.errno in _NO_COPY_RANGE and done == 0:
-                log.debug("copy_file_range unavailable (%s); using pread/pwrite", e)
-                return False
-            raise
-        if n == 0:
-            raise EOFError(src_off + done)
-        done += n
-        on_progress(n)
-    return True
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
 
 
 def create_files(
@@ -282,7 +222,7 @@ def create_files(
         fd = os.open(os.path.join(out_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, f.size)
-            _pwrite_all(fd, memoryview(f.header), 0)
+            pwrite_all(fd, memoryview(f.header), 0)
         finally:
             os.close(fd)
 
@@ -436,58 +376,6 @@ def _execute_to_store(
     return ExecuteStats(written, chunks, kernel)
 
 
-class FileSyncer(Generic[K]):
-    """fsyncs finished output files on one thread while the copy threads go on, then reports
-    each (``on_done(key)``, e.g. to journal it): a copy thread never waits for the disk to
-    flush a file it just finished. At most ``max_pending`` files wait (each keeps a descriptor
-    open; :meth:`submit` blocks beyond that). :meth:`drain` waits for all and raises the first
-    error; call it before anything (a marker) relies on the files being durable.
-    """
-
-    def __init__(
-        self,
-        on_done: Callable[[K], None] | None = None,
-        *,
-        close: bool = True,
-        max_pending: int = SYNCS_PENDING,
-    ) -> None:
-        self._on_done = on_done
-        self._close = close
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
-        self._slots = threading.Semaphore(max_pending)
-        self._futures: list[Future[None]] = []
-        self._lock = threading.Lock()
-
-    def submit(self, key: K, fd: int) -> None:
-        """fsync ``fd`` (and close it, if the syncer owns it), then report ``key``."""
-        self._slots.acquire()
-        future = self._pool.submit(self._sync, key, fd)
-        with self._lock:
-            self._futures.append(future)
-
-    def _sync(self, key: K, fd: int) -> None:
-        try:
-            try:
-                os.fsync(fd)
-            finally:
-                if self._close:
-                    os.close(fd)
-            if self._on_done is not None:
-                self._on_done(key)
-        finally:
-            self._slots.release()
-
-    def drain(self) -> None:
-        with self._lock:
-            futures, self._futures = self._futures, []
-        for future in futures:
-            future.result()
-
-    def shutdown(self) -> None:
-        """Let the syncs in flight finish (after an error, too: they are whole files)."""
-        self._pool.shutdown(wait=True)
-
-
 class _FileCompletion:
     """Counts each file's chunks down as they are copied and hands a file to the syncer after
     its last one (files with no chunk, only a header, at once)."""
@@ -520,34 +408,3 @@ class _FileCompletion:
                 self._syncer.submit(f.name, self._fds[f.name])
 
         return run
-
-
-def run_all(
-    task: Callable[[T], None],
-    items: Sequence[T],
-    workers: int,
-    on_error: Callable[[], None],
-) -> None:
-    """Run ``task`` on every item, ``workers`` threads taking them in order from one FIFO queue.
-
-    On the first error (or Ctrl-C) ``on_error`` tells the running tasks to stop, the queued ones
-    are cancelled, and the error is re-raised once the running ones have returned.
-    """
-    if workers <= 1:
-        for item in items:
-            task(item)
-        return
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-copy")
-    futures: list[Future[Any]] = []
-    try:
-        futures = [pool.submit(task, item) for item in items]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for fut in done:
-            fut.result()  # re-raises the first failure
-    except BaseException:
-        on_error()
-        for fut in futures:
-            fut.cancel()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)

@@ -1,13 +1,15 @@
 """Reading tensor chunks and objects of a manifest.
 
 :func:`resolve_chunk` turns any chunk into its raw form (file, byte offset, strides), reading
-just the archive directory and pickle of a DCP item; byte movers (consolidate, verify) work from
-that. :func:`read_tensor` assembles a whole tensor with torch, for tests, diffs and small reads.
-:func:`read_object` decodes a non-tensor entry through the allowlist.
+just the archive directory and pickle of a DCP item; byte movers (consolidate, reshard, verify)
+work from that, and :class:`SourceCache` keeps those forms for a writer that meets a chunk more
+than once. :func:`read_tensor` assembles a whole tensor with torch, for tests, diffs and small
+reads. :func:`read_object` decodes a non-tensor entry through the allowlist.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +88,26 @@ def resolve_chunk(
         strides=None if ref.is_contiguous else ref.strides,
         crc32=rec.crc32 if whole_record else None,
     )
+
+
+class SourceCache:
+    """Raw locations of source chunks, resolved once (a DCP item's archive directory is read
+    once even when the chunk feeds several output pieces: the DCP writer's). Thread-safe."""
+
+    def __init__(self, reader: Reader, manifest: Manifest) -> None:
+        self._reader = reader
+        self._manifest = manifest
+        self._raw: dict[tuple[str, int], Chunk] = {}
+        self._lock = threading.Lock()
+
+    def raw(self, fqn: str, chunk: Chunk) -> Chunk:
+        key = (chunk.file, chunk.offset)
+        found = self._raw.get(key)
+        if found is None:
+            found = resolve_chunk(self._reader, self._manifest.tensors[fqn], chunk)
+            with self._lock:
+                self._raw[key] = found
+        return found
 
 
 def _chunk_tensor(reader: Reader, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:

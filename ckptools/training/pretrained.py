@@ -47,6 +47,7 @@ from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.core.sizes import parse_size
 from ckptools.engine.executor import create_files
+from ckptools.engine.runtime import pwrite_all
 from ckptools.errors import CkptError, UsageError
 from ckptools.io import storage
 from ckptools.io.staging import (
@@ -216,12 +217,6 @@ def _staging_dir(out: str) -> str:
     return tempfile.mkdtemp(prefix="ckptools-pretrained-", dir=base)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-
-
 def _write_share(
     plan: ConsolidationPlan, planner: DefaultSavePlanner, items: Sequence[WriteItem], tmp: str
 ) -> int:
@@ -255,13 +250,13 @@ def _write_share(
                             continue
                         if pending is not None:
                             s, d, k = pending
-                            _pwrite_all(
+                            pwrite_all(
                                 fds[f.name], mem[s * size : (s + k) * size], t.begin + d * size
                             )
                         pending = (src, dst, n)
                     if pending is not None:
                         s, d, k = pending
-                        _pwrite_all(fds[f.name], mem[s * size : (s + k) * size], t.begin + d * size)
+                        pwrite_all(fds[f.name], mem[s * size : (s + k) * size], t.begin + d * size)
                     written += len(mem)
         for fd in fds.values():
             os.fsync(fd)

@@ -334,7 +334,7 @@ def test_damage_found_by_one_rank_fails_every_rank(
 ) -> None:
     import ckptools
     from ckptools.collective import balance
-    from ckptools.engine.dcp_writer import plan_dcp
+    from ckptools.plan.dcp import plan_dcp
 
     p = produced("fsdp2", world_size=2, optimizer=True)
     src = tmp_path / "src"

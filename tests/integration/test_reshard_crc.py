@@ -15,11 +15,13 @@ import pytest
 
 import ckptools
 from ckptools.core.crc32 import crc32
+from ckptools.engine import crc_segments
 from ckptools.engine import dcp_writer as dcp_write
-from ckptools.engine.reader import resolve_chunk
+from ckptools.engine.reader import SourceCache, resolve_chunk
 from ckptools.errors import CkptError
 from ckptools.io.storage import LocalReader
 from ckptools.layouts.dcp import read_dcp
+from ckptools.plan.dcp import DcpPlan, plan_dcp
 from tests.conftest import Produced
 from tests.support.producers import flip_bit
 
@@ -27,10 +29,10 @@ from tests.support.producers import flip_bit
 def _segment_modes(src: str, world_size: int) -> Counter[str]:
     """How the writer would source each output range's CRC for ``src`` -> ``world_size``."""
     manifest = read_dcp(src)
-    plan = dcp_write.plan_dcp(manifest, world_size)
+    plan = plan_dcp(manifest, world_size)
     tasks = sorted([*plan.objects, *plan.tensors], key=lambda item: (item.rank, item.offset))
     with LocalReader(src) as reader:
-        segments, _ = dcp_write._plan_segments(tasks, dcp_write._SourceCache(reader, manifest))
+        segments, _ = crc_segments.resolve_segments(tasks, SourceCache(reader, manifest))
     return Counter(seg.mode for segs in segments.values() for seg in segs)
 
 
@@ -163,7 +165,7 @@ def test_rank_files_are_durable_before_metadata_and_fsync_errors_surface(
         if name.endswith(".distcp"):
             events.append(name)
 
-    def metadata(out_dir: str, plan: dcp_write.DcpPlan) -> None:
+    def metadata(out_dir: str, plan: DcpPlan) -> None:
         events.append(".metadata")
         real_metadata(out_dir, plan)
 

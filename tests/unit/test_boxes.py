@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ckptools.core.geometry import copy_runs, fsdp2_rows
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
-from ckptools.engine.dcp_writer import plan_dcp
+from ckptools.plan.dcp import plan_dcp
 
 
 def _global_index(

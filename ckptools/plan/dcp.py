@@ -1,0 +1,221 @@
+"""The pure plan of a DCP checkpoint laid out for a world size the way FSDP2 lays it out.
+
+Each tensor is split on dim 0 the way FSDP2 ``fully_shard`` splits it on N ranks
+(:func:`ckptools.core.geometry.fsdp2_rows`), rank r's pieces go to ``__r_0.distcp``; tensors
+that cannot be split (0-dim, or stored whole by a multi-rank source, i.e. replicated) and the
+single empty box that FSDP2 records for ranks without rows are stored once, on the least-loaded
+rank, as DCP's own deduplication does. Each piece is a ``torch.save`` archive whose bytes around
+the tensor data are computed by :func:`ckptools.formats.torch_archive.tensor_archive_layout`, so
+every item's size, and hence every byte offset, is known before anything is written. Each piece
+also lists the source chunks it meets (found by bisection on dim-0 offsets), so the writer
+(:func:`ckptools.engine.dcp_writer.write_dcp`) never searches.
+
+No disk, no threads, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptools.core.geometry import fsdp2_rows, intersect
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.errors import UsageError
+from ckptools.formats import torch_archive
+from ckptools.plan.safetensors import unique_chunks
+
+
+@dataclass(frozen=True, slots=True)
+class TensorItem:
+    """One output chunk: a box of ``fqn`` stored as a torch.save archive at ``offset``."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int
+    offset: int
+    length: int
+    sources: tuple[Chunk, ...]  # source chunks that intersect the box
+    source_fqn: str  # FQN of the source tensor (names may differ: shard adds a prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectItem:
+    """A non-tensor entry copied byte for byte from ``source`` into rank ``rank``'s file."""
+
+    fqn: str
+    rank: int
+    offset: int
+    length: int
+    source_file: str
+    source_offset: int
+
+
+@dataclass(frozen=True)
+class DcpPlan:
+    """Every item of every rank file, and what ``.metadata`` records about each tensor."""
+
+    world_size: int
+    tensors: tuple[TensorItem, ...]
+    objects: tuple[ObjectItem, ...]
+    file_sizes: tuple[int, ...]  # per rank
+    shapes: Mapping[str, tuple[str, tuple[int, ...]]]  # fqn -> (dtype, global shape)
+    paths: Mapping[str, tuple[str, ...]]  # fqn -> key path (DCP planner_data)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.file_sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        per_rank: list[dict[str, Any]] = [
+            {"file": file_name(r), "bytes": self.file_sizes[r], "tensors": 0, "objects": 0}
+            for r in range(self.world_size)
+        ]
+        for t in self.tensors:
+            per_rank[t.rank]["tensors"] += 1
+        for o in self.objects:
+            per_rank[o.rank]["objects"] += 1
+        return {
+            "world_size": self.world_size,
+            "files": per_rank,
+            "tensors": len(self.shapes),
+            "chunks": len(self.tensors),
+            "objects": len(self.objects),
+            "bytes": self.total_bytes,
+        }
+
+
+def file_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def _replicated_in_source(tensor: TensorEntry, source_world_size: int | None) -> bool:
+    """A tensor a multi-rank job stored whole (a buffer, or a param FSDP did not shard)."""
+    if not tensor.shape or source_world_size is None or source_world_size <= 1:
+        return not tensor.shape
+    boxes = {(c.offsets, c.sizes) for c in tensor.chunks if c.numel}
+    return len(boxes) == 1 and next(iter(boxes))[1] == tensor.shape and tensor.shape[0] > 1
+
+
+def plan_dcp(
+    manifest: Manifest,
+    world_size: int,
+    names: Mapping[str, str] | None = None,
+    paths: Mapping[str, tuple[str, ...]] | None = None,
+    *,
+    objects: Sequence[str] | None = None,
+) -> DcpPlan:
+    """Plan a DCP checkpoint for ``world_size`` ranks holding ``manifest``'s entries.
+
+    Args:
+        manifest: the source.
+        world_size: ranks of the target layout.
+        names: output FQN → source FQN for the tensors to write (default: all, same names).
+        paths: output FQN → key path for ``planner_data`` (default: the source's paths).
+        objects: source object FQNs to carry over (default: all).
+
+    Example:
+        >>> plan = plan_dcp(manifest, 8)                        # doctest: +SKIP
+        >>> plan.to_dict()["files"][0]["file"]                   # doctest: +SKIP
+        '__0_0.distcp'
+    """
+    if world_size < 1:
+        raise UsageError(f"world size must be at least 1, got {world_size}")
+    names = dict(names) if names is not None else {f: f for f in manifest.tensors}
+    packer = _Packer(world_size)
+    object_items: list[ObjectItem] = []
+    out_paths: dict[str, tuple[str, ...]] = {}
+    for fqn in objects if objects is not None else list(manifest.objects):
+        entry = manifest.objects[fqn]
+        if entry.file is None:
+            raise UsageError(
+                f"{fqn!r}: non-tensor values of {manifest.format} checkpoints cannot be carried "
+                "into DCP byte for byte"
+            )
+        rank = packer.least_loaded()
+        object_items.append(
+            ObjectItem(fqn, rank, packer.take(rank, entry.length), entry.length, entry.file,
+                       entry.offset)
+        )  # fmt: skip
+        out_paths[fqn] = manifest.paths.get(fqn, (fqn,))
+
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for out_fqn, src_fqn in names.items():
+        tensor = manifest.tensors[src_fqn]
+        shapes[out_fqn] = (tensor.dtype, tensor.shape)
+        out_paths[out_fqn] = (paths or {}).get(out_fqn) or manifest.paths.get(src_fqn, (out_fqn,))
+        _plan_tensor(packer, out_fqn, tensor, manifest.world_size)
+    return DcpPlan(
+        world_size, tuple(packer.items), tuple(object_items), tuple(packer.sizes), shapes, out_paths
+    )
+
+
+class _Packer:
+    """Appends items to the rank files, tracking each file's size (the next item's offset)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.sizes = [0] * world_size
+        self.items: list[TensorItem] = []
+
+    def least_loaded(self) -> int:
+        return min(range(len(self.sizes)), key=lambda r: self.sizes[r])
+
+    def take(self, rank: int, length: int) -> int:
+        offset = self.sizes[rank]
+        self.sizes[rank] += length
+        return offset
+
+
+class _Sources:
+    """A tensor's stored chunks, sorted on dim 0 so a box finds the ones it meets by bisection."""
+
+    def __init__(self, tensor: TensorEntry) -> None:
+        self.chunks = sorted(unique_chunks(tensor), key=lambda c: c.offsets)
+        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
+        self.max_rows = max((c.sizes[0] for c in self.chunks if c.sizes), default=0)
+
+    def meeting(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Chunk, ...]:
+        if math.prod(sizes) == 0:
+            return ()
+        if not offsets:
+            return tuple(self.chunks)
+        # Only chunks starting before the box ends, and no earlier than (box start - the tallest
+        # chunk), can meet it.
+        lo = bisect.bisect_left(self.starts, offsets[0] - self.max_rows)
+        hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
+        return tuple(c for c in self.chunks[lo:hi] if intersect(c.offsets, c.sizes, offsets, sizes))
+
+
+def _plan_tensor(
+    packer: _Packer, out_fqn: str, tensor: TensorEntry, source_world_size: int | None
+) -> None:
+    sources = _Sources(tensor)
+
+    def place(offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int) -> None:
+        length = torch_archive.tensor_archive_layout(tensor.dtype, sizes).length
+        packer.items.append(
+            TensorItem(
+                out_fqn, tensor.dtype, tensor.shape, offsets, sizes, rank,
+                packer.take(rank, length), length, sources.meeting(offsets, sizes), tensor.fqn,
+            )
+        )  # fmt: skip
+
+    shape = tensor.shape
+    if _replicated_in_source(tensor, source_world_size):
+        place((0,) * len(shape), shape, packer.least_loaded())
+        return
+    zeros = (0,) * (len(shape) - 1)
+    empty_placed = False
+    for rank, (start, n) in enumerate(fsdp2_rows(shape[0], len(packer.sizes))):
+        if n:
+            place((start, *zeros), (n, *shape[1:]), rank)
+        elif not empty_placed:
+            # Ranks without rows all record the same empty box at offset dim0; DCP's dedup
+            # keeps one copy, on the least-loaded rank.
+            place((shape[0], *zeros), (0, *shape[1:]), packer.least_loaded())
+            empty_placed = True
