@@ -29,6 +29,7 @@ from ckptools.engine.reader import SourceCache
 from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, Scratch, pwrite_all, run_all
 from ckptools.formats import torch_archive
 from ckptools.formats.dcp_metadata import ChunkMeta, ObjectMeta, TensorMeta, metadata_pickle
+from ckptools.io import storage
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader, is_url, open_reader
 from ckptools.plan.dcp import DcpPlan, ObjectItem, TensorItem, file_name
@@ -190,18 +191,8 @@ def write_metadata(out_dir: str, plan: DcpPlan) -> None:
     }
     objects = {o.fqn: ObjectMeta(file_name(o.rank), o.offset, o.length) for o in plan.objects}
     data = metadata_pickle(tensors, objects, plan.paths, str(uuid.uuid4()))
-    if is_url(out_dir):
-        # One PUT: the object appears whole or not at all, so no temporary name is needed.
-        from ckptools.io.staging import write_file_synced
-
-        write_file_synced(f"{out_dir.rstrip('/')}/{METADATA_FILE}", data)
-        return
-    tmp = os.path.join(out_dir, METADATA_FILE + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out_dir, METADATA_FILE))
+    # The commit syncs the directory once, after everything else is in it.
+    storage.write_atomic(storage.join(out_dir, METADATA_FILE), data, sync_dir=False)
 
 
 class _OutputFiles:
