@@ -51,7 +51,7 @@ def test_fsdp2_roundtrip_is_bit_exact(tmp_path: Path, optimizer: bool) -> None:
 
 def test_the_comparison_sees_what_a_load_did_not_restore() -> None:
     # Without a load, the fresh state differs in every byte and every value: all reported.
-    from ckptools.verify import _compare_state, _fresh_state
+    from ckptools.training.roundtrip import _compare_state, _fresh_state
 
     state = {
         "model": {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},

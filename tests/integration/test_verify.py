@@ -23,7 +23,8 @@ from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import CorruptCheckpointError
 from ckptools.io.storage import LocalReader
 from ckptools.layouts import read_manifest
-from ckptools.verify import BLOCK_BYTES_ENV, Finding, verify
+from ckptools.verify import Finding, verify
+from ckptools.verify.scan import BLOCK_BYTES_ENV
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 from tests.conftest import Produced
 from tests.support import producers

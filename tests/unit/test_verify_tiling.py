@@ -1,4 +1,4 @@
-"""``verify.tiling_problems``: exact tiling, checked against a brute-force cover count."""
+"""``geometry.tiling_problems``: exact tiling, checked against a brute-force cover count."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptools.core.manifest import Chunk, TensorEntry
-from ckptools.verify import Box, _tiling_findings, tiling_problems
+from ckptools.core.geometry import Box, tiling_problems
+from ckptools.verify.structure import tiling_findings
 
 
 def _cover_counts(shape: tuple[int, ...], boxes: list[Box]) -> np.ndarray:
@@ -125,7 +126,7 @@ def test_findings_name_tensor_chunk_rank_and_file() -> None:
         Chunk((0, 0), (3, 4), "__0_0.distcp", 0, 100, "torch_save", 0),
         Chunk((2, 0), (2, 4), "__1_0.distcp", 0, 100, "torch_save", 1),
     )
-    findings = _tiling_findings(TensorEntry("model.w", "float32", (4, 4), chunks))
+    findings = tiling_findings(TensorEntry("model.w", "float32", (4, 4), chunks))
     assert len(findings) == 1
     f = findings[0]
     assert (f.kind, f.fqn, f.rank, f.file, f.chunk) == (
@@ -136,5 +137,5 @@ def test_findings_name_tensor_chunk_rank_and_file() -> None:
         (2, 0),
     )
     assert "overlap" in f.message and "'model.w'" in f.message
-    gap = _tiling_findings(TensorEntry("model.v", "float32", (4, 4), chunks[:1]))
+    gap = tiling_findings(TensorEntry("model.v", "float32", (4, 4), chunks[:1]))
     assert "cover 12 of 16" in gap[0].message
