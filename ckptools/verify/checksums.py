@@ -199,10 +199,10 @@ def write_checksums(
     if manifest is not None:
         structure = check_structure(manifest)
         findings.extend(structure.findings)
-        content = scan.scan_content(
-            ranks, structure, check_finite=False, digests=True, block=block, workers=n_workers,
-            quiet=quiet or not ranks.is_root,
-        )  # fmt: skip
+        options = scan.ScanOptions(
+            digests=True, block=block, workers=n_workers, quiet=quiet or not ranks.is_root
+        )
+        content = scan.scan_content(ranks, structure, options)
         findings.extend(content.findings)
         digests = content.digests
     if findings:

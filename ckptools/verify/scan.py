@@ -50,6 +50,25 @@ def resolve_block_bytes() -> int:
     return max(64, value - value % 64)
 
 
+@dataclass(frozen=True)
+class ScanOptions:
+    """What a content scan checks and computes, and with what.
+
+    Attributes:
+        check_finite: count NaN and Inf per floating tensor.
+        digests: hash every item and every whole file (:mod:`ckptools.verify.digests`).
+        block: bytes per read (:func:`resolve_block_bytes`).
+        workers: files read in parallel.
+        quiet: no progress bar.
+    """
+
+    check_finite: bool = False
+    digests: bool = False
+    block: int = DEFAULT_BLOCK_BYTES
+    workers: int = 1
+    quiet: bool = False
+
+
 class _Sink:
     """Receives consecutive slices of one byte range; the base class only has them read (a raw
     safetensors chunk has no checksum of its own, but an unreadable sector must still show)."""
@@ -156,19 +175,11 @@ class _FileResult:
 class _Scanner:
     """Shared state of one content check."""
 
-    def __init__(
-        self,
-        reader: Reader,
-        *,
-        check_finite: bool,
-        digests: bool,
-        block: int,
-        progress: Any,
-    ) -> None:
+    def __init__(self, reader: Reader, options: ScanOptions, progress: Any) -> None:
         self.reader = reader
-        self.check_finite = check_finite
-        self.digests = digests
-        self.block = block
+        self.check_finite = options.check_finite
+        self.digests = options.digests
+        self.block = options.block
         self.progress = progress
         self._local = threading.local()
 
@@ -445,65 +456,63 @@ class _Scanner:
                 file_hasher.update(p[2].digest)
 
 
-def _scan(
-    root: str,
-    files: dict[str, list[Item]],
-    sizes: dict[str, int],
-    whole: set[str],
-    check_finite: bool,
-    digests: bool,
-    block: int,
-    workers: int,
-    quiet: bool,
-) -> tuple[list[tuple[str, _FileResult]], int]:
+@dataclass(frozen=True)
+class _Work:
+    """What one scan reads: the items of each file, every file's size, the files hashed whole."""
+
+    root: str
+    files: dict[str, list[Item]]
+    sizes: dict[str, int]
+    whole: set[str]
+
+    def order(self) -> list[str]:
+        return sorted(self.files, key=lambda rel: -self.sizes.get(rel, 0))  # biggest first
+
+    def share(self, ranks: collective.Ranks) -> _Work:
+        """This rank's share of the files, balanced by bytes."""
+        names = list(self.files)
+        mine = ranks.mine([self.sizes.get(n, 0) for n in names])
+        files = {names[i]: self.files[names[i]] for i in mine}
+        return _Work(self.root, files, self.sizes, self.whole)
+
+
+def _scan(work: _Work, options: ScanOptions) -> tuple[list[tuple[str, _FileResult]], int]:
+    """Scan every file of ``work``, ``options.workers`` at a time, biggest first (even finish)."""
     from ckptools.io.progress import ByteProgress
 
-    order = sorted(files, key=lambda rel: -sizes.get(rel, 0))  # biggest first: even finish
-    total = sum(sizes.get(rel, 0) for rel in order)
-    with open_reader(root) as reader, ByteProgress(total, "verify", quiet=quiet) as bar:
-        scanner = _Scanner(
-            reader, check_finite=check_finite, digests=digests, block=block, progress=bar
-        )
+    order = work.order()
+    total = sum(work.sizes.get(rel, 0) for rel in order)
+    with (
+        open_reader(work.root) as reader,
+        ByteProgress(total, "verify", quiet=options.quiet) as bar,
+    ):
+        scanner = _Scanner(reader, options, bar)
 
         def one(rel: str) -> tuple[str, _FileResult]:
-            return rel, scanner.scan_file(rel, files[rel], sizes[rel], rel in whole)
+            return rel, scanner.scan_file(rel, work.files[rel], work.sizes[rel], rel in work.whole)
 
-        if workers == 1 or len(order) <= 1:
+        if options.workers == 1 or len(order) <= 1:
             results = [one(rel) for rel in order]
         else:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-verify") as ex:
+            with ThreadPoolExecutor(options.workers, thread_name_prefix="ckpt-verify") as ex:
                 results = list(ex.map(one, order))
     return results, sum(r.bytes_read for _, r in results)
 
 
 def _scan_shared(
-    ranks: collective.Ranks,
-    root: str,
-    files: dict[str, list[Item]],
-    sizes: dict[str, int],
-    whole: set[str],
-    check_finite: bool,
-    digests: bool,
-    block: int,
-    workers: int,
-    quiet: bool,
+    ranks: collective.Ranks, work: _Work, options: ScanOptions
 ) -> tuple[list[tuple[str, _FileResult]], int]:
-    """:func:`_scan` of this rank's share of the files (balanced by bytes); every rank gets the
-    results of all files in :func:`_scan`'s own order, so the report is one process's.
+    """:func:`_scan` of this rank's share of the files; every rank gets the results of all
+    files in :func:`_scan`'s own order, so the report is one process's.
 
     Collective when ``ranks.world_size`` > 1: every rank calls it (one all-gather).
     """
     if ranks.world_size == 1:
-        return _scan(root, files, sizes, whole, check_finite, digests, block, workers, quiet)
-    names = list(files)
-    share = {names[i]: files[names[i]] for i in ranks.mine([sizes.get(n, 0) for n in names])}
-    parts = ranks.from_all(
-        lambda: _scan(root, share, sizes, whole, check_finite, digests, block, workers, quiet),
-        "verify",
-    )
+        return _scan(work, options)
+    mine = work.share(ranks)
+    parts = ranks.from_all(lambda: _scan(mine, options), "verify")
     by_file = {rel: res for results, _ in parts for rel, res in results}
-    order = sorted(files, key=lambda rel: -sizes.get(rel, 0))  # as _scan orders them
-    return [(rel, by_file[rel]) for rel in order], sum(n for _, n in parts)
+    return [(rel, by_file[rel]) for rel in work.order()], sum(n for _, n in parts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -520,18 +529,9 @@ class Content:
     bytes_read: int
 
 
-def scan_content(
-    ranks: collective.Ranks,
-    structure: Structure,
-    *,
-    check_finite: bool,
-    digests: bool,
-    block: int,
-    workers: int,
-    quiet: bool,
-) -> Content:
-    """Read every readable item of a checked checkpoint once; with ``digests``, hash every item
-    and every whole file (data files and commit markers).
+def scan_content(ranks: collective.Ranks, structure: Structure, options: ScanOptions) -> Content:
+    """Read every readable item of a checked checkpoint once; with ``options.digests``, hash
+    every item and every whole file (data files and commit markers).
 
     Collective when ``ranks.world_size`` > 1 (:func:`_scan_shared`); every rank gets the same.
     """
@@ -548,7 +548,7 @@ def scan_content(
     # the commit markers.
     whole = {rel for rel in manifest.files if rel in sizes}
     whole -= {i.file for i in structure.items if id(i) in structure.unreadable}
-    if digests:
+    if options.digests:
         for marker in manifest.markers:
             if marker in sizes or storage.exists(storage.join(root, marker)):
                 sizes.setdefault(marker, storage.size(storage.join(root, marker)))
@@ -556,14 +556,12 @@ def scan_content(
                 files.setdefault(marker, [])
     for rel in whole:
         files.setdefault(rel, [])
-    results, bytes_read = _scan_shared(
-        ranks, root, files, sizes, whole if digests else set(), check_finite, digests, block,
-        workers, quiet,
-    )  # fmt: skip
+    work = _Work(root, files, sizes, whole if options.digests else set())
+    results, bytes_read = _scan_shared(ranks, work, options)
     findings = [f for _, res in results for f in res.findings]
     findings.extend(_nonfinite_findings(manifest.tensors, [res for _, res in results]))
     found = None
-    if digests:
+    if options.digests:
         found = Digests({}, {})
         for rel, res in results:
             found.items.update(res.item_digests)

@@ -91,10 +91,11 @@ def verify(
     findings.extend(sum_findings)
     bytes_read = 0
     if not quick:
-        content = scan.scan_content(
-            ranks, structure, check_finite=check_finite, digests=sums is not None, block=block,
-            workers=n_workers, quiet=quiet or not ranks.is_root,
+        options = scan.ScanOptions(
+            check_finite=check_finite, digests=sums is not None, block=block, workers=n_workers,
+            quiet=quiet or not ranks.is_root,
         )  # fmt: skip
+        content = scan.scan_content(ranks, structure, options)
         findings.extend(content.findings)
         bytes_read = content.bytes_read
         if sums is not None and content.digests is not None:
