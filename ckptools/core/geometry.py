@@ -201,8 +201,11 @@ def tiling_problems(shape: Sequence[int], boxes: Iterable[Box]) -> list[TilingPr
     are checked to lie inside the shape, then ignored. Exact at any count and linear in it when
     the boxes tile (:func:`_covers_exactly`, whose work runs in C loops over columns of
     offsets); only a failing check looks for a pair of overlapping boxes to name
-    (:func:`_first_overlap`, ``O(n log n)`` for grid and dim-0 shardings). Measured on one
-    core: 1M dim-0 chunks in ~1 s, a 1000 x 1000 grid in ~2 s.
+    (:func:`_first_overlap`, ``O(n log n)`` for grid and dim-0 shardings). Measured (CPU
+    time, best of 3, on the dev box): 100k dim-0 chunks 0.08 s, 1M 1.5 s, a 1000 x 1000 grid
+    1.6 s; ``unique_chunks`` over 1,000 tensors of 1,024 chunks (FSDP2 at 1,024 ranks) 1.05 s.
+    The two checks this one replaced took 2.5x as long, and consolidate's skipped overlaps
+    above 256 chunks per tensor.
 
     Example:
         >>> tiling_problems((4, 2), [((0, 0), (2, 2)), ((2, 0), (2, 2))])
