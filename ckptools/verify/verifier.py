@@ -100,6 +100,7 @@ def verify(
         bytes_read = content.bytes_read
         if sums is not None and content.digests is not None:
             findings.extend(checksums.compare_checksums(sums, content.digests, structure.items))
+    diff_report = _diff(ranks, path, against, atol, rtol, format)
     return VerifyReport(
         path=path,
         format=manifest.format,
@@ -114,7 +115,7 @@ def verify(
         seconds=time.perf_counter() - t0,
         checksum_file=checksums.checksum_path(manifest),
         checksums_checked=sums is not None and not quick,
-        diff=_diff(ranks, path, against, atol, rtol, format),
+        diff=diff_report,
     )
 
 
