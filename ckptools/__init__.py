@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from ckptools.reshard import ReshardResult, reshard, shard
     from ckptools.training.manager import CheckpointManager
     from ckptools.training.pretrained import save_pretrained
+    from ckptools.training.roundtrip import verify_roundtrip
     from ckptools.training.state import load, save
-    from ckptools.verify import VerifyReport, verify, verify_roundtrip
+    from ckptools.verify import VerifyReport, verify
 
 __all__ = [
     "CheckpointManager",
@@ -79,7 +80,7 @@ _LAZY = {
     "save": "training.state",
     "VerifyReport": "verify",
     "verify": "verify",
-    "verify_roundtrip": "verify",
+    "verify_roundtrip": "training.roundtrip",
 }
 
 

@@ -31,7 +31,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from ckptools.errors import CkptError, UsageError
@@ -84,6 +84,16 @@ def current(distributed: bool = True) -> Ranks:
     return Ranks()
 
 
+def of_group(group: Any | None) -> Ranks:
+    """This process's place in ``group`` (None: the default group) of the initialised process
+    group; one process when none is initialised. For code that a training job's ranks call with
+    their own group (``verify_roundtrip``); unlike :func:`current` it never initialises one."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return Ranks()
+    return Ranks(int(dist.get_rank(group)), int(dist.get_world_size(group)), group)
+
+
 def reports_here() -> bool:
     """Whether this process prints the result: False only on the non-zero ranks of a job.
 
@@ -126,6 +136,8 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
+    #: the torch process group the ranks belong to; None: the default group (the world)
+    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_root(self) -> bool:
@@ -154,7 +166,8 @@ class Ranks:
             except Exception as e:  # handed to the other ranks, then re-raised below
                 failure = e
                 box = [None, _describe(e)]
-        dist.broadcast_object_list(box, src=0)
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(box, src=src, group=self.group)
         if failure is not None:
             raise failure
         if box[1] is not None:
@@ -180,7 +193,7 @@ class Ranks:
             failure = e
             mine = [None, _describe(e, self.rank)]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.group)
         if failure is not None:
             raise failure
         failures = [g[1] for g in gathered if g[1] is not None]

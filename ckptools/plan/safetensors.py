@@ -5,31 +5,34 @@ export, and returns a frozen :class:`ConsolidationPlan`: the output files, each 
 safetensors header (as bytes) and, for every tensor, its byte range in the file and the source
 chunks that tile it. It does no I/O and imports no torch, so ``--dry-run`` can print it and
 property tests can check it. Cost is linear in the number of chunks; per-row work (a chunk sharded
-on dim 1 lands as one run per row) is left to :func:`runs`, which the executor calls per chunk.
+on dim 1 lands as one run per row) is left to :func:`ckptools.core.geometry.tensor_runs`, which the
+executor calls per chunk.
 
 Source byte locations of DCP chunks are only known after reading each item's archive directory
 (:func:`ckptools.engine.reader.resolve_chunk`), which is I/O, so the plan names chunks and the
-executor resolves them; :func:`runs` then maps a chunk's (contiguous) elements to output elements.
+executor resolves them; :func:`~ckptools.core.geometry.tensor_runs` then maps a chunk's (contiguous)
+elements to output elements.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ckptools.core import dtypes
+from ckptools.core.geometry import Box, tensor_runs, tiling_problems
+from ckptools.core.geometry import chunk_span as chunk_span
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 
+#: The names the executor and ``save_pretrained`` place chunks with; the geometry (one runs
+#: function, one span) lives in :mod:`ckptools.core.geometry`.
+runs = tensor_runs
+
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-# Above this many chunks per tensor an exact pairwise overlap check would be quadratic; such
-# tensors are sharded along one dim in practice, which gets an exact linear check instead.
-_PAIRWISE_OVERLAP_CHECK_MAX_CHUNKS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,61 +154,29 @@ def header_bytes(entries: Sequence[tuple[str, str, tuple[int, ...], int, int]]) 
 
 
 def unique_chunks(tensor: TensorEntry) -> tuple[Chunk, ...]:
-    """The chunks of ``tensor`` with replicas removed, checked to tile its shape exactly.
+    """The non-empty chunks of ``tensor``, replicas removed, checked to tile its shape exactly.
+
+    The check is :func:`ckptools.core.geometry.tiling_problems`, the one verify reports from,
+    so consolidate, reshard and verify agree on which checkpoints are whole.
 
     Raises:
         CorruptCheckpointError: a chunk lies outside the shape, chunks overlap, or leave a gap.
     """
-    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
-    for c in tensor.chunks:
-        if c.numel == 0:
-            continue
-        box = (c.offsets, c.sizes)
-        if box not in seen:
-            seen[box] = c
-    chunks = tuple(seen.values())
-    shape = tensor.shape
-    for c in chunks:
-        if len(c.offsets) != len(shape) or any(
-            o < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)
-        ):
-            raise CorruptCheckpointError(
-                f"{tensor.fqn!r}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies outside "
-                f"the tensor's shape {list(shape)}",
-                fqn=tensor.fqn,
-                rank=c.rank,
-            )
-    covered = sum(c.numel for c in chunks)
-    if covered != math.prod(shape) or _overlap(chunks, shape):
+    seen: dict[Box, Chunk] = {}
+    for c in tensor.chunks:  # the first replica of each box is the one read
+        seen.setdefault((c.offsets, c.sizes), c)
+    problems = tiling_problems(tensor.shape, seen)
+    if problems:
+        p = problems[0]
+        chunk = seen.get(p.box) if p.box is not None else None
+        more = f" ({len(problems)} problems)" if len(problems) > 1 else ""
         raise CorruptCheckpointError(
-            f"{tensor.fqn!r}: stored chunks do not tile its shape {list(shape)} (they cover "
-            f"{covered} of {math.prod(shape)} elements, with overlaps or gaps); the checkpoint "
-            "is incomplete or its metadata is damaged",
+            f"{tensor.fqn!r}: stored chunks do not tile its shape {list(tensor.shape)}: "
+            f"{p.describe()}{more}; the checkpoint is incomplete or its metadata is damaged",
             fqn=tensor.fqn,
+            rank=chunk.rank if chunk is not None else None,
         )
-    return chunks
-
-
-def _overlap(chunks: Sequence[Chunk], shape: tuple[int, ...]) -> bool:
-    """Whether any two boxes overlap (with equal total size, an overlap implies a gap)."""
-    if len(chunks) < 2:
-        return False
-    split = {
-        d for c in chunks for d, (s, n) in enumerate(zip(c.sizes, shape, strict=True)) if s != n
-    }
-    if len(split) == 1:
-        d = split.pop()
-        spans = sorted((c.offsets[d], c.offsets[d] + c.sizes[d]) for c in chunks)
-        return any(a[1] > b[0] for a, b in itertools.pairwise(spans))
-    if len(chunks) > _PAIRWISE_OVERLAP_CHECK_MAX_CHUNKS:
-        return False  # the element count check above still catches gaps
-    for a, b in itertools.combinations(chunks, 2):
-        if all(
-            ao < bo + bs and bo < ao + as_
-            for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-        ):
-            return True
-    return False
+    return tuple(c for c in seen.values() if c.numel)
 
 
 def shard_groups(sizes: Sequence[int], max_shard_size: int) -> list[list[int]]:
@@ -301,53 +272,3 @@ def plan_consolidation(
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return ConsolidationPlan(tuple(files), index, total)
-
-
-def runs(
-    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
-) -> Iterator[tuple[int, int, int]]:
-    """Map a row-major chunk (a box of a row-major tensor) to runs of contiguous elements.
-
-    Yields ``(src, dst, n)``: ``n`` elements at element ``src`` of the chunk land at element
-    ``dst`` of the tensor. Runs come in increasing ``src`` order and are adjacent in the chunk, so
-    a reader can stream the chunk once. A chunk that spans full trailing dims lands as one run
-    (dim-0 sharding); a chunk sharded on dim 1 lands as one run per row.
-
-    Example:
-        >>> list(runs((4, 6), (0, 3), (2, 3)))
-        [(0, 3, 3), (3, 9, 3)]
-    """
-    ndim = len(shape)
-    if ndim == 0:
-        yield (0, 0, 1)
-        return
-    if math.prod(sizes) == 0:
-        return
-    k = ndim - 1
-    while k > 0 and sizes[k] == shape[k]:
-        k -= 1
-    run = math.prod(sizes[k:])
-    gstrides = [math.prod(shape[j + 1 :]) for j in range(ndim)]
-    base = sum(o * s for o, s in zip(offsets, gstrides, strict=True))
-    src = 0
-    for idx in itertools.product(*(range(sizes[j]) for j in range(k))):
-        dst = base + sum(i * gstrides[j] for j, i in enumerate(idx))
-        yield (src, dst, run)
-        src += run
-
-
-def chunk_span(
-    shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]
-) -> tuple[int, int]:
-    """``[start, end)`` elements of the tensor between a chunk's first and last element.
-
-    Example:
-        >>> chunk_span((4, 6), (0, 3), (2, 3))
-        (3, 12)
-    """
-    if math.prod(sizes) == 0:
-        return (0, 0)
-    gstrides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
-    start = sum(o * g for o, g in zip(offsets, gstrides, strict=True))
-    last = sum((o + s - 1) * g for o, s, g in zip(offsets, sizes, gstrides, strict=True))
-    return (start, last + 1)

@@ -23,7 +23,9 @@ earlier one): every byte of the file still influences it, yet each byte is hashe
 and checking checksums costs one hash pass over the data, not two.
 
 ``ckpt checksum PATH`` (:func:`write_checksums`) writes the file atomically after checking the
-checkpoint's structure and CRCs, so it never records the hashes of already-damaged data.
+checkpoint's structure and CRCs, so it never records the hashes of already-damaged data: it runs
+the structure check and the content scan itself (the scan returns the digests as data);
+:func:`compare_checksums` is how :func:`ckptools.verify` holds a checkpoint against the file.
 
 Example:
     >>> from ckptools.verify.checksums import write_checksums
@@ -42,31 +44,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
-from ckptools import collective
+from ckptools import collective, tunables
 from ckptools.core.manifest import Manifest
 from ckptools.errors import CorruptCheckpointError
 from ckptools.io import storage
+from ckptools.verify import scan
+from ckptools.verify.digests import ALGORITHM, Digests, FileSum, ItemKey, ItemSum
+from ckptools.verify.report import Finding
+from ckptools.verify.structure import Item, check_structure, read
 
 CHECKSUM_FILE = ".ckptools-checksums.json"
 FORMAT_NAME = "ckptools-checksums"
 FORMAT_VERSION = 1
-#: XXH3-128 (the ``xxhash`` package): ~20 GB/s per core, against ~0.9 GB/s for BLAKE2b, so a
-#: manifest costs a save or a verify almost nothing beyond reading the bytes. It detects
-#: corruption and swapped data; it is not a defence against a deliberate forger.
-ALGORITHM = "xxh3-128"
-#: 16 bytes: collisions among a checkpoint's millions of chunks stay out of reach (2^-64 by the
-#: birthday bound at 2^32 chunks), and the digest stays small in the JSON.
-DIGEST_BYTES = 16
-
-#: An item key: (FQN, chunk offsets) for a tensor chunk, (FQN, None) for a DCP object.
-ItemKey = tuple[str, tuple[int, ...] | None]
-
-
-def new_hasher() -> Any:
-    """The hash every digest in the manifest uses."""
-    return xxhash.xxh3_128()
 
 
 def checksum_path(manifest: Manifest) -> str:
@@ -74,20 +63,6 @@ def checksum_path(manifest: Manifest) -> str:
     if storage.isdir(manifest.root):
         return storage.join(manifest.root, CHECKSUM_FILE)
     return manifest.root + CHECKSUM_FILE
-
-
-@dataclass(frozen=True)
-class ItemSum:
-    file: str
-    offset: int
-    length: int
-    digest: str
-
-
-@dataclass(frozen=True)
-class FileSum:
-    size: int
-    digest: str
 
 
 @dataclass(frozen=True)
@@ -216,29 +191,154 @@ def write_checksums(
         >>> len(sums.items)  # doctest: +SKIP
         84
     """
-    from ckptools.verify import verify
-
-    report = verify(
-        path, format=format, workers=workers, quiet=quiet, distributed=distributed,
-        _collect_digests=True,
-    )  # fmt: skip
-    problems = [f for f in report.findings if f.kind != "checksum"]
-    if problems:
-        raise CorruptCheckpointError(
-            f"{path}: not writing checksums of a damaged checkpoint: {problems[0].message} "
-            f"({len(problems)} problem(s); run `ckpt verify {path}` to see them all)",
-            path=problems[0].file,
-            fqn=problems[0].fqn,
-            rank=problems[0].rank,
+    n_workers = tunables.workers(workers)
+    block = scan.resolve_block_bytes()
+    ranks = collective.current(distributed)
+    manifest, findings = read(path, format)
+    digests = None
+    if manifest is not None:
+        structure = check_structure(manifest)
+        findings.extend(structure.findings)
+        options = scan.ScanOptions(
+            digests=True, block=block, workers=n_workers, quiet=quiet or not ranks.is_root
         )
-    assert report.digests is not None
+        content = scan.scan_content(ranks, structure, options)
+        findings.extend(content.findings)
+        digests = content.digests
+    if findings:
+        first = findings[0]
+        raise CorruptCheckpointError(
+            f"{path}: not writing checksums of a damaged checkpoint: {first.message} "
+            f"({len(findings)} problem(s); run `ckpt verify {path}` to see them all)",
+            path=first.file,
+            fqn=first.fqn,
+            rank=first.rank,
+        )
+    assert manifest is not None and digests is not None  # no finding: read and scanned
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     sums = Checksums(
-        path=report.checksum_file or path,
-        items=report.digests.items,
-        files=report.digests.files,
+        path=checksum_path(manifest),
+        items=digests.items,
+        files=digests.files,
         created=now,
-        extra={"layout": report.layout},
+        extra={"layout": manifest.layout},
     )
-    collective.current(distributed).from_root(lambda: save_checksums(sums), "checksum")
+    ranks.from_root(lambda: save_checksums(sums), "checksum")
     return sums
+
+
+def load_for_verify(
+    manifest: Manifest, sizes: Mapping[str, int], root: str
+) -> tuple[Checksums | None, list[Finding]]:
+    """The checksum manifest of ``manifest``'s checkpoint, if it has one, and the findings that
+    need no data: the file is unusable, or a file's size differs from the recorded one."""
+    path = checksum_path(manifest)
+    if not storage.exists(path):
+        return None, []
+    try:
+        sums = load_checksums(path)
+    except CorruptCheckpointError as e:
+        return None, [Finding("checksum", e.message, CHECKSUM_FILE)]
+    return sums, [
+        Finding(
+            "checksum",
+            f"{storage.join(root, rel)}: {sizes[rel]} bytes, but the checksum manifest recorded "
+            f"{rec.size}",
+            rel,
+        )
+        for rel, rec in sums.files.items()
+        if rel in sizes and sizes[rel] != rec.size
+    ]
+
+
+def compare_checksums(sums: Checksums, digests: Digests, items: list[Item]) -> list[Finding]:
+    """A finding for every item and file whose digest differs from ``sums``, or that one side
+    records and the other does not (items not read, in missing or short files, are skipped:
+    the structure check reports those)."""
+    checked_files = set(digests.files)
+    out: list[Finding] = []
+    by_key = {i.key: i for i in items}
+    item_files_bad: set[str] = set()
+    for key, rec in sums.items.items():
+        item = by_key.get(key)
+        cur = digests.items.get(key)
+        label = item.where() if item is not None else repr(key[0])
+        chunk_at = key[1]
+        if item is None:
+            out.append(
+                Finding(
+                    "checksum",
+                    f"{sums.path}: records {label}"
+                    + (f" chunk at {list(chunk_at)}" if chunk_at else "")
+                    + ", which the checkpoint no longer holds",
+                    rec.file,
+                    key[0],
+                    None,
+                    chunk_at,
+                )
+            )
+            continue
+        if cur is None:
+            continue  # not read (its file is missing or short): reported already
+        if (cur.file, cur.offset, cur.length) != (rec.file, rec.offset, rec.length):
+            item_files_bad.add(cur.file)
+            out.append(
+                Finding(
+                    "checksum",
+                    f"{os.path.join(os.path.dirname(sums.path), cur.file)}: {label} is stored at "
+                    f"bytes {cur.offset}..{cur.offset + cur.length} of {cur.file}, but the "
+                    f"checksum manifest recorded {rec.offset}..{rec.offset + rec.length} of "
+                    f"{rec.file}: the metadata changed since `ckpt checksum`",
+                    cur.file,
+                    key[0],
+                    item.rank,
+                    chunk_at,
+                )
+            )
+        elif cur.digest != rec.digest:
+            item_files_bad.add(cur.file)
+            out.append(
+                Finding(
+                    "checksum",
+                    f"{os.path.join(os.path.dirname(sums.path), cur.file)}: the bytes of {label} "
+                    f"(bytes {cur.offset}..{cur.offset + cur.length}) do not match the checksum "
+                    f"manifest ({cur.digest} != {rec.digest}): they changed since `ckpt "
+                    "checksum`, or another chunk's bytes were put in their place",
+                    cur.file,
+                    key[0],
+                    item.rank,
+                    chunk_at,
+                )
+            )
+    for key, item in by_key.items():
+        if key not in sums.items and key in digests.items:
+            out.append(
+                Finding(
+                    "checksum",
+                    f"{sums.path}: has no checksum for {item.where()}; it was written for another "
+                    "version of this checkpoint: rewrite it with `ckpt checksum`",
+                    item.file,
+                    item.fqn,
+                    item.rank,
+                    key[1],
+                )
+            )
+    for rel, frec in sums.files.items():
+        cur_file = digests.files.get(rel)
+        if rel not in checked_files or rel in item_files_bad:
+            continue  # missing or short files are reported by the structure check
+        if cur_file is None:
+            out.append(
+                Finding("checksum", f"{sums.path}: records file {rel}, which is not read", rel)
+            )
+        elif cur_file.size != frec.size or cur_file.digest != frec.digest:
+            out.append(
+                Finding(
+                    "checksum",
+                    f"{os.path.join(os.path.dirname(sums.path), rel)}: file differs from the "
+                    f"checksum manifest (size {cur_file.size} vs {frec.size}, digest "
+                    f"{cur_file.digest} vs {frec.digest}) outside any chunk's bytes",
+                    rel,
+                )
+            )
+    return out

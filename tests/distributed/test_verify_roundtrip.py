@@ -49,9 +49,35 @@ def test_fsdp2_roundtrip_is_bit_exact(tmp_path: Path, optimizer: bool) -> None:
     assert os.path.exists(os.path.join(path, ".metadata"))
 
 
+def _roundtrip_in_a_subgroup(rank: int, world_size: int, path: str) -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    import ckptools
+
+    group = dist.new_group([1, 2])  # every rank creates it; only its members use it
+    if rank not in (1, 2):
+        return None
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return ckptools.verify_roundtrip(model, opt, path, process_group=group).to_dict()
+
+
+def test_a_process_group_of_some_ranks(tmp_path: Path) -> None:
+    # The group's rank 0 (global rank 1) verifies the files; its findings reach global rank 2.
+    path = str(tmp_path / "roundtrip")
+    reports = run_ranks(_roundtrip_in_a_subgroup, 3, path, timeout=180.0)
+    assert reports[0] is None
+    for group_rank, r in enumerate(reports[1:]):
+        assert (r["rank"], r["world_size"]) == (group_rank, 2)
+        assert r["ok"], (r["mismatches"], r["findings"])
+        assert r["tensors"] == 2
+    assert os.path.exists(os.path.join(path, ".metadata"))
+
+
 def test_the_comparison_sees_what_a_load_did_not_restore() -> None:
     # Without a load, the fresh state differs in every byte and every value: all reported.
-    from ckptools.verify import _compare_state, _fresh_state
+    from ckptools.training.roundtrip import _compare_state, _fresh_state
 
     state = {
         "model": {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},

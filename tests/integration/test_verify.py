@@ -23,8 +23,9 @@ from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import CorruptCheckpointError
 from ckptools.io.storage import LocalReader
 from ckptools.layouts import read_manifest
-from ckptools.verify import BLOCK_BYTES_ENV, Finding, verify
+from ckptools.verify import Finding, verify
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
+from ckptools.verify.scan import BLOCK_BYTES_ENV
 from tests.conftest import Produced
 from tests.support import producers
 
@@ -320,6 +321,29 @@ def test_checksum_refuses_a_damaged_checkpoint(
     assert code == 1 and out.startswith("error: ") and "model.dtypes.float32" in out
 
 
+def test_checksum_runs_the_scanner_itself(
+    produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # write_checksums checks and hashes through the structure check and the scanner, which
+    # return digests as data: no hidden mode of verify(), no digests on the public report.
+    import dataclasses
+    import importlib
+
+    from ckptools.verify import VerifyReport, verifier
+
+    def no_verify(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("write_checksums must not call verify()")
+
+    monkeypatch.setattr(verifier, "verify", no_verify)
+    monkeypatch.setattr(importlib.import_module("ckptools.verify"), "verify", no_verify)
+    ckpt = _copy(produced("single"), tmp_path)
+    sums = write_checksums(str(ckpt), quiet=True)
+    assert sums.items and sums.files and sums.extra == {"layout": read_manifest(str(ckpt)).layout}
+    monkeypatch.undo()
+    assert verify(str(ckpt), quiet=True).checksums_checked
+    assert "digests" not in {f.name for f in dataclasses.fields(VerifyReport)}
+
+
 def test_changed_file_outside_chunks_and_stale_manifest(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
@@ -402,3 +426,86 @@ def test_malicious_object_never_runs(tmp_path: Path, how: str) -> None:
     code, _ = _cli(["verify", ckpt, "--against", ckpt])
     assert code == 0
     assert not os.path.exists(sentinel)
+
+
+# --------------------------------------------------------------------------------------------------
+# One tiling check: consolidate, reshard and verify agree
+# --------------------------------------------------------------------------------------------------
+
+
+def _grid_boxes(overlap: bool) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """300 boxes of 2 x 2 tiling (30, 40) on both dims; with ``overlap``, the first grows into the
+    second, which shrinks: the element count still adds up, but column 2 is covered twice and
+    column 3 not at all."""
+    boxes = [((2 * i, 2 * j), (2, 2)) for i in range(15) for j in range(20)]
+    if overlap:
+        boxes[0] = ((0, 0), (2, 3))
+        boxes[1] = ((0, 2), (2, 1))
+    return boxes
+
+
+def _dcp_of_boxes(path: Path, fqn: str, boxes: list[Any]) -> torch.Tensor:
+    """A real DCP checkpoint whose tensor ``fqn`` is stored as ``boxes`` (each a torch.save item
+    of that box of the reference tensor): torch saves one tensor per box, then the metadata is
+    rewritten to describe them as chunks of one tensor, as a 2-D sharding would."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    full = torch.arange(30 * 40, dtype=torch.float32).reshape(30, 40)
+    pieces = {
+        f"p{k}": full[o[0] : o[0] + s[0], o[1] : o[1] + s[1]].clone()
+        for k, (o, s) in enumerate(boxes)
+    }
+    dcp.save(pieces, checkpoint_id=str(path))
+    meta = pickle.loads((path / ".metadata").read_bytes())
+    storage = {
+        MetadataIndex(fqn, torch.Size(o), 0): meta.storage_data[
+            MetadataIndex(f"p{k}", torch.Size([0, 0]), 0)
+        ]
+        for k, (o, _) in enumerate(boxes)
+    }
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+    tensor = TensorStorageMetadata(meta.state_dict_metadata["p0"].properties, full.shape, chunks)
+    rewritten = Metadata({fqn: tensor}, planner_data={fqn: (fqn,)}, storage_data=storage)
+    (path / ".metadata").write_bytes(pickle.dumps(rewritten))
+    return full
+
+
+def test_consolidate_reshard_and_verify_agree_on_a_300_chunk_tiling(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    import ckptools
+
+    good = tmp_path / "good"
+    full = _dcp_of_boxes(good, "model.w", _grid_boxes(overlap=False))
+    assert verify(str(good), quiet=True).ok
+    ckptools.consolidate(str(good), str(tmp_path / "good-hf"), quiet=True)
+    assert torch.equal(load_file(str(tmp_path / "good-hf" / "model.safetensors"))["model.w"], full)
+    ckptools.reshard(str(good), str(tmp_path / "good-2"), world_size=2, quiet=True)
+    assert verify(str(tmp_path / "good-2"), quiet=True).ok
+
+    # Beyond the 256 chunks that the planner once checked pairwise, an overlap hidden by an
+    # element count that adds up was written out as a wrong tensor; now all three refuse it.
+    bad = tmp_path / "bad"
+    _dcp_of_boxes(bad, "model.w", _grid_boxes(overlap=True))
+    report = verify(str(bad), quiet=True)
+    assert [(f.kind, f.fqn) for f in report.findings] == [("tiling", "model.w")]
+    assert "overlap" in report.findings[0].message
+    for name, run in [
+        ("bad-hf", lambda out: ckptools.consolidate(str(bad), out, quiet=True)),
+        ("bad-2", lambda out: ckptools.reshard(str(bad), out, world_size=2, quiet=True)),
+    ]:
+        out = tmp_path / name
+        with pytest.raises(CorruptCheckpointError, match="do not tile") as caught:
+            run(str(out))
+        assert caught.value.fqn == "model.w" and "'model.w'" in str(caught.value)
+        assert "overlap" in str(caught.value)
+        assert not out.exists()
+        assert not [p for p in os.listdir(tmp_path) if p.startswith(f"{name}.tmp")]

@@ -201,6 +201,28 @@ def test_unique_chunks_drops_replicas_and_rejects_gaps_and_overlaps() -> None:
         unique_chunks(_entry([((0, 0), (5, 4))]))
 
 
+def test_an_overlap_among_300_chunks_is_refused_naming_the_tensor() -> None:
+    # A 2-D sharding (15 x 20 boxes): one box grows into its neighbour, which shrinks, so the
+    # element count adds up. The planner once checked pairwise only up to 256 chunks and let
+    # this through; the one exact check in core.geometry refuses it at any count.
+    boxes = [((2 * i, 2 * j), (2, 2)) for i in range(15) for j in range(20)]
+    boxes[0], boxes[1] = ((0, 0), (2, 3)), ((0, 2), (2, 1))
+    chunks = tuple(Chunk(o, s, f"f{k}", 0, 16, "raw", k) for k, (o, s) in enumerate(boxes))
+    t = TensorEntry("model.layers.0.w", "float32", (30, 40), chunks)
+    with pytest.raises(CorruptCheckpointError, match="do not tile") as caught:
+        unique_chunks(t)
+    assert caught.value.fqn == "model.layers.0.w"
+    assert "'model.layers.0.w'" in str(caught.value) and "overlap" in str(caught.value)
+    m = Manifest("ck", "dcp", "dcp", {t.fqn: t}, {}, {})
+    with pytest.raises(CorruptCheckpointError, match=r"model\.layers\.0\.w"):
+        plan_consolidation(m, {"w": t.fqn}, max_shard_size=10**9)
+    # replicas of every box (each rank saving the same chunks) are still a tiling
+    good = [((2 * i, 2 * j), (2, 2)) for i in range(15) for j in range(20)]
+    replicated = tuple(Chunk(o, s, f"f{r}", 0, 16, "raw", r) for r in range(2) for o, s in good)
+    kept = unique_chunks(TensorEntry("w", "float32", (30, 40), replicated))
+    assert [c.rank for c in kept] == [0] * 300  # the first replica of each box is the one read
+
+
 def test_dtype_without_safetensors_code_is_refused() -> None:
     t = TensorEntry("q", "qint8", (1,), (Chunk((0,), (1,), "f", 0, 1),))
     m = Manifest("ck", "dcp", "dcp", {"q": t}, {}, {})

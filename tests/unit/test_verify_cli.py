@@ -9,11 +9,13 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+import ckptools
+from ckptools import tunables
 from ckptools.cli.main import EXIT_DIFFERENCES, cli
 from ckptools.errors import UsageError
+from ckptools.verify import scan as scan_module
 
-# ``ckptools.verify`` / ``ckptools.diff`` are also the public functions; take the modules.
-verify_module = importlib.import_module("ckptools.verify")
+# ``ckptools.diff`` is also the public function; take the module.
 diff_module = importlib.import_module("ckptools.diff")
 
 
@@ -57,26 +59,29 @@ def test_quick_with_check_finite_is_a_usage_error(tmp_path: object) -> None:
 
 
 def test_workers_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(verify_module.WORKERS_ENV, raising=False)
-    assert verify_module.resolve_workers(None) == verify_module.DEFAULT_WORKERS
-    monkeypatch.setenv(verify_module.WORKERS_ENV, "3")
-    assert verify_module.resolve_workers(None) == 3
-    assert verify_module.resolve_workers(2) == 2
-    monkeypatch.setenv(verify_module.WORKERS_ENV, "zero")
+    # verify and checksum take their threads from the one tunable every command shares.
+    monkeypatch.delenv(tunables.WORKERS_ENV, raising=False)
+    assert tunables.workers(None) == tunables.DEFAULT_WORKERS
+    monkeypatch.setenv(tunables.WORKERS_ENV, "3")
+    assert tunables.workers(None) == 3
+    assert tunables.workers(2) == 2
+    monkeypatch.setenv(tunables.WORKERS_ENV, "zero")
     with pytest.raises(UsageError, match="CKPTOOLS_WORKERS"):
-        verify_module.resolve_workers(None)
+        tunables.workers(None)
     with pytest.raises(UsageError):
-        verify_module.resolve_workers(0)
+        tunables.workers(0)
+    with pytest.raises(UsageError, match="CKPTOOLS_WORKERS"):
+        ckptools.verify(".", workers=None)  # resolved before the checkpoint is read
 
 
 def test_block_bytes_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(verify_module.BLOCK_BYTES_ENV, raising=False)
-    assert verify_module.resolve_block_bytes() == verify_module.DEFAULT_BLOCK_BYTES
-    monkeypatch.setenv(verify_module.BLOCK_BYTES_ENV, "1000")
-    assert verify_module.resolve_block_bytes() == 960  # whole 64-byte units
-    monkeypatch.setenv(verify_module.BLOCK_BYTES_ENV, "-5")
+    monkeypatch.delenv(scan_module.BLOCK_BYTES_ENV, raising=False)
+    assert scan_module.resolve_block_bytes() == scan_module.DEFAULT_BLOCK_BYTES
+    monkeypatch.setenv(scan_module.BLOCK_BYTES_ENV, "1000")
+    assert scan_module.resolve_block_bytes() == 960  # whole 64-byte units
+    monkeypatch.setenv(scan_module.BLOCK_BYTES_ENV, "-5")
     with pytest.raises(UsageError):
-        verify_module.resolve_block_bytes()
+        scan_module.resolve_block_bytes()
     monkeypatch.delenv(diff_module.BLOCK_BYTES_ENV, raising=False)
     assert diff_module.resolve_block_bytes() == diff_module.DEFAULT_BLOCK_BYTES
     monkeypatch.setenv(diff_module.BLOCK_BYTES_ENV, "4096")
