@@ -39,7 +39,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,28 +128,8 @@ def load_checksums(path: str) -> Checksums:
 def save_checksums(sums: Checksums) -> None:
     """Write ``sums`` to ``sums.path`` atomically (temporary file, fsync, rename; on an object
     store one PUT, which appears whole or not at all)."""
-    if storage.is_url(sums.path):
-        text = json.dumps(sums.to_json(), indent=1, sort_keys=False) + "\n"
-        storage.write_bytes(sums.path, text.encode())
-        return
-    directory = os.path.dirname(os.path.abspath(sums.path))
-    tmp = os.path.join(directory, f".{os.path.basename(sums.path)}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(sums.to_json(), f, indent=1, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, sums.path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    text = json.dumps(sums.to_json(), indent=1, sort_keys=False) + "\n"
+    storage.write_atomic(sums.path, text.encode())
 
 
 @storage.accepts_storage_options
