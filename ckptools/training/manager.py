@@ -1,14 +1,17 @@
 """``CheckpointManager``: periodic crash-safe saves, retention, resume and async saves.
 
-Roles and order (every rank calls every public method, in the same order):
+Roles and order (every rank calls every public method, in the same order; the steps are
+:class:`ckptools.collective.Ranks`' ``from_root``/``from_all``, so an error on one rank reaches
+every rank instead of leaving them waiting):
 
 ``save``
     1. every rank waits for the previous async save (and raises its error, if any);
     2. rank 0 cleans stale ``.tmp-*`` directories, creates ``.tmp-step-<step>-<id>/``, writes
-       ``config.json`` for ``transformers`` models; the name reaches the other ranks by broadcast;
+       ``config.json`` for ``transformers`` models; the name (or the error) reaches every rank;
     3. every rank writes its shards with ``dcp.save`` (or stages them and ``dcp.async_save``);
-    4. barrier; rank 0 writes the checksum manifest, then the commit marker last, renames to
-       ``step-<step>/``, applies retention; a broadcast tells every rank whether it worked.
+    4. an all-gather (the barrier); rank 0 writes the checksum manifest, then the commit marker
+       last, renames to ``step-<step>/``, applies retention; a broadcast tells every rank whether
+       it worked.
 
 For async saves step 4 runs on a background thread per rank, over a gloo group of the manager's
 own, so training collectives on the default group never interleave with the save's.
@@ -27,7 +30,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import secrets
 import threading
 import warnings
 from collections.abc import Mapping
@@ -40,7 +42,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ckptools import _compat
+from ckptools import _compat, collective
+from ckptools.collective import Ranks
 from ckptools.errors import CkptError, UsageError
 from ckptools.io import storage
 from ckptools.training import store
@@ -194,17 +197,18 @@ class CheckpointManager:
         self.checksums = checksums
         self._pg = process_group
         self._distributed = dist.is_available() and dist.is_initialized()
-        self._rank = dist.get_rank(process_group) if self._distributed else 0
-        self._world_size = dist.get_world_size(process_group) if self._distributed else 1
+        # Who does what, and errors reaching every rank, is collective.py's protocol.
+        self._ranks = collective.of_group(process_group)
         self._closed = False
         self._pending: Future[None] | None = None
         self._pending_step: int | None = None
         self._async_pg: dist.ProcessGroup | None = None
+        self._async_ranks = self._ranks
         self._executor: ThreadPoolExecutor | None = None
         self._staged: dict[str, Any] | None = None
         self._staged_signature: list[tuple[Any, ...]] | None = None
         self._lock = threading.Lock()
-        if self._rank == 0:
+        if self._ranks.is_root:
             storage.makedirs(self.root)
             for name in store.clean_stale(self.root):
                 log.info("cleaned up %s left by an earlier run", name)
@@ -214,13 +218,14 @@ class CheckpointManager:
                 # never interleave with training collectives on the default group.
                 ranks = dist.get_process_group_ranks(process_group) if process_group else None
                 self._async_pg = dist.new_group(ranks=ranks, backend="gloo")
+                self._async_ranks = collective.of_group(self._async_pg)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptools-save")
             if not self._distributed:
                 # Single-process async saves run dcp.save on torch's upload thread, where a
                 # catch_warnings block cannot reach; its "assuming a single process" warning is
                 # exactly our intent, so it is silenced for that message only.
                 warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
-        self._barrier(self._pg)
+        self._ranks.from_all(lambda: None, "starting the CheckpointManager")
 
     # ---------------------------------------------------------------------------------- queries
 
@@ -282,7 +287,7 @@ class CheckpointManager:
                     process_group=self._pg,
                     no_dist=not self._distributed,
                 )
-            self._commit(step, tmp, metrics, self._pg)
+            self._commit(step, tmp, metrics, self._ranks)
             return final
         staged = self._stage(state)
         with warnings.catch_warnings():
@@ -301,7 +306,7 @@ class CheckpointManager:
 
         def finish() -> None:
             upload_future.result()
-            self._commit(step, tmp, metrics, self._async_pg)
+            self._commit(step, tmp, metrics, self._async_ranks)
 
         with self._lock:
             self._pending = self._executor.submit(finish)
@@ -321,54 +326,44 @@ class CheckpointManager:
         return staged
 
     def _start(self, step: int, model: nn.Module) -> str:
-        """Rank 0 prepares a fresh temporary directory; every rank learns its name."""
-        token = [""]
-        if self._rank == 0:
+        """Rank 0 prepares a fresh temporary directory; every rank learns its name (or rank 0's
+        error)."""
+
+        def prepare() -> str:
             store.clean_stale(self.root)
-            token[0] = secrets.token_hex(6)
-            tmp = store.new_tmp_dir(self.root, step, token[0])
+            tmp = store.new_tmp_dir(self.root, step)
             store.create_tmp_dir(tmp)
             written = write_model_config(model, tmp)
             if written:
                 log.debug("wrote %s into %s", written, tmp)
-        if self._distributed:
-            dist.broadcast_object_list(token, src=self._src(), group=self._pg)
-        return store.new_tmp_dir(self.root, step, token[0])
+            return tmp
 
-    def _src(self) -> int:
-        return dist.get_global_rank(self._pg, 0) if self._pg is not None else 0
+        return self._ranks.from_root(prepare, f"preparing checkpoint step {step}")
 
-    def _barrier(self, group: dist.ProcessGroup | None) -> None:
-        if self._distributed:
-            dist.barrier(group=group)
-
-    def _commit(
-        self, step: int, tmp: str, metrics: Mapping[str, Any], group: dist.ProcessGroup | None
-    ) -> None:
+    def _commit(self, step: int, tmp: str, metrics: Mapping[str, Any], ranks: Ranks) -> None:
         """After every rank has written: rank 0 seals and renames; all learn the outcome."""
-        self._barrier(group)
-        outcome: list[str | None] = [None]
-        if self._rank == 0:
+
+        def seal() -> None:
             try:
                 if storage.is_url(tmp):
                     check_saved(tmp)  # a remote writer that lost data must not be committed
                 if self.checksums:
                     _write_checksums(tmp)
-                store.write_marker(tmp, step=step, world_size=self._world_size, metrics=metrics)
+                store.write_marker(tmp, step=step, world_size=ranks.world_size, metrics=metrics)
                 store.commit(tmp, store.step_dir(self.root, step))
                 decision = store.prune(self.root, self.policy).decision
                 if decision.delete:
                     log.info("retention deleted steps %s", list(decision.delete))
-            except Exception as e:  # every rank must learn of it, or they would wait forever
+            except Exception as e:
                 log.exception("committing step %d failed", step)
-                outcome[0] = f"{type(e).__name__}: {e}"
-        if self._distributed:
-            dist.broadcast_object_list(outcome, src=self._src(), group=group)
-        if outcome[0] is not None:
-            raise CkptError(
-                f"committing checkpoint step {step} in {self.root} failed on rank 0: {outcome[0]}",
-                path=tmp,
-            )
+                raise CkptError(
+                    f"committing checkpoint step {step} in {self.root} failed on rank 0: "
+                    f"{type(e).__name__}: {e}",
+                    path=tmp,
+                ) from e
+
+        ranks.from_all(lambda: None, f"writing checkpoint step {step}")  # the barrier
+        ranks.from_root(seal, f"committing checkpoint step {step} in {self.root}")
 
     def wait(self) -> None:
         """Wait for the pending asynchronous save, if any. Collective when ``async_save``.
@@ -444,13 +439,12 @@ class CheckpointManager:
             ``(step, extra)`` of the checkpoint loaded, or None when there is none.
         """
         self.wait()
-        chosen: list[int | None] = [None]
-        if self._rank == 0:
+
+        def newest() -> int | None:
             steps = self.steps()
-            chosen[0] = steps[-1] if steps else None
-        if self._distributed:
-            dist.broadcast_object_list(chosen, src=self._src(), group=self._pg)
-        step = chosen[0]
+            return steps[-1] if steps else None
+
+        step = self._ranks.from_root(newest, f"finding the newest checkpoint in {self.root}")
         if step is None:
             return None
         loaded = load(
