@@ -9,7 +9,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from ckptools.cli.main import EXIT_DIFFERENCES, cli
+from ckptools.cli.exit_codes import EXIT_DIFFERENCES
+from ckptools.cli.main import cli
 from ckptools.errors import UsageError
 
 # ``ckptools.verify`` / ``ckptools.diff`` are also the public functions; take the modules.
