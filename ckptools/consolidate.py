@@ -160,7 +160,8 @@ def select_tensors(
         select: a dotted key path of a sub-tree (``"optim"``, ``"app.model"``,
             ``"model.model.layers.0"``) whose tensors to export with that path removed; ``"*"``
             exports every tensor under its full path. Default: the model part
-            (:func:`ckptools.core.keys.find_model_part`).
+            (:func:`ckptools.core.keys.find_model_part`). Either way wrapper segments are removed
+            as :func:`ckptools.core.keys.own_names` says.
         strip_prefix: removed from the start of every output name that has it.
 
     Raises:
@@ -171,15 +172,14 @@ def select_tensors(
         out = dict(keys.model_keys(manifest))
     else:
         sel = select.strip(".")
+        chosen: dict[str, str] = {}  # stored FQN -> its key path below the selection
         for fqn in manifest.tensors:
             joined = ".".join(keys.key_path(manifest, fqn))
             if sel in ("", "*"):
-                rest = joined
+                chosen[fqn] = joined
             elif joined.startswith(sel + "."):
-                rest = joined[len(sel) + 1 :]
-            else:
-                continue
-            name = keys.strip_wrappers(rest)
+                chosen[fqn] = joined[len(sel) + 1 :]
+        for name, fqn in zip(keys.own_names(list(chosen.values())), chosen, strict=True):
             if name in out:
                 raise UsageError(
                     f"--select {select!r}: {out[name]!r} and {fqn!r} would both be written as "

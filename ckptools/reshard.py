@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptools import collective
+from ckptools import collective, tunables
 from ckptools.collective import Ranks
 from ckptools.core.manifest import Manifest
 from ckptools.engine import dcp_writer as dcp_write
@@ -51,8 +51,6 @@ RANK_STATE_FILES = re.compile(r"^(rng_state|random_states)_\d+\.(pth|pkl|pt)$")
 RANK_STATE_OBJECTS = re.compile(r"(^|\.)dp_rank_\d+$")
 #: files that describe the source's own bytes (checksums, the training manager's commit marker)
 _OWN_RECORDS = frozenset({CHECKSUM_FILE, ".ckptools-complete", IN_PROGRESS})
-#: copy threads: one output file each; two keep one disk busy while the other computes CRCs
-DEFAULT_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ def reshard(
     rank_state: RankState = "keep",
     overwrite: bool = False,
     dry_run: bool = False,
-    workers: int = DEFAULT_WORKERS,
+    workers: int | None = None,
     quiet: bool = False,
     format: str | None = None,
     distributed: bool = True,
@@ -200,7 +198,7 @@ def _write(
     identity: str,
     *,
     checksums: bool,
-    workers: int,
+    workers: int | None,
     quiet: bool,
 ) -> tuple[int, int]:
     """Write ``parts`` (DCP subdirectory -> source, plan) and ``copied`` into ``out``, atomically.
@@ -221,6 +219,7 @@ def _write(
     Returns the bytes of the ``.distcp`` files written (every rank's) and how many files an
     interrupted run had already written.
     """
+    workers = tunables.workers(workers)  # copy threads: one output file each
     units = [(sub, r) for sub, (_, plan) in parts.items() for r in range(plan.world_size)]
     mine: dict[str, list[int]] = {sub: [] for sub in parts}
     for i in ranks.mine([parts[sub][1].file_sizes[r] for sub, r in units]):
@@ -311,7 +310,7 @@ def shard(
     prefix: str = "model.",
     overwrite: bool = False,
     dry_run: bool = False,
-    workers: int = DEFAULT_WORKERS,
+    workers: int | None = None,
     quiet: bool = False,
     format: str | None = None,
     distributed: bool = True,

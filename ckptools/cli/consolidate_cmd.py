@@ -6,8 +6,16 @@ from typing import Any
 
 import click
 
-from ckptools.cli.options import format_option, json_option, storage_options_option
-from ckptools.cli.render import dumps, human_bytes, table
+from ckptools.cli.options import (
+    dry_run_option,
+    format_option,
+    json_option,
+    overwrite_option,
+    quiet_option,
+    storage_options_option,
+    workers_option,
+)
+from ckptools.cli.render import emit, human_bytes, table
 
 
 @click.command("consolidate")
@@ -38,12 +46,10 @@ from ckptools.cli.render import dumps, human_bytes, table
     help="config.json, or a directory with config and tokenizer files, to copy into OUT. "
     "Default: from the checkpoint directory or its parent.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@click.option(
-    "--dry-run", is_flag=True, help="Print the plan (files, tensors, sizes); write nothing."
-)
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="Copy threads.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@overwrite_option
+@dry_run_option("Print the plan (files, tensors, sizes); write nothing.")
+@workers_option
+@quiet_option
 @click.option(
     "--push-to-hub",
     metavar="REPO_ID",
@@ -56,19 +62,10 @@ from ckptools.cli.render import dumps, human_bytes, table
 def consolidate_command(
     src: str,
     out: str,
-    max_shard_size: str,
-    dtype: Any,
-    select: str | None,
-    strip_prefix: str | None,
-    config: str | None,
-    overwrite: bool,
-    dry_run: bool,
-    workers: int | None,
-    quiet: bool,
     push_to_hub: str | None,
-    format: str | None,
+    quiet: bool,
     as_json: bool,
-    storage_options: str | None,
+    **options: Any,
 ) -> None:
     """Write the checkpoint at SRC as a Hugging Face safetensors model directory OUT.
 
@@ -83,37 +80,23 @@ def consolidate_command(
       torchrun --nproc-per-node 4 -m ckptools consolidate ckpt hf_model
       ckpt consolidate checkpoints/step-1000 hf_model --push-to-hub me/my-model
     """
-    from ckptools.collective import reports_here
     from ckptools.consolidate import consolidate
 
     if push_to_hub is not None:
         from ckptools.cli.push_cmd import check_push_option
 
-        check_push_option(push_to_hub, max_shard_size)
-    result = consolidate(
-        src,
-        out,
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        select=select,
-        strip_prefix=strip_prefix,
-        config=config,
-        overwrite=overwrite,
-        dry_run=dry_run,
-        workers=workers,
-        format=format,
-        quiet=quiet or as_json,
-        storage_options=storage_options,
-    )
-    if not reports_here():
-        return  # under torchrun every rank ran its share; rank 0 reports
-    data = result.to_dict()
-    if push_to_hub is not None:
-        from ckptools.cli.push_cmd import push_consolidated
-
-        push_consolidated(data, push_to_hub, as_json=as_json, quiet=quiet, render=_render)
+        check_push_option(push_to_hub, options["max_shard_size"])
+    result = consolidate(src, out, quiet=quiet or as_json, **options)
+    if push_to_hub is None:
+        emit(result, as_json, _render)
         return
-    click.echo(dumps(data) if as_json else _render(data))
+    from ckptools.cli.push_cmd import push_consolidated
+    from ckptools.collective import reports_here
+
+    if reports_here():  # under torchrun every rank wrote its share; rank 0 pushes OUT
+        push_consolidated(
+            result.to_dict(), push_to_hub, as_json=as_json, quiet=quiet, render=_render
+        )
 
 
 def _render(d: dict[str, Any]) -> str:

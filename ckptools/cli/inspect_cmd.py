@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import click
 
 from ckptools.cli.options import format_option, json_option, storage_options_option
-from ckptools.cli.render import dumps, human_bytes, human_count, table
+from ckptools.cli.render import emit, human_bytes, human_count, table
 
 
 @click.command("inspect")
@@ -20,14 +21,7 @@ from ckptools.cli.render import dumps, human_bytes, human_count, table
 )
 @click.option("--limit", type=int, default=None, help="Show at most N tensors in the table.")
 @storage_options_option
-def inspect_command(
-    path: str,
-    as_json: bool,
-    format: str | None,
-    values: bool,
-    limit: int | None,
-    storage_options: str | None,
-) -> None:
+def inspect_command(path: str, as_json: bool, limit: int | None, **options: Any) -> None:
     """Show what the checkpoint at PATH holds: tensors, dtypes, shapes, bytes, chunks, ranks.
 
     Reads metadata only; never runs code stored in the checkpoint.
@@ -39,12 +33,7 @@ def inspect_command(
     """
     from ckptools.inspection import inspect
 
-    report = inspect(path, format=format, values=values, storage_options=storage_options)
-    data = report.to_dict()
-    if as_json:
-        click.echo(dumps(data))
-        return
-    click.echo(_render(data, limit))
+    emit(inspect(path, **options), as_json, partial(_render, limit=limit))
 
 
 def _render(d: dict[str, Any], limit: int | None) -> str:

@@ -1,4 +1,4 @@
-"""The ``ckpt`` group: error handling, exit codes and the commands."""
+"""The ``ckpt`` group: errors turned into one line and an exit code, and the commands."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ from typing import Any
 
 import click
 
+from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_USAGE
 from ckptools.errors import CkptError, UsageError
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_DIFFERENCES = 3
 _ENVIRONMENT_ERRNOS = {
     errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
     errno.ENOTDIR, errno.EEXIST, errno.EISDIR,

@@ -1,4 +1,10 @@
-"""Options shared by several commands, defined once."""
+"""Options shared by several commands, defined once.
+
+Each option's name is the library's keyword argument (``--max-shard-size`` ↔ ``max_shard_size``)
+and its default is the library's: a command passes what it parsed through unchanged, so the CLI
+never holds a second default (``--workers`` left unset is ``None``, which the library resolves as
+:func:`ckptools.tunables.workers` says).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+
+from ckptools import tunables
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -24,12 +32,50 @@ def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")(f)
 
 
+def quiet_option(f: F) -> F:
+    """``--quiet/-q``; ``--json`` implies it (a progress bar would interleave with the JSON)."""
+    return click.option("--quiet", "-q", is_flag=True, help="No progress bar.")(f)
+
+
+def workers_option(f: F) -> F:
+    return click.option(
+        "--workers",
+        type=click.IntRange(min=1),
+        default=None,
+        help=f"I/O threads (files read or pieces written in parallel). Default: "
+        f"{tunables.WORKERS_ENV}, else {tunables.DEFAULT_WORKERS} (one per CPU, at most 4).",
+    )(f)
+
+
+def overwrite_option(f: F) -> F:
+    return click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")(f)
+
+
+def dry_run_option(help: str = "Print the plan; write nothing.") -> Callable[[F], F]:
+    """``--dry-run``, with the command's own words for what it shows instead of doing."""
+
+    def decorate(f: F) -> F:
+        return click.option("--dry-run", is_flag=True, help=help)(f)
+
+    return decorate
+
+
 def format_option(f: F) -> F:
     return click.option(
         "--format",
         type=click.Choice(FORMAT_NAMES),
         default=None,
         help="Force the checkpoint layout instead of detecting it.",
+    )(f)
+
+
+def tolerance_options(f: F) -> F:
+    """``--atol`` and ``--rtol``: unset means bit-exact."""
+    f = click.option(
+        "--rtol", type=float, default=None, help="Relative tolerance (default: bit-exact)."
+    )(f)
+    return click.option(
+        "--atol", type=float, default=None, help="Absolute tolerance (default: bit-exact)."
     )(f)
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from ckptools.cli.options import json_option
-from ckptools.cli.render import dumps, human_size, table
+from ckptools.cli.options import dry_run_option, json_option, quiet_option
+from ckptools.cli.render import dumps, emit, human_size, table
 
 
 @click.command("push")
@@ -33,10 +33,8 @@ from ckptools.cli.render import dumps, human_size, table
     help="The checkpoint DIRECTORY was consolidated from: recorded in the model card "
     "(layout, world size, step).",
 )
-@click.option(
-    "--dry-run", is_flag=True, help="Check and list the files with sizes; no network, no upload."
-)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@dry_run_option("Check and list the files with sizes; no network, no upload.")
+@quiet_option
 @json_option
 def push_command(
     directory: str,
@@ -82,8 +80,7 @@ def push_command(
         dry_run=dry_run,
         quiet=quiet or as_json,
     )
-    data = result.to_dict()
-    click.echo(dumps(data) if as_json else render_push(data))
+    emit(result, as_json, render_push)
 
 
 def render_push(d: dict[str, Any]) -> str:

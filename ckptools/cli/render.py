@@ -1,15 +1,25 @@
-"""Human-readable rendering of result objects (tables, sizes)."""
+"""Printing a command's result: one JSON object (``--json``) or human text (tables, sizes)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import click
+
+from ckptools.collective import reports_here
 
 # Re-exported: the commands render sizes through this module; the formats live with parse_size.
 from ckptools.core.sizes import human_bytes as human_bytes
 from ckptools.core.sizes import human_count as human_count
 from ckptools.core.sizes import human_size as human_size
+
+
+class Result(Protocol):
+    """What the library's verbs return: a frozen object whose ``to_dict`` is its JSON form."""
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> str:
@@ -33,3 +43,21 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=str)
+
+
+def emit(
+    result: Result | Mapping[str, Any],
+    as_json: bool,
+    render_text: Callable[[dict[str, Any]], str],
+) -> None:
+    """Print ``result`` as every command does: ``--json`` one JSON object, else
+    ``render_text`` of it; only on the process that reports (rank 0 under torchrun, where every
+    rank holds the same result).
+
+    ``render_text`` reads the same dict the JSON is made from, so the text never shows what the
+    JSON lacks, and the JSON keys (a public contract) are the only names renderers depend on.
+    """
+    if not reports_here():
+        return
+    data = dict(result) if isinstance(result, Mapping) else result.to_dict()
+    click.echo(dumps(data) if as_json else render_text(data))

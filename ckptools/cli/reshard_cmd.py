@@ -6,24 +6,33 @@ from typing import Any
 
 import click
 
-from ckptools.cli.options import format_option, json_option, storage_options_option
-from ckptools.cli.render import dumps, human_bytes
+from ckptools.cli import options as shared
+from ckptools.cli.render import emit, human_bytes
+
+#: what both commands take, in the order --help lists them: they write the same DCP layout the
+#: same way
+_SHARED = (
+    click.argument("src", type=click.Path()),
+    click.argument("out", type=click.Path()),
+    click.option("--world-size", type=click.IntRange(min=1), required=True,
+                 help="Ranks of the target layout."),
+    shared.overwrite_option,
+    shared.dry_run_option(),
+    shared.workers_option,
+    shared.quiet_option,
+    shared.format_option,
+    shared.json_option,
+    shared.storage_options_option,
+)  # fmt: skip
 
 
-def _common(f: Any) -> Any:
-    f = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")(f)
-    f = click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
-                     help="Copy threads (pieces are written in parallel).")(f)  # fmt: skip
-    f = click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")(f)
-    f = click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")(f)
-    f = click.option("--world-size", type=click.IntRange(min=1), required=True,
-                     help="Ranks of the target layout.")(f)  # fmt: skip
-    return json_option(format_option(f))
+def _common(f: shared.F) -> shared.F:
+    for option in reversed(_SHARED):
+        f = option(f)
+    return f
 
 
 @click.command("reshard")
-@click.argument("src", type=click.Path())
-@click.argument("out", type=click.Path())
 @_common
 @click.option(
     "--rank-state",
@@ -33,20 +42,7 @@ def _common(f: Any) -> Any:
     help="Per-rank state that cannot be split (RNG files, per-rank dataloader entries): carry "
     "it over unchanged, or leave it out. Either way it is reported.",
 )
-@storage_options_option
-def reshard_command(
-    src: str,
-    out: str,
-    world_size: int,
-    overwrite: bool,
-    dry_run: bool,
-    workers: int,
-    quiet: bool,
-    as_json: bool,
-    format: str | None,
-    rank_state: str,
-    storage_options: str | None,
-) -> None:
+def reshard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any) -> None:
     """Rewrite the DCP checkpoint SRC as if FSDP2 on --world-size ranks had saved it.
 
     Model, optimizer state and every other entry; each tensor split on dim 0 as fully_shard
@@ -61,18 +57,10 @@ def reshard_command(
     """
     from ckptools.reshard import reshard
 
-    result = reshard(
-        src, out, world_size=world_size, rank_state=rank_state,  # type: ignore[arg-type]
-        overwrite=overwrite, dry_run=dry_run, workers=workers, quiet=quiet or as_json,
-        format=format,
-        storage_options=storage_options,
-    )  # fmt: skip
-    _render(result.to_dict(), as_json)
+    emit(reshard(src, out, quiet=quiet or as_json, **options), as_json, _render)
 
 
 @click.command("shard")
-@click.argument("src", type=click.Path())
-@click.argument("out", type=click.Path())
 @_common
 @click.option(
     "--prefix",
@@ -80,20 +68,7 @@ def reshard_command(
     show_default=True,
     help="Key prefix of every tensor (model. is what dcp.save({'model': sd}) writes).",
 )
-@storage_options_option
-def shard_command(
-    src: str,
-    out: str,
-    world_size: int,
-    overwrite: bool,
-    dry_run: bool,
-    workers: int,
-    quiet: bool,
-    as_json: bool,
-    format: str | None,
-    prefix: str,
-    storage_options: str | None,
-) -> None:
+def shard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any) -> None:
     """Make a DCP checkpoint for --world-size ranks from a full model at SRC.
 
     SRC is a Hugging Face safetensors directory or file, or a torch.save state dict.
@@ -104,38 +79,27 @@ def shard_command(
     """
     from ckptools.reshard import shard
 
-    result = shard(
-        src, out, world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
-        workers=workers, quiet=quiet or as_json, format=format,
-        storage_options=storage_options,
-    )  # fmt: skip
-    _render(result.to_dict(), as_json)
+    emit(shard(src, out, quiet=quiet or as_json, **options), as_json, _render)
 
 
-def _render(d: dict[str, Any], as_json: bool) -> None:
-    from ckptools.collective import reports_here
-
-    if not reports_here():
-        return  # under torchrun every rank wrote its files; rank 0 reports
-    if as_json:
-        click.echo(dumps(d))
-        return
+def _render(d: dict[str, Any]) -> str:
+    lines = []
     verb = "would write" if d["dry_run"] else "wrote"
     for sub, part in d["parts"].items():
         where = f"{d['out']}/{sub}" if sub else d["out"]
-        click.echo(
+        lines.append(
             f"{where}: {part['tensors']} tensors in {part['chunks']} chunks, "
             f"{part['objects']} objects, {d['world_size']} rank files"
         )
         if d["dry_run"]:
-            for f in part["files"]:
-                click.echo(
-                    f"  {f['file']}  {human_bytes(f['bytes'])}  "
-                    f"{f['tensors']} chunks, {f['objects']} objects"
-                )
-    for note in d["notes"]:
-        click.echo(f"note: {note}")
+            lines.extend(
+                f"  {f['file']}  {human_bytes(f['bytes'])}  "
+                f"{f['tensors']} chunks, {f['objects']} objects"
+                for f in part["files"]
+            )
+    lines.extend(f"note: {note}" for note in d["notes"])
     total = sum(p["bytes"] for p in d["parts"].values())
     secs = d["seconds"]
     rate = f", {total / secs / 1e9:.2f} GB/s" if secs and not d["dry_run"] else ""
-    click.echo(f"{verb} {human_bytes(total)} in {secs:.2f} s{rate}")
+    lines.append(f"{verb} {human_bytes(total)} in {secs:.2f} s{rate}")
+    return "\n".join(lines)

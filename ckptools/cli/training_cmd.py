@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ckptools.cli.options import json_option, storage_options_option
-from ckptools.cli.render import dumps, human_bytes, table
+from ckptools.cli.render import emit, human_bytes, table
 
 
 def _metrics_text(metrics: dict[str, Any]) -> str:
@@ -33,35 +33,33 @@ def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
     from ckptools.training.store import list_checkpoints
 
     infos = list_checkpoints(root, storage_options=storage_options)
-    if as_json:
-        click.echo(dumps({"root": root, "checkpoints": [c.to_dict() for c in infos]}))
-        return
-    if not infos:
-        click.echo(f"{root}: no checkpoints")
-        return
+    emit({"root": root, "checkpoints": [c.to_dict() for c in infos]}, as_json, _render_list)
+
+
+def _render_list(d: dict[str, Any]) -> str:
+    if not d["checkpoints"]:
+        return f"{d['root']}: no checkpoints"
     rows = []
-    for c in infos:
+    for c in d["checkpoints"]:
         when = (
-            datetime.datetime.fromtimestamp(c.time).isoformat(sep=" ", timespec="seconds")
-            if c.time
+            datetime.datetime.fromtimestamp(c["time"]).isoformat(sep=" ", timespec="seconds")
+            if c["time"]
             else ""
         )
-        state = "complete" if c.complete else f"INCOMPLETE ({c.reason})"
+        state = "complete" if c["complete"] else f"INCOMPLETE ({c['reason']})"
         rows.append(
             [
-                str(c.step),
+                str(c["step"]),
                 state,
-                human_bytes(c.size_bytes),
-                str(c.world_size or ""),
+                human_bytes(c["size_bytes"]),
+                str(c["world_size"] or ""),
                 when,
-                _metrics_text(dict(c.metrics)),
-                "latest" if c.latest else "",
+                _metrics_text(c["metrics"]),
+                "latest" if c["latest"] else "",
             ]
         )
-    click.echo(root)
-    click.echo(
-        table(["step", "state", "size", "ranks", "saved", "metrics", ""], rows, align="rlrr")
-    )
+    headers = ["step", "state", "size", "ranks", "saved", "metrics", ""]
+    return f"{d['root']}\n" + table(headers, rows, align="rlrr")
 
 
 @click.command("prune")
@@ -119,13 +117,14 @@ def prune_command(
         mode="max" if mode == "max" else "min",
     )
     result = prune(root, policy, dry_run=dry_run, storage_options=storage_options)
-    if as_json:
-        click.echo(dumps(result.to_dict()))
-        return
-    d = result.decision
-    verb = "would delete" if dry_run else "deleted"
-    click.echo(f"{root}: {verb} {len(d.delete)} checkpoint(s), {human_bytes(result.freed_bytes)}")
-    for step in d.delete:
-        click.echo(f"  {verb}: step-{step}")
-    for step in d.keep:
-        click.echo(f"  kept: step-{step} ({', '.join(d.reasons[step])})")
+    emit(result, as_json, _render_prune)
+
+
+def _render_prune(d: dict[str, Any]) -> str:
+    verb = "would delete" if d["dry_run"] else "deleted"
+    freed = human_bytes(d["freed_bytes"])
+    lines = [f"{d['root']}: {verb} {len(d['delete'])} checkpoint(s), {freed}"]
+    lines.extend(f"  {verb}: step-{step}" for step in d["delete"])
+    reasons = d["reasons"]  # JSON keys are strings
+    lines.extend(f"  kept: step-{step} ({', '.join(reasons[str(step)])})" for step in d["keep"])
+    return "\n".join(lines)

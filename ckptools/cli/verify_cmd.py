@@ -2,52 +2,42 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import click
 
-from ckptools.cli.options import FORMAT_NAMES, format_option, json_option, storage_options_option
-from ckptools.cli.render import dumps, human_bytes, table
+from ckptools.cli.exit_codes import EXIT_DIFFERENCES
+from ckptools.cli.options import (
+    FORMAT_NAMES,
+    format_option,
+    json_option,
+    quiet_option,
+    storage_options_option,
+    tolerance_options,
+    workers_option,
+)
+from ckptools.cli.render import emit, human_bytes, table
 
 _DIFF_LIMIT = 50  # differing tensors shown in the table without --all
-
-
-def _tolerances(f: Any) -> Any:
-    f = click.option(
-        "--rtol", type=float, default=None, help="Relative tolerance (default: bit-exact)."
-    )(f)
-    return click.option(
-        "--atol", type=float, default=None, help="Absolute tolerance (default: bit-exact)."
-    )(f)
 
 
 @click.command("verify")
 @click.argument("path", type=click.Path())
 @click.option("--quick", is_flag=True, help="Structure only: metadata and file sizes (seconds).")
 @click.option("--check-finite", is_flag=True, help="Report NaN/Inf values per tensor.")
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="Files read in parallel.")
+@workers_option
 @click.option(
     "--against", type=click.Path(), default=None, help="Also compare the model with this one."
 )
-@_tolerances
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@tolerance_options
+@quiet_option
 @format_option
 @json_option
 @click.pass_context
 @storage_options_option
 def verify_command(
-    ctx: click.Context,
-    path: str,
-    quick: bool,
-    check_finite: bool,
-    workers: int | None,
-    against: str | None,
-    atol: float | None,
-    rtol: float | None,
-    quiet: bool,
-    format: str | None,
-    as_json: bool,
-    storage_options: str | None,
+    ctx: click.Context, /, path: str, quiet: bool, as_json: bool, **options: Any
 ) -> None:
     """Check that the checkpoint at PATH is whole; name every problem (file, FQN, rank).
 
@@ -63,27 +53,11 @@ def verify_command(
       ckpt verify checkpoints/step-1000 --against hf_model
       torchrun --nproc-per-node 4 -m ckptools verify checkpoints/step-1000
     """
-    from ckptools.cli.main import EXIT_DIFFERENCES
-    from ckptools.collective import reports_here
     from ckptools.verify import verify
 
-    report = verify(
-        path,
-        quick=quick,
-        check_finite=check_finite,
-        workers=workers,
-        against=against,
-        atol=atol,
-        rtol=rtol,
-        format=format,
-        quiet=quiet or as_json,
-        distributed=True,
-        storage_options=storage_options,
-    )
-    if reports_here():  # under torchrun every rank has the same report; rank 0 prints it
-        data = report.to_dict()
-        click.echo(dumps(data) if as_json else _render_verify(data))
-    if not report.ok:
+    report = verify(path, quiet=quiet or as_json, distributed=True, **options)
+    emit(report, as_json, _render_verify)
+    if not report.ok:  # on every rank: each has the same report
         ctx.exit(EXIT_DIFFERENCES)
 
 
@@ -117,7 +91,7 @@ def _render_verify(d: dict[str, Any]) -> str:
 @click.command("diff")
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
-@_tolerances
+@tolerance_options
 @click.option("--format-a", type=click.Choice(FORMAT_NAMES), default=None, help="Layout of A.")
 @click.option("--format-b", type=click.Choice(FORMAT_NAMES), default=None, help="Layout of B.")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
@@ -125,16 +99,7 @@ def _render_verify(d: dict[str, Any]) -> str:
 @click.pass_context
 @storage_options_option
 def diff_command(
-    ctx: click.Context,
-    a: str,
-    b: str,
-    atol: float | None,
-    rtol: float | None,
-    format_a: str | None,
-    format_b: str | None,
-    show_all: bool,
-    as_json: bool,
-    storage_options: str | None,
+    ctx: click.Context, /, a: str, b: str, show_all: bool, as_json: bool, **options: Any
 ) -> None:
     """Compare the models in checkpoints A and B (any formats), tensor by tensor.
 
@@ -148,27 +113,15 @@ def diff_command(
       ckpt diff checkpoints/step-1000 hf_model
       ckpt diff run1/step-100 run2/step-100 --atol 1e-6 --json
     """
-    from ckptools.cli.main import EXIT_DIFFERENCES
     from ckptools.diff import diff
 
-    report = diff(
-        a,
-        b,
-        atol=atol,
-        rtol=rtol,
-        format_a=format_a,
-        format_b=format_b,
-        storage_options=storage_options,
-    )
-    data = report.to_dict()
-    click.echo(dumps(data) if as_json else _render_diff(data, show_all))
+    report = diff(a, b, **options)
+    emit(report, as_json, partial(_render_diff, show_all=show_all))
     if not report.identical:
         ctx.exit(EXIT_DIFFERENCES)
 
 
 def _render_diff(d: dict[str, Any], show_all: bool) -> str:
-    from ckptools.diff import TensorDiff
-
     lines = [f"diff {d['a']} ({d['format_a']}) vs {d['b']} ({d['format_b']})"]
     lines.extend(f"  note: {n}" for n in d["notes"])
     tensors = d["tensors"]
@@ -179,25 +132,7 @@ def _render_diff(d: dict[str, Any], show_all: bool) -> str:
     else:
         hidden = 0
     if shown:
-        rows = []
-        for t in shown:
-            detail = TensorDiff(
-                t["name"],
-                t["status"],
-                t["fqn_a"],
-                t["fqn_b"],
-                t["dtype_a"],
-                t["dtype_b"],
-                tuple(t["shape_a"]) if t["shape_a"] is not None else None,
-                tuple(t["shape_b"]) if t["shape_b"] is not None else None,
-                t["mismatched"],
-                _num(t["max_abs"]),
-                _num(t["max_rel"]),
-                tuple(t["first_index"]) if t["first_index"] is not None else None,
-                t["value_a"],
-                t["value_b"],
-            ).describe()
-            rows.append([t["name"], t["status"], detail.split(": ", 1)[1]])
+        rows = [[t["name"], t["status"], _detail(t)] for t in shown]
         lines.append(table(["tensor", "status", "detail"], rows, "lll"))
     if hidden:
         lines.append(f"... {hidden} more differing tensors (use --all or --json)")
@@ -210,25 +145,31 @@ def _render_diff(d: dict[str, Any], show_all: bool) -> str:
     return "\n".join(lines)
 
 
-def _num(x: Any) -> float | None:
-    return None if x is None else float(x)
+def _detail(t: dict[str, Any]) -> str:
+    """What differs in one tensor of a diff's JSON form, as :meth:`TensorDiff.describe` says it
+    (less the name, which has its own column)."""
+    from ckptools.diff import TensorDiff
+
+    def shape(key: str) -> tuple[int, ...] | None:
+        return None if t[key] is None else tuple(t[key])
+
+    def num(key: str) -> float | None:  # JSON writes inf/nan as strings
+        return None if t[key] is None else float(t[key])
+
+    restored = {"shape_a": shape("shape_a"), "shape_b": shape("shape_b"),
+                "first_index": shape("first_index"), "max_abs": num("max_abs"),
+                "max_rel": num("max_rel")}  # fmt: skip
+    return TensorDiff(**{**t, **restored}).describe().split(": ", 1)[1]
 
 
 @click.command("checksum")
 @click.argument("path", type=click.Path())
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="Files read in parallel.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@workers_option
+@quiet_option
 @format_option
 @json_option
 @storage_options_option
-def checksum_command(
-    path: str,
-    workers: int | None,
-    quiet: bool,
-    format: str | None,
-    as_json: bool,
-    storage_options: str | None,
-) -> None:
+def checksum_command(path: str, quiet: bool, as_json: bool, **options: Any) -> None:
     """Write a checksum manifest for the checkpoint at PATH (a hash per chunk and per file).
 
     `ckpt verify` then checks every chunk's bytes against it, catching what the checkpoint's own
@@ -240,25 +181,16 @@ def checksum_command(
       ckpt checksum checkpoints/step-1000
       torchrun --nproc-per-node 4 -m ckptools checksum checkpoints/step-1000
     """
-    from ckptools.collective import reports_here
     from ckptools.verify.checksums import write_checksums
 
-    sums = write_checksums(
-        path,
-        format=format,
-        workers=workers,
-        quiet=quiet or as_json,
-        distributed=True,
-        storage_options=storage_options,
-    )
-    if not reports_here():
-        return  # under torchrun every rank hashed its share; rank 0 reports
+    sums = write_checksums(path, quiet=quiet or as_json, distributed=True, **options)
     data = {"path": path, "checksum_file": sums.path, "chunks": len(sums.items),
             "files": len(sums.files), "algorithm": sums.algorithm}  # fmt: skip
-    if as_json:
-        click.echo(dumps(data))
-    else:
-        click.echo(
-            f"{path}: wrote {sums.path} ({sums.algorithm}: {len(sums.items)} items, "
-            f"{len(sums.files)} files)"
-        )
+    emit(data, as_json, _render_checksum)
+
+
+def _render_checksum(d: dict[str, Any]) -> str:
+    return (
+        f"{d['path']}: wrote {d['checksum_file']} ({d['algorithm']}: {d['chunks']} items, "
+        f"{d['files']} files)"
+    )

@@ -3,14 +3,21 @@
 Training code saves nested state dicts (``{"model": ..., "optim": ...}``,
 ``{"app": {"model": ...}}``); DCP records each key's path in that tree (``planner_data``), so the
 model part is found from the paths, never guessed from dotted names (an HF model's own FQNs start
-with ``model.`` too). Wrapper segments that torch inserts into module names (``_orig_mod.`` from
-``torch.compile``, ``module.`` from DDP, FSDP1's ``_fsdp_wrapped_module.`` and activation
-checkpointing's ``_checkpoint_wrapped_module.``) are not part of the model's FQNs.
+with ``model.`` too).
+
+Segments that wrappers insert into module names are not part of the model's FQNs, but only
+where a wrapper can put them: ``_orig_mod`` (``torch.compile``), ``_fsdp_wrapped_module`` (FSDP1)
+and ``_checkpoint_wrapped_module`` (activation checkpointing) are private names no model uses, so
+they go wherever they stand; DDP's ``module`` is an ordinary attribute name (transformers' LeViT
+keeps each residual block's layer in ``.module``, as do many custom models), so it is a wrapper
+only as the first segment of the model part's FQNs, and only when every one of them has it (DDP
+wraps the whole model). A model whose own top-level submodules are all one named ``module``
+cannot be told from a DDP-wrapped model by its names; it loses that one segment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptools.core.manifest import Manifest
@@ -32,13 +39,15 @@ NON_MODEL_CONTAINERS = (
     "extra",
     "rng",
 )
+#: segments wrappers insert wherever they wrap a module; no model names a submodule so
 WRAPPER_SEGMENTS = (
     "_orig_mod",
-    "module",
     "_fsdp_wrapped_module",
     "_checkpoint_wrapped_module",
     "_dp_wrapped_module",
 )
+#: DDP's attribute for the model it wraps: a wrapper only in front of every FQN of the model
+DDP_SEGMENT = "module"
 
 
 @dataclass(frozen=True)
@@ -92,17 +101,31 @@ def find_model_part(manifest: Manifest) -> ModelPart:
 
 
 def strip_wrappers(fqn: str) -> str:
-    """Remove wrapper segments: ``_orig_mod.module.layers.0.w`` → ``layers.0.w``."""
+    """Remove the segments of :data:`WRAPPER_SEGMENTS` wherever they stand:
+    ``_orig_mod.layers.0._checkpoint_wrapped_module.mlp.w`` → ``layers.0.mlp.w``. Keeps
+    ``module`` (see :func:`own_names`)."""
     parts = [p for p in fqn.split(".") if p not in WRAPPER_SEGMENTS]
     return ".".join(parts)
+
+
+def own_names(names: Sequence[str]) -> list[str]:
+    """The model's own FQNs of ``names`` (FQNs inside one model, in the same order): wrapper
+    segments removed, and DDP's leading ``module.`` when every name has it.
+
+    ``["module.blocks.0.module.weight", "module.head.weight"]`` → ``["blocks.0.module.weight",
+    "head.weight"]``; ``["blocks.0.module.weight", "head.weight"]`` is kept as it is.
+    """
+    stripped = [strip_wrappers(n) for n in names]
+    lead = DDP_SEGMENT + "."
+    if stripped and all(n.startswith(lead) for n in stripped):
+        return [n[len(lead) :] for n in stripped]
+    return stripped
 
 
 def model_keys(manifest: Manifest, part: ModelPart | None = None) -> Mapping[str, str]:
     """Map each model tensor's own FQN to the stored FQN."""
     part = part if part is not None else find_model_part(manifest)
-    out: dict[str, str] = {}
-    for fqn in manifest.tensors:
-        p = key_path(manifest, fqn)
-        if part.contains(p):
-            out[strip_wrappers(".".join(p[len(part.path) :]))] = fqn
-    return out
+    paths = {fqn: key_path(manifest, fqn) for fqn in manifest.tensors}
+    stored = [fqn for fqn, p in paths.items() if part.contains(p)]
+    relative = [".".join(paths[fqn][len(part.path) :]) for fqn in stored]
+    return dict(zip(own_names(relative), stored, strict=True))

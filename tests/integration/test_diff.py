@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import ckptools
-from ckptools.cli.main import EXIT_DIFFERENCES, cli
+from ckptools.cli.exit_codes import EXIT_DIFFERENCES
+from ckptools.cli.main import cli
 from ckptools.diff import BLOCK_BYTES_ENV
 from ckptools.engine.reader import resolve_chunk
 from ckptools.io.storage import LocalReader

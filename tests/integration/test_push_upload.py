@@ -22,7 +22,8 @@ import yaml
 from click.testing import CliRunner
 
 import ckptools
-from ckptools.cli.main import EXIT_USAGE, cli
+from ckptools.cli.exit_codes import EXIT_USAGE
+from ckptools.cli.main import cli
 from ckptools.errors import HubError, UsageError
 from ckptools.hub import LARGE_FOLDER_BYTES_ENV
 from tests.conftest import Produced

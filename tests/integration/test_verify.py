@@ -17,7 +17,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ckptools.cli.main import EXIT_DIFFERENCES, cli
+from ckptools.cli.exit_codes import EXIT_DIFFERENCES
+from ckptools.cli.main import cli
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import CorruptCheckpointError

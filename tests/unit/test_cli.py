@@ -1,16 +1,23 @@
-"""The CLI surface: help, exit codes, and that --help never imports torch."""
+"""The CLI surface: help, exit codes, shared options, output, and that --help never imports
+torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from ckptools.cli.main import cli
+from ckptools.cli.render import emit
+from ckptools.errors import CkptError
 
 
 def test_help_lists_commands() -> None:
@@ -68,3 +75,82 @@ def test_output_under_a_file_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.output
     assert result.output.strip().endswith("nothing was written")
     assert str(tmp_path / "file") in result.output
+
+
+def test_exit_codes_have_one_home() -> None:
+    from ckptools.cli import exit_codes
+
+    assert (exit_codes.EXIT_OK, exit_codes.EXIT_ERROR) == (0, 1)
+    assert (exit_codes.EXIT_USAGE, exit_codes.EXIT_DIFFERENCES) == (2, 3)
+
+
+def _commands() -> list[click.Command]:
+    return [cli.commands[name] for name in sorted(cli.commands)]
+
+
+def test_shared_options_have_the_librarys_defaults() -> None:
+    # --workers unset is None in every command: the library resolves it (argument >
+    # CKPTOOLS_WORKERS > tunables.DEFAULT_WORKERS), so the CLI holds no second default.
+    seen = set()
+    for command in _commands():
+        for param in command.params:
+            if param.name == "workers":
+                seen.add(command.name)
+                assert param.default is None, command.name
+                assert "CKPTOOLS_WORKERS" in (getattr(param, "help", None) or ""), command.name
+            if param.name == "quiet":
+                assert sorted(param.opts) == ["--quiet", "-q"], command.name
+    assert {"consolidate", "reshard", "shard", "verify", "checksum"} <= seen
+
+
+@pytest.mark.parametrize(
+    ("args", "target"),
+    [
+        (["consolidate", "src", "out"], "ckptools.consolidate.consolidate"),
+        (["reshard", "src", "out", "--world-size", "2"], "ckptools.reshard.reshard"),
+        (["shard", "src", "out", "--world-size", "2"], "ckptools.reshard.shard"),
+        (["verify", "src"], "ckptools.verify.verify"),
+        (["checksum", "src"], "ckptools.verify.checksums.write_checksums"),
+    ],
+)
+def test_options_pass_through_unchanged(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], target: str
+) -> None:
+    seen: dict[str, object] = {}
+
+    def record(*a: object, **kwargs: object) -> None:
+        seen.update(kwargs)
+        raise CkptError("recorded")
+
+    module, name = target.rsplit(".", 1)
+    # by module object: ckptools.consolidate etc. are also the public functions' names
+    monkeypatch.setattr(importlib.import_module(module), name, record)
+    result = CliRunner().invoke(cli, [*args, "--json"])
+    assert result.exit_code == 1 and "recorded" in result.output
+    assert seen["workers"] is None
+    assert seen["quiet"] is True  # --json implies --quiet: no bar inside the JSON
+    assert seen["format"] is None and seen["storage_options"] is None
+
+
+def test_emit_prints_json_or_text_on_the_reporting_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Result:
+        n: int
+
+        def to_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+    def text(d: dict[str, object]) -> str:
+        return f"n is {d['n']}"
+
+    monkeypatch.delenv("RANK", raising=False)
+    emit(Result(3), True, text)
+    assert json.loads(capsys.readouterr().out) == {"n": 3}
+    emit({"n": 4}, False, text)
+    assert capsys.readouterr().out == "n is 4\n"
+    monkeypatch.setenv("RANK", "1")  # a non-zero rank under torchrun stays silent
+    emit(Result(5), True, text)
+    emit(Result(5), False, text)
+    assert capsys.readouterr().out == ""

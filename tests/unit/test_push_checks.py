@@ -21,7 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 import ckptools
-from ckptools.cli.main import EXIT_ERROR, EXIT_USAGE, cli
+from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_USAGE
+from ckptools.cli.main import cli
 from ckptools.errors import (
     CheckpointNotFoundError,
     HubAuthError,

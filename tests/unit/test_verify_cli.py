@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 import ckptools
 from ckptools import tunables
-from ckptools.cli.main import EXIT_DIFFERENCES, cli
+from ckptools.cli.exit_codes import EXIT_DIFFERENCES
+from ckptools.cli.main import cli
 from ckptools.errors import UsageError
 from ckptools.verify import scan as scan_module
 
