@@ -37,7 +37,7 @@ _KILLER = textwrap.dedent(
     """
     import os, signal, sys
     import ckptools
-    from ckptools import resume
+    from ckptools.io import resume
 
     record = resume.Journal.record
     count = [0]
