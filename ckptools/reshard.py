@@ -161,14 +161,10 @@ def reshard(
         world_size=world_size, rank_state=rank_state, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
     )  # fmt: skip
-    manifest = read_manifest(src, options.format)
-    if manifest.format != "dcp":
-        raise UsageError(
-            f"{src}: a {manifest.format} checkpoint is not sharded; use `ckpt shard` to make a "
-            "DCP checkpoint from it"
-        )
-    if not options.dry_run:
-        check_writable(out, options.overwrite)
+    manifest = _read_source(
+        src, out, options, ("dcp",), "is not sharded; use `ckpt shard` to make a DCP checkpoint "
+        "from it",
+    )  # fmt: skip
     plans, rank_items = _plan_parts(manifest, options)
     copied = []
     for name in manifest.aux_files:
@@ -195,6 +191,18 @@ def reshard(
         checksums=CHECKSUM_FILE in manifest.aux_files,
     )  # fmt: skip
     return run.execute({"rank_state": options.rank_state, "copied": run.copied})
+
+
+def _read_source(
+    src: str, out: str, options: ReshardOptions, formats: tuple[str, ...], otherwise: str
+) -> Manifest:
+    """The source's manifest (read once), refused unless in one of ``formats``; OUT checked."""
+    manifest = read_manifest(src, options.format)
+    if manifest.format not in formats:
+        raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")
+    if not options.dry_run:
+        check_writable(out, options.overwrite)
+    return manifest
 
 
 def _plan_parts(
@@ -248,13 +256,9 @@ def shard(
         world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
     )  # fmt: skip
-    manifest = read_manifest(src, options.format)
-    if manifest.format not in ("safetensors", "torch_save"):
-        raise UsageError(
-            f"{src}: a {manifest.format} checkpoint is already sharded; use `ckpt reshard`"
-        )
-    if not options.dry_run:
-        check_writable(out, options.overwrite)
+    manifest = _read_source(
+        src, out, options, ("safetensors", "torch_save"), "is already sharded; use `ckpt reshard`"
+    )
     path = tuple(p for p in prefix.split(".") if p)
     names = {f"{prefix}{fqn}": fqn for fqn in manifest.tensors}
     paths = {f"{prefix}{fqn}": (*path, fqn) for fqn in manifest.tensors}

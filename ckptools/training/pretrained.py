@@ -181,6 +181,19 @@ def _manifest(metadata: Metadata, plans: Sequence[SavePlan], out: str) -> Manife
     )
 
 
+def _save_plan(
+    model: nn.Module, ranks: Ranks, out: str
+) -> tuple[DefaultSavePlanner, list[SavePlan], Manifest]:
+    """The plan ``dcp.save`` would make (same items, same order, same owner of replicated
+    tensors), and the checkpoint it describes as a manifest. Collective: the ranks all-gather
+    their local plans (metadata only)."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_to_save(model), storage_meta=None, is_coordinator=ranks.is_root)
+    all_plans = ranks.from_all(planner.create_local_plan, "save_pretrained")
+    global_plans, metadata = planner.create_global_plan(all_plans)
+    return planner, global_plans, _manifest(metadata, global_plans, out)
+
+
 def _prepare_files(
     model: nn.Module, config: str | None, tmp: str, out: str
 ) -> tuple[tuple[str, ...], bool | None]:
@@ -379,12 +392,7 @@ def save_pretrained(
         max_shard_size=max_shard_size, dtype=dtype, config=config, overwrite=overwrite
     )
     ranks = _ranks()
-    # The plan dcp.save would make: same items, same order, same owner of replicated tensors.
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(state_to_save(model), storage_meta=None, is_coordinator=ranks.is_root)
-    all_plans = ranks.from_all(planner.create_local_plan, "save_pretrained")
-    global_plans, metadata = planner.create_global_plan(all_plans)
-    manifest = _manifest(metadata, global_plans, out)
+    planner, global_plans, manifest = _save_plan(model, ranks, out)
 
     planned: list[Export] = []  # rank 0 plans while preparing; the other ranks after
 
