@@ -1,11 +1,13 @@
 """``ckptools.consolidate``: any supported checkpoint → a Hugging Face safetensors model directory.
 
-Reads the manifest, picks the tensors to export (the model part by default) under their own FQNs,
-plans the output files (:mod:`ckptools.plan.safetensors`), moves the bytes
-(:mod:`ckptools.engine.executor`) into a
+Validates the options once (:class:`ConsolidateOptions`), reads the manifest once, picks the
+tensors to export (the model part by default) under their own FQNs and plans the output files
+(:func:`plan_export`, which :func:`ckptools.save_pretrained` shares, over
+:mod:`ckptools.plan.safetensors`), moves the bytes (:mod:`ckptools.engine.executor`) into a
 temporary directory beside OUT, copies the model's config and tokenizer files, writes the index
-last and renames the directory into place. Tensors are never materialised unless a dtype cast or
-a strided chunk asks for torch, so memory stays bounded whatever the model size.
+last (:func:`write_index`) and renames the directory into place. Tensors are never materialised
+unless a dtype cast or a strided chunk asks for torch, so memory stays bounded whatever the model
+size.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Per-rank state that cannot be split (RNG state files ``rng_state_<r>.pth`` /
 ``random_states_<r>.pkl``, torchtitan's ``dataloader.dp_rank_<r>`` entries) follows the
 ``rank_state`` policy: ``keep`` carries it over unchanged (ranks that did not exist before have
 none, and the result lists what was kept), ``drop`` leaves it out. Either way it is reported.
+
+The source is read once: its manifest gives each DCP directory as a part (with its own
+manifest) and the files beside the data (``aux_files``), found in the layout's one walk; the
+options are validated once (:class:`ReshardOptions`).
 """
 
 from __future__ import annotations

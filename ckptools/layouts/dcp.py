@@ -59,11 +59,6 @@ def _tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
         raise CorruptCheckpointError(f"{where}: {what} holds a non-integer") from e
 
 
-def load_metadata(path: str) -> Any:
-    """Read a DCP ``.metadata`` file through the allowlist; returns the ``Metadata`` stand-in."""
-    return parse_metadata(_metadata_bytes(path), path)
-
-
 def _metadata_bytes(path: str) -> bytes:
     try:
         return read_marker(path)
