@@ -1,11 +1,13 @@
 """``ckptools.consolidate``: any supported checkpoint → a Hugging Face safetensors model directory.
 
-Reads the manifest, picks the tensors to export (the model part by default) under their own FQNs,
-plans the output files (:mod:`ckptools.plan.safetensors`), moves the bytes
-(:mod:`ckptools.engine.executor`) into a
+Validates the options once (:class:`ConsolidateOptions`), reads the manifest once, picks the
+tensors to export (the model part by default) under their own FQNs and plans the output files
+(:func:`plan_export`, which :func:`ckptools.save_pretrained` shares, over
+:mod:`ckptools.plan.safetensors`), moves the bytes (:mod:`ckptools.engine.executor`) into a
 temporary directory beside OUT, copies the model's config and tokenizer files, writes the index
-last and renames the directory into place. Tensors are never materialised unless a dtype cast or
-a strided chunk asks for torch, so memory stays bounded whatever the model size.
+last (:func:`write_index`) and renames the directory into place. Tensors are never materialised
+unless a dtype cast or a strided chunk asks for torch, so memory stays bounded whatever the model
+size.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import os
 import resource
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -77,6 +79,70 @@ _INPUT_EMBEDDINGS = (
 _COMPARE_BLOCK_BYTES = 4 * 2**20
 
 CastDType = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    """What goes into a model directory and how it is cut: the options :func:`consolidate` and
+    :func:`ckptools.save_pretrained` share, validated once, on construction.
+
+    Attributes:
+        max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"``, ``"2GiB"`` or bytes.
+        dtype: cast floating tensors to this dtype (other tensors are kept as stored).
+        select: export this key sub-tree instead of the model (see :func:`select_tensors`).
+        strip_prefix: remove this prefix from output names.
+        config: a ``config.json`` file or a directory with config and tokenizer files.
+        overwrite: replace an existing output directory.
+        max_shard_bytes: ``max_shard_size`` in bytes (derived).
+
+    Raises:
+        UsageError: a bad size or dtype.
+    """
+
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+    dtype: CastDType | None = None
+    select: str | None = None
+    strip_prefix: str | None = None
+    config: str | None = None
+    overwrite: bool = False
+    max_shard_bytes: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
+        if self.dtype is not None and (
+            not dtypes.is_dtype_name(self.dtype) or not dtypes.dtype(self.dtype).is_floating
+        ):
+            raise UsageError(f"--dtype {self.dtype!r}: choose bfloat16, float16 or float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsolidateOptions(ExportOptions):
+    """Every option of :func:`consolidate` (the CLI's options have the same names).
+
+    Attributes:
+        dry_run: plan only; write nothing.
+        workers: copy threads as given (None: :func:`ckptools.tunables.workers`).
+        memory_budget: copy buffers as given (None: :func:`ckptools.tunables.memory_budget`).
+        format: force the source layout instead of detecting it.
+        quiet: no progress bar.
+        distributed: split the copy over the ranks of a job (:mod:`ckptools.collective`).
+        worker_count: the copy threads, resolved (derived).
+        memory_budget_bytes: the copy buffers' bytes, resolved (derived).
+    """
+
+    dry_run: bool = False
+    workers: int | None = None
+    memory_budget: str | int | None = None
+    format: str | None = None
+    quiet: bool = False
+    distributed: bool = True
+    worker_count: int = field(init=False, repr=False)
+    memory_budget_bytes: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "worker_count", tunables.workers(self.workers))
+        object.__setattr__(self, "memory_budget_bytes", tunables.memory_budget(self.memory_budget))
 
 
 @dataclass(frozen=True)
@@ -301,6 +367,57 @@ def _same_written_bytes(out_dir: str, plan: ConsolidationPlan, a: str, b: str) -
     return True
 
 
+@dataclass(frozen=True)
+class Export:
+    """What a model directory gets: the plan, and how the tensors were chosen.
+
+    Attributes:
+        names: output name → stored FQN of the tensors written.
+        dropped: ``(dropped, kept)`` tied weights left out (the config ties them).
+        candidates: ``(output, input)`` embedding pairs a model may tie (:func:`tied_candidates`).
+        plan: the files and their tensors.
+    """
+
+    names: dict[str, str]
+    dropped: tuple[tuple[str, str], ...]
+    candidates: tuple[tuple[str, str], ...]
+    plan: ConsolidationPlan
+
+
+def plan_export(manifest: Manifest, options: ExportOptions, tie: bool | None) -> Export:
+    """Choose the tensors to write and plan the files: the one front half of :func:`consolidate`
+    and :func:`ckptools.save_pretrained`, so that both write the same directory.
+
+    Args:
+        manifest: the checkpoint (or, for ``save_pretrained``, what ``dcp.save`` would write).
+        options: selection, shard size and dtype.
+        tie: the config's ``tie_word_embeddings`` (:func:`tie_setting`); when true the output
+            embedding is left out, as transformers re-ties it to the input embedding on load.
+    """
+    names = select_tensors(manifest, options.select, options.strip_prefix)
+    candidates = tuple(tied_candidates(names, manifest))
+    dropped: list[tuple[str, str]] = []
+    if tie:
+        for o, i in candidates:
+            if o in names:
+                dropped.append((o, i))
+                del names[o]
+    plan = plan_consolidation(
+        manifest, names, max_shard_size=options.max_shard_bytes, dtype=options.dtype
+    )
+    return Export(names=names, dropped=tuple(dropped), candidates=candidates, plan=plan)
+
+
+def write_index(directory: str, plan: ConsolidationPlan) -> None:
+    """Write the index of a sharded model directory, durably (nothing for a single file).
+
+    The index commits a sharded model directory: call it last, after every shard is written.
+    """
+    if plan.index is not None:
+        index = (json.dumps(plan.index, indent=2) + "\n").encode()
+        write_file_synced(storage.join(directory, INDEX_NAME), index)
+
+
 @storage.accepts_storage_options
 def consolidate(
     src: str,
@@ -363,147 +480,145 @@ def consolidate(
         [{'name': 'model.safetensors', 'bytes': 2013265992, 'tensors': 201}]
     """
     started = time.perf_counter()
-    limit = parse_size(max_shard_size)
-    if dtype is not None and (
-        not dtypes.is_dtype_name(dtype) or not dtypes.dtype(dtype).is_floating
-    ):
-        raise UsageError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32")
-    n_workers = tunables.workers(workers)
-    budget = tunables.memory_budget(memory_budget)
+    options = ConsolidateOptions(
+        max_shard_size=max_shard_size, dtype=dtype, select=select, strip_prefix=strip_prefix,
+        config=config, overwrite=overwrite, dry_run=dry_run, workers=workers,
+        memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
+    )  # fmt: skip
     out = out.rstrip("/") or out
-    check_writable(out, overwrite)
+    check_writable(out, options.overwrite)
+    run = _Run.planned(src, out, options, started)
+    if options.dry_run:
+        return run.result(0)
+    ranks = collective.current(options.distributed)
+    if ranks.world_size > 1:
+        run.notes.append(f"written by {ranks.world_size} ranks")
+        tied = _write_distributed(ranks, run)
+        return run.result(run.export.plan.bytes_to_write, tied)
+    written, tied = _write_resumable(run)
+    return run.result(written, tied)
 
-    manifest = read_manifest(src, format)
-    names = select_tensors(manifest, select, strip_prefix)
-    model_files = find_model_files(src, config)
-    tie = tie_setting(model_files)
-    notes: list[str] = []
-    dropped: list[tuple[str, str]] = []
-    candidates = tied_candidates(names, manifest)
-    if tie:
-        for o, i in candidates:
-            if o in names:
-                dropped.append((o, i))
-                del names[o]
-        # transformers re-ties lm_head to the input embedding on load, as the config says.
-    skipped = sum(1 for _ in manifest.objects)
-    if dtype is not None:
-        notes.append(f"floating tensors cast to {dtype}; others kept as stored")
-    plan = plan_consolidation(manifest, names, max_shard_size=limit, dtype=dtype)
-    cast = sum(1 for t in plan.tensors if t.is_cast)
+
+@dataclass(frozen=True)
+class _Run:
+    """One consolidation, planned: what every writing step and the result need."""
+
+    src: str
+    out: str
+    options: ConsolidateOptions
+    manifest: Manifest
+    model_files: list[tuple[str, str]]  # (source path, name in OUT)
+    tie: bool | None
+    export: Export
+    started: float
+    notes: list[str]  # grows as the run goes (ranks, resumed files, tied weights)
+
+    @classmethod
+    def planned(cls, src: str, out: str, options: ConsolidateOptions, started: float) -> _Run:
+        """Read the source once, find the model files, choose the tensors and plan the files."""
+        manifest = read_manifest(src, options.format)
+        model_files = find_model_files(src, options.config)
+        tie = tie_setting(model_files)
+        export = plan_export(manifest, options, tie)
+        notes = []
+        if options.dtype is not None:
+            notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
+        return cls(
+            src=src, out=out, options=options, manifest=manifest, model_files=model_files,
+            tie=tie, export=export, started=started, notes=notes,
+        )  # fmt: skip
+
+    @property
+    def copied(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self.model_files)
 
     def result(
-        bytes_written: int, tied: tuple[tuple[str, str], ...], copied: tuple[str, ...]
+        self, bytes_written: int, tied: tuple[tuple[str, str], ...] = ()
     ) -> ConsolidateResult:
+        plan = self.export.plan
         return ConsolidateResult(
-            src=src,
-            out=out,
-            layout=manifest.layout,
+            src=self.src,
+            out=self.out,
+            layout=self.manifest.layout,
             plan=plan,
             tensors=sum(len(f.tensors) for f in plan.files),
             bytes_written=bytes_written,
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - self.started,
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            dry_run=dry_run,
-            dtype=dtype,
-            cast_tensors=cast,
-            workers=n_workers,
-            dropped=tuple(dropped),
+            dry_run=self.options.dry_run,
+            dtype=self.options.dtype,
+            cast_tensors=sum(1 for t in plan.tensors if t.is_cast),
+            workers=self.options.worker_count,
+            dropped=self.export.dropped,
             tied=tied,
-            config_files=copied,
-            skipped_objects=skipped,
-            notes=tuple(notes) + tuple(manifest.notes),
+            config_files=self.copied,
+            skipped_objects=len(self.manifest.objects),
+            notes=tuple(self.notes) + tuple(self.manifest.notes),
         )
 
-    if dry_run:
-        return result(0, (), tuple(name for _, name in model_files))
-
-    copied = tuple(name for _, name in model_files)
-
-    def finish(tmp: str) -> tuple[tuple[str, str], ...]:
+    def finish(self, tmp: str) -> tuple[tuple[str, str], ...]:
         """After every byte is written: tied-weight check, model files, index, rename."""
         tied: list[tuple[str, str]] = []
-        if not tie:
-            for o, i in candidates:
-                same = _same_storage(manifest, names[o], names[i])
+        names, plan = self.export.names, self.export.plan
+        if not self.tie:
+            for o, i in self.export.candidates:
+                same = _same_storage(self.manifest, names[o], names[i])
                 if same or _same_written_bytes(tmp, plan, o, i):
                     tied.append((o, i))
             if tied:
-                notes.append(
+                self.notes.append(
                     "tied weights written twice (no config sets tie_word_embeddings): "
                     + ", ".join(f"{a} = {b}" for a, b in tied)
                 )
-        for path, name in model_files:
+        for path, name in self.model_files:
             copy_into(path, storage.join(tmp, name))
-        if plan.index is not None:
-            # The index commits a sharded model directory: written last, after every shard.
-            index = (json.dumps(plan.index, indent=2) + "\n").encode()
-            write_file_synced(storage.join(tmp, INDEX_NAME), index)
+        write_index(tmp, plan)
         fsync_dir(tmp)
-        commit(tmp, out, overwrite)
+        commit(tmp, self.out, self.options.overwrite)
         return tuple(tied)
 
-    ranks = collective.current(distributed)
-    if ranks.world_size > 1:
-        notes.append(f"written by {ranks.world_size} ranks")
-        tied = _write_distributed(
-            ranks,
-            plan,
-            manifest,
-            out,
-            overwrite,
-            finish,
-            workers=n_workers,
-            memory_budget=budget,
-            quiet=quiet or not ranks.is_root,
-        )
-        return result(plan.bytes_to_write, tied, copied)
 
-    # Resumable: an interrupted run of this same conversion left files that are kept.
+def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
+    """This process writes everything into a staging directory that an interrupted run of the
+    same conversion left (its complete files are kept), or a new one; then finishes."""
+    plan, options = run.export.plan, run.options
     identity = fingerprint(
-        "consolidate", manifest,
-        {"files": [(f.name, f.size) for f in plan.files], "index": plan.index, "tie": tie,
-         "copied": copied, "names": names},
+        "consolidate", run.manifest,
+        {"files": [(f.name, f.size) for f in plan.files], "index": plan.index, "tie": run.tie,
+         "copied": run.copied, "names": run.export.names},
     )  # fmt: skip
-    tmp = resumable_staging(out, identity)
+    tmp = resumable_staging(run.out, identity)
     try:
         journal = Journal.open(tmp, identity)
         sizes = {f.name: f.size for f in plan.files}
         kept = {f.name for f in plan.files if journal.is_done(f.name)}
         if kept:
-            notes.append(f"resumed: {len(kept)} file(s) written by an interrupted run were kept")
+            run.notes.append(
+                f"resumed: {len(kept)} file(s) written by an interrupted run were kept"
+            )
         stats = execute(
-            plan, manifest, tmp, workers=n_workers, memory_budget=budget, quiet=quiet, skip=kept,
+            plan, run.manifest, tmp, workers=options.worker_count,
+            memory_budget=options.memory_budget_bytes, quiet=options.quiet, skip=kept,
             on_file_done=lambda name: journal.record(name, size=sizes[name]),
         )  # fmt: skip
         journal.discard()  # never part of the model directory
-        tied = finish(tmp)
+        tied = run.finish(tmp)
     except BaseException as e:
         discard(tmp, e)
         raise
-    return result(stats.bytes_written, tied, copied)
+    return stats.bytes_written, tied
 
 
-def _write_distributed(
-    ranks: Ranks,
-    plan: ConsolidationPlan,
-    manifest: Manifest,
-    out: str,
-    overwrite: bool,
-    finish: Callable[[str], tuple[tuple[str, str], ...]],
-    *,
-    workers: int,
-    memory_budget: int,
-    quiet: bool,
-) -> tuple[tuple[str, str], ...]:
+def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
     """Every rank copies its share of the chunks; rank 0 creates the files first and commits last.
 
     Called by every rank, in the same order (:mod:`ckptools.collective`): rank 0 creates the
     temporary directory and every file (headers written, final sizes) and hands out its name;
     every rank copies the chunks of its byte share (:func:`ckptools.engine.executor.share_of`) and
-    fsyncs; once all have, rank 0 runs ``finish`` (model files, index last, rename). On any
-    rank's failure rank 0 removes the temporary directory and every rank raises.
+    fsyncs; once all have, rank 0 runs :meth:`_Run.finish` (model files, index last, rename). On
+    any rank's failure rank 0 removes the temporary directory and every rank raises.
     """
+    plan, options, out = run.export.plan, run.options, run.out
     if storage.is_url(out):
         # Every rank decides alike, before any collective: an object cannot take byte ranges
         # written by several processes.
@@ -513,7 +628,7 @@ def _write_distributed(
         )
 
     def prepare() -> str:
-        check_writable(out, overwrite)
+        check_writable(out, options.overwrite)
         made = make_tmp_dir(out)
         try:
             create_files(plan, made)
@@ -525,8 +640,9 @@ def _write_distributed(
     with ranks.staged(prepare, discard, "consolidate") as tmp:
         share = (ranks.rank, ranks.world_size)
         ranks.from_all(
-            lambda: execute(plan, manifest, tmp, workers=workers, memory_budget=memory_budget,
-                            quiet=quiet, share=share),
+            lambda: execute(plan, run.manifest, tmp, workers=options.worker_count,
+                            memory_budget=options.memory_budget_bytes,
+                            quiet=options.quiet or not ranks.is_root, share=share),
             "consolidate",
         )  # fmt: skip
-        return ranks.from_root(lambda: finish(tmp), "consolidate")
+        return ranks.from_root(lambda: run.finish(tmp), "consolidate")

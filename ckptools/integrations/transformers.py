@@ -26,6 +26,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ckptools import collective
 from ckptools.consolidate import DEFAULT_MAX_SHARD_SIZE, CastDType, ConsolidateResult, consolidate
 from ckptools.hub import PushResult, push_to_hub
 
@@ -36,15 +37,6 @@ log = logging.getLogger(__name__)
 #: The DCP directory accelerate's ``save_fsdp_model`` writes for the first model, which the
 #: Trainer calls for ``SHARDED_STATE_DICT``; its presence means the checkpoint is sharded.
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
-
-
-def _group() -> Any:
-    """``torch.distributed`` when a process group of more than one rank is initialised."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
 
 
 class CkptoolsCallback(TrainerCallback):  # type: ignore[misc]
@@ -128,13 +120,10 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc]
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Every rank: consolidate the checkpoint just saved, if it is an FSDP sharded one."""
         checkpoint = self.checkpoint_dir(args, state)
-        sharded = os.path.isdir(os.path.join(checkpoint, FSDP_MODEL_DIR))
-        dist = _group()
-        if dist is not None:
-            # Every rank must take the same branch: consolidate is collective.
-            decision = [sharded]
-            dist.broadcast_object_list(decision, src=0)
-            sharded = bool(decision[0])
+        seen = os.path.isdir(os.path.join(checkpoint, FSDP_MODEL_DIR))
+        ranks = collective.current()
+        # Every rank must take rank 0's branch: consolidate is collective.
+        sharded = ranks.from_root(lambda: seen, "CkptoolsCallback")
         if not sharded:
             log.debug("%s: no %s/, nothing to consolidate", checkpoint, FSDP_MODEL_DIR)
             return
@@ -152,8 +141,7 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc]
                 overwrite=self.overwrite,
                 quiet=True,
             )
-        rank0 = dist.get_rank() == 0 if dist is not None else True
-        if rank0 and getattr(state, "is_world_process_zero", True):
+        if ranks.is_root and getattr(state, "is_world_process_zero", True):
             log.info("consolidated %s into %s", checkpoint, out)
             if self.push_to_hub is not None:
                 self._start_push(out, checkpoint)

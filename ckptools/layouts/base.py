@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import xxhash
 
 from ckptools.core.manifest import Manifest
 from ckptools.errors import CheckpointNotFoundError, UnknownFormatError
+from ckptools.io import storage
 
 
 class Layout(ABC):
@@ -52,8 +57,6 @@ def detect(path: str, format: str | None = None) -> Layout:
         CheckpointNotFoundError: ``path`` does not exist.
         UnknownFormatError: no layout matched; the message lists each layout's reason.
     """
-    from ckptools.io import storage
-
     if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     if format is not None:
@@ -82,5 +85,47 @@ def detect(path: str, format: str | None = None) -> Layout:
 
 
 def read_manifest(path: str, format: str | None = None) -> Manifest:
-    """Detect the layout of ``path`` and read its :class:`~ckptools.core.manifest.Manifest`."""
-    return detect(path, format).read_manifest(path)
+    """Detect the layout of ``path`` and read its :class:`~ckptools.core.manifest.Manifest`.
+
+    Each marker file is read from storage once, even when a probe looked inside it first
+    (:func:`read_marker`).
+    """
+    with _markers_read_once():
+        return detect(path, format).read_manifest(path)
+
+
+#: Marker bytes a probe read during the current :func:`read_manifest`, kept for the layout's
+#: own read of the same file (torchtitan's probe looks for its key inside DCP ``.metadata``).
+_PEEKED: ContextVar[dict[str, bytes] | None] = ContextVar("ckptools_peeked_markers", default=None)
+
+
+@contextmanager
+def _markers_read_once() -> Iterator[None]:
+    token = _PEEKED.set({})
+    try:
+        yield
+    finally:
+        _PEEKED.reset(token)
+
+
+def read_marker(path: str, *, peek: bool = False) -> bytes:
+    """The bytes of the marker file ``path`` (e.g. a DCP ``.metadata``).
+
+    Inside :func:`read_manifest` a file is read from storage once: a probe passes ``peek`` to
+    keep the bytes for the layout that parses them, whose own read takes (and frees) them.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    peeked = _PEEKED.get()
+    if peeked is not None and path in peeked:
+        return peeked[path] if peek else peeked.pop(path)
+    data = storage.read_bytes(path)
+    if peek and peeked is not None:
+        peeked[path] = data
+    return data
+
+
+def digest(data: bytes) -> str:
+    """The digest a manifest records for a marker's bytes (:attr:`Manifest.marker_digests`)."""
+    return xxhash.xxh3_128_hexdigest(data)

@@ -14,11 +14,12 @@ import functools
 import gc
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ckptools.core import dtypes
-from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, Part, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -27,7 +28,7 @@ from ckptools.errors import (
 )
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, register
+from ckptools.layouts.base import Layout, digest, read_marker, register
 
 METADATA_FILE = ".metadata"
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -58,14 +59,17 @@ def _tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
         raise CorruptCheckpointError(f"{where}: {what} holds a non-integer") from e
 
 
-def load_metadata(path: str) -> Any:
-    """Read a DCP ``.metadata`` file through the allowlist; returns the ``Metadata`` stand-in."""
+def _metadata_bytes(path: str) -> bytes:
     try:
-        data = storage.read_bytes(path)
+        return read_marker(path)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(
             f"{path}: missing: the DCP save never committed (or the file was deleted)", path=path
         ) from e
+
+
+def parse_metadata(data: bytes, path: str) -> Any:
+    """The ``Metadata`` stand-in of the ``.metadata`` bytes ``data`` read from ``path``."""
     md = safe_pickle.restricted_loads(data, safe_pickle.METADATA_GLOBALS, source=path)
     if not safe_pickle.is_record(md, ".metadata.Metadata") or not isinstance(
         getattr(md, "state_dict_metadata", None), dict
@@ -74,17 +78,41 @@ def load_metadata(path: str) -> Any:
     return md
 
 
-def read_dcp(root: str, *, subdir: str = "", check_files: bool = True) -> Manifest:
+@dataclass(frozen=True)
+class _Where:
+    """The DCP directory ``root/subdir`` being read; file paths in its manifest are relative to
+    ``root``."""
+
+    root: str
+    subdir: str
+    directory: str
+    meta_path: str
+
+    def rel(self, name: str) -> str:
+        return f"{self.subdir}/{name}" if self.subdir else name
+
+
+def read_dcp(
+    root: str,
+    *,
+    subdir: str = "",
+    check_files: bool = True,
+    listing: Mapping[str, int] | None = None,
+) -> Manifest:
     """Build the manifest of the DCP directory ``root/subdir``; file paths are relative to root.
 
     With ``check_files`` every referenced file must exist and be long enough for every byte range
-    recorded in the metadata (one ``stat`` per file).
+    recorded in the metadata (one ``stat`` per file). ``listing`` (relative path -> size of the
+    files below ``root/subdir``, from a walk the caller already made) spares listing again.
     """
     directory = storage.join(root, subdir) if subdir else root
-    meta_path = storage.join(directory, METADATA_FILE)
+    where = _Where(root, subdir, directory, storage.join(directory, METADATA_FILE))
+    data = _metadata_bytes(where.meta_path)
+    marker_digest = digest(data)
     with _gc_paused():
-        md = load_metadata(meta_path)
-        return _build_checked(md, root, subdir, directory, meta_path, check_files)
+        md = parse_metadata(data, where.meta_path)
+        del data  # the parse is done; at 878k chunks these bytes are ~100 MB
+        return _build_checked(md, where, check_files, listing, marker_digest)
 
 
 @contextlib.contextmanager
@@ -101,25 +129,81 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _build_checked(
-    md: Any, root: str, subdir: str, directory: str, meta_path: str, check_files: bool
+    md: Any,
+    where: _Where,
+    check_files: bool,
+    listing: Mapping[str, int] | None,
+    marker_digest: str,
 ) -> Manifest:
     try:
-        return _build(md, root, subdir, directory, meta_path, check_files)
+        return _build(md, where, check_files, listing, marker_digest)
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         if isinstance(e, CorruptCheckpointError):
             raise
         raise CorruptCheckpointError(
-            f"{meta_path}: malformed DCP metadata ({type(e).__name__}: {e})", path=meta_path
+            f"{where.meta_path}: malformed DCP metadata ({type(e).__name__}: {e})",
+            path=where.meta_path,
         ) from e
 
 
 def _build(
-    md: Any, root: str, subdir: str, directory: str, meta_path: str, check_files: bool
+    md: Any,
+    where: _Where,
+    check_files: bool,
+    listing: Mapping[str, int] | None,
+    marker_digest: str,
 ) -> Manifest:
+    chunk_locs, object_locs, transforms = _storage_index(md, where.meta_path)
+    extents: dict[str, int] = {}  # file name in the directory -> end of its last recorded item
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    file_of: dict[str, tuple[str, int | None]] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if safe_pickle.is_record(item, "BytesStorageMetadata"):
+            objects[fqn] = _object_entry(fqn, object_locs.get(fqn), where, extents)
+        elif safe_pickle.is_record(item, "TensorStorageMetadata"):
+            tensors[fqn] = _tensor_entry(fqn, item, chunk_locs, where, extents, file_of)
+        else:
+            raise CorruptCheckpointError(
+                f"{where.meta_path}: entry {fqn!r} is neither tensor nor bytes",
+                path=where.meta_path,
+                fqn=fqn,
+            )
+    files = _data_files(where, extents, check_files, listing)
+    ranks = [r for r in (rank_of(n) for n in files) if r is not None]
+    paths = {}
+    for fqn, p in (getattr(md, "planner_data", None) or {}).items():
+        if isinstance(p, tuple | list):
+            paths[fqn] = tuple(str(x) for x in p)
+    storage_meta = getattr(md, "storage_meta", None)
+    details: dict[str, Any] = {
+        "dcp_version": getattr(md, "version", None),
+        "save_id": getattr(storage_meta, "save_id", None) if storage_meta is not None else None,
+    }
+    if transforms:
+        details["transforms"] = transforms
+    marker = where.rel(METADATA_FILE)
+    return Manifest(
+        root=where.root,
+        format="dcp",
+        layout="dcp",
+        tensors=tensors,
+        objects=objects,
+        files=files,
+        world_size=max(ranks) + 1 if ranks else None,
+        paths=paths,
+        markers=(marker,),
+        details=details,
+        data_root=where.root,
+        marker_digests={marker: marker_digest},
+    )
 
-    def rel(name: str) -> str:
-        return f"{subdir}/{name}" if subdir else name
 
+def _storage_index(
+    md: Any, meta_path: str
+) -> tuple[dict[tuple[str, tuple[int, ...]], Any], dict[str, Any], dict[str, list[str]]]:
+    """Where each chunk (by FQN and offsets) and each object is stored, and the FQNs stored
+    through DCP storage extensions (with their transform descriptors)."""
     chunk_locs: dict[tuple[str, tuple[int, ...]], Any] = {}
     object_locs: dict[str, Any] = {}
     transforms: dict[str, list[str]] = {}
@@ -135,69 +219,89 @@ def _build(
             object_locs[fqn] = info
         else:
             chunk_locs[(fqn, tuple(index.offset))] = info
+    return chunk_locs, object_locs, transforms
 
-    tensors: dict[str, TensorEntry] = {}
-    objects: dict[str, ObjectEntry] = {}
-    extents: dict[str, int] = {}
-    file_of: dict[str, tuple[str, int | None]] = {}
-    for fqn, item in md.state_dict_metadata.items():
-        if safe_pickle.is_record(item, "BytesStorageMetadata"):
-            info = object_locs.get(fqn)
-            if info is None:
-                raise CorruptCheckpointError(
-                    f"{meta_path}: object {fqn!r} has no storage entry", path=meta_path, fqn=fqn
-                )
-            objects[fqn] = ObjectEntry(
-                fqn, rel(info.relative_path), int(info.offset), int(info.length), "torch_save"
-            )
-            extents[info.relative_path] = max(
-                extents.get(info.relative_path, 0), int(info.offset) + int(info.length)
-            )
-            continue
-        if not safe_pickle.is_record(item, "TensorStorageMetadata"):
+
+def _object_entry(fqn: str, info: Any, where: _Where, extents: dict[str, int]) -> ObjectEntry:
+    if info is None:
+        raise CorruptCheckpointError(
+            f"{where.meta_path}: object {fqn!r} has no storage entry",
+            path=where.meta_path,
+            fqn=fqn,
+        )
+    end = int(info.offset) + int(info.length)
+    extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    return ObjectEntry(
+        fqn=fqn,
+        file=where.rel(info.relative_path),
+        offset=int(info.offset),
+        length=int(info.length),
+        encoding="torch_save",
+    )
+
+
+def _tensor_entry(
+    fqn: str,
+    item: Any,
+    chunk_locs: Mapping[tuple[str, tuple[int, ...]], Any],
+    where: _Where,
+    extents: dict[str, int],
+    file_of: dict[str, tuple[str, int | None]],
+) -> TensorEntry:
+    meta_path = where.meta_path
+    dtype = _dtype_of(item.properties, fqn, meta_path)
+    shape = _tuple(item.size, f"shape of {fqn!r}", meta_path)
+    chunks = []
+    for cm in item.chunks or ():
+        offsets = _tuple(cm.offsets, f"chunk offsets of {fqn!r}", meta_path)
+        info = chunk_locs.get((fqn, offsets))
+        if info is None:
             raise CorruptCheckpointError(
-                f"{meta_path}: entry {fqn!r} is neither tensor nor bytes", path=meta_path, fqn=fqn
+                f"{meta_path}: chunk at {list(offsets)} of {fqn!r} has no storage entry",
+                path=meta_path,
+                fqn=fqn,
             )
-        dtype = _dtype_of(item.properties, fqn, meta_path)
-        shape = _tuple(item.size, f"shape of {fqn!r}", meta_path)
-        chunks = []
-        for cm in item.chunks or ():
-            offsets = _tuple(cm.offsets, f"chunk offsets of {fqn!r}", meta_path)
-            info = chunk_locs.get((fqn, offsets))
-            if info is None:
-                raise CorruptCheckpointError(
-                    f"{meta_path}: chunk at {list(offsets)} of {fqn!r} has no storage entry",
-                    path=meta_path,
-                    fqn=fqn,
-                )
-            name = info.relative_path
-            where = file_of.get(name)
-            if where is None:
-                where = file_of[name] = (rel(name), rank_of(name))
-            end = info.offset + info.length
-            if end > extents.get(name, 0):
-                extents[name] = end
-            # Positional construction: this loop runs once per chunk (millions at scale).
-            chunks.append(
-                Chunk(
-                    offsets,
-                    _tuple(cm.sizes, f"chunk sizes of {fqn!r}", meta_path),
-                    where[0],
-                    info.offset,
-                    info.length,
-                    "torch_save",
-                    where[1],
-                )
+        name = info.relative_path
+        file = file_of.get(name)
+        if file is None:
+            file = file_of[name] = (where.rel(name), rank_of(name))
+        end = info.offset + info.length
+        if end > extents.get(name, 0):
+            extents[name] = end
+        # Positional construction: this loop runs once per chunk (millions at scale).
+        chunks.append(
+            Chunk(
+                offsets,
+                _tuple(cm.sizes, f"chunk sizes of {fqn!r}", meta_path),
+                file[0],
+                info.offset,
+                info.length,
+                "torch_save",
+                file[1],
             )
-        tensors[fqn] = TensorEntry(fqn, dtypes.canonical(dtype), shape, tuple(chunks))
+        )
+    return TensorEntry(fqn, dtypes.canonical(dtype), shape, tuple(chunks))
 
-    files: dict[str, FileInfo] = {}
-    if storage.is_url(directory):
+
+def _data_files(
+    where: _Where, extents: Mapping[str, int], check_files: bool, listing: Mapping[str, int] | None
+) -> dict[str, FileInfo]:
+    """Every ``.distcp`` file of the directory and every file the metadata refers to, with its
+    size; with ``check_files`` each must exist and hold every recorded byte range."""
+    directory, meta_path = where.directory, where.meta_path
+    if listing is not None:
+        present = dict(listing)
+        listed = {n for n in present if n.endswith(".distcp") and "/" not in n}
+        unseen = [n for n in extents if n not in present]
+        if unseen and not storage.is_url(directory):
+            present.update(storage.file_sizes(directory, unseen))  # a name outside the walk
+    elif storage.is_url(directory):
         present = storage.file_sizes(directory)  # one listing, not a request per rank file
         listed = {n for n in present if n.endswith(".distcp")}
     else:
         listed = {n for n in _listdir(directory) if n.endswith(".distcp")}
         present = storage.file_sizes(directory, sorted(set(extents) | listed))
+    files: dict[str, FileInfo] = {}
     for name in sorted(set(extents) | listed):
         full = storage.join(directory, name)
         size: int | None = present.get(name)
@@ -214,32 +318,82 @@ def _build(
                 path=full,
                 rank=rank_of(name),
             )
-        files[rel(name)] = FileInfo(rel(name), size, rank_of(name))
+        files[where.rel(name)] = FileInfo(where.rel(name), size, rank_of(name))
+    return files
 
-    ranks = [r for r in (rank_of(n) for n in files) if r is not None]
-    paths = {}
-    for fqn, p in (getattr(md, "planner_data", None) or {}).items():
-        if isinstance(p, tuple | list):
-            paths[fqn] = tuple(str(x) for x in p)
-    storage_meta = getattr(md, "storage_meta", None)
-    details: dict[str, Any] = {
-        "dcp_version": getattr(md, "version", None),
-        "save_id": getattr(storage_meta, "save_id", None) if storage_meta is not None else None,
-    }
-    if transforms:
-        details["transforms"] = transforms
+
+def read_dcp_tree(
+    root: str, subdirs: Sequence[str] = ("",), *, layout: str = "dcp", notes: Sequence[str] = ()
+) -> Manifest:
+    """One manifest over the DCP directories ``subdirs`` of ``root`` (``""``: root itself).
+
+    The tree is walked once: the walk gives each part its file sizes and the manifest its
+    :attr:`~ckptools.core.manifest.Manifest.aux_files`; each part's ``.metadata`` is parsed once
+    and kept as a :class:`~ckptools.core.manifest.Part`.
+    """
+    tree = {rel.replace(os.sep, "/"): size for rel, size in storage.walk_files(root).items()}
+    parts = tuple(
+        Part(subdir=sub, manifest=read_dcp(root, subdir=sub, listing=_below(tree, sub)))
+        for sub in subdirs
+    )
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    files: dict[str, FileInfo] = {}
+    paths: dict[str, tuple[str, ...]] = {}
+    digests: dict[str, str] = {}
+    markers: list[str] = []
+    world_size = None
+    for part in parts:
+        m = part.manifest
+        tensors.update(m.tensors)
+        objects.update(m.objects)
+        files.update(m.files)
+        paths.update(m.paths)
+        digests.update(m.marker_digests)
+        markers.extend(m.markers)
+        if m.world_size is not None:
+            world_size = max(world_size or 0, m.world_size)
     return Manifest(
         root=root,
         format="dcp",
-        layout="dcp",
+        layout=layout,
         tensors=tensors,
         objects=objects,
         files=files,
-        world_size=max(ranks) + 1 if ranks else None,
+        world_size=world_size,
         paths=paths,
-        markers=(rel(METADATA_FILE),),
-        details=details,
+        markers=tuple(markers),
+        notes=tuple(notes),
+        # one DCP directory: its own facts (DCP version, transforms); several: none
+        details=parts[0].manifest.details if len(parts) == 1 else {},
+        data_root=root,
+        parts=parts,
+        aux_files=_aux_files(tree, subdirs),
+        marker_digests=digests,
     )
+
+
+def _below(tree: Mapping[str, int], subdir: str) -> dict[str, int]:
+    """The files of ``tree`` below ``subdir``, relative to it."""
+    if not subdir:
+        return dict(tree)
+    prefix = subdir + "/"
+    return {rel[len(prefix) :]: size for rel, size in tree.items() if rel.startswith(prefix)}
+
+
+def _aux_files(tree: Mapping[str, int], subdirs: Sequence[str]) -> tuple[str, ...]:
+    """Files beside the DCP data that belong to the checkpoint (trainer_state.json, meta.pt...):
+    not in a hidden directory, and not a part's ``.distcp`` data or ``.metadata`` marker (any
+    other file in a DCP directory belongs to the checkpoint too)."""
+    out: list[str] = []
+    for rel in tree:
+        rel_dir, _, name = rel.rpartition("/")
+        if any(d.startswith(".") for d in rel_dir.split("/") if d):
+            continue
+        if rel_dir in subdirs and (name.endswith(".distcp") or name == METADATA_FILE):
+            continue
+        out.append(rel)
+    return tuple(sorted(out))
 
 
 def _listdir(path: str) -> list[str]:
@@ -288,7 +442,7 @@ class DcpLayout(Layout):
         return "no .metadata file"
 
     def read_manifest(self, path: str) -> Manifest:
-        return read_dcp(path)
+        return read_dcp_tree(path)
 
 
 register(DcpLayout())

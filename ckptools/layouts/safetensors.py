@@ -22,7 +22,7 @@ from ckptools.errors import (
     UnsupportedCheckpointError,
 )
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, register
+from ckptools.layouts.base import Layout, digest, read_marker, register
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: transformers' shard names, ``model-00001-of-00003.safetensors``
@@ -127,13 +127,16 @@ def read_safetensors(path: str) -> Manifest:
     if storage.isfile(path):
         root, files = storage.dirname(path), [storage.basename(path)]
         index_name = None
+        digests: dict[str, str] = {}
     else:
         root = path
         index_name = _index_file(path)
         if index_name is not None:
             index_path = storage.join(path, index_name)
             try:
-                index = json.loads(storage.read_bytes(index_path))
+                raw = read_marker(index_path)
+                digests = {index_name: digest(raw)}
+                index = json.loads(raw)
                 weight_map = index["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptCheckpointError(
@@ -148,6 +151,7 @@ def read_safetensors(path: str) -> Manifest:
                         path=storage.join(path, name),
                     )
         else:
+            digests = {}
             files = sorted(n for n in storage.listdir(path) if n.endswith(".safetensors"))
             sharded = [n for n in files if _SHARD_NAME.match(n)]
             if sharded:
@@ -193,6 +197,8 @@ def read_safetensors(path: str) -> Manifest:
         world_size=None,
         markers=(index_name,) if index_name else (),
         details={"metadata": metadata},
+        data_root=root,
+        marker_digests=digests,
     )
 
 

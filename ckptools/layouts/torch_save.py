@@ -22,7 +22,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
-from ckptools.layouts.base import Layout, register
+from ckptools.layouts.base import Layout, digest, read_marker, register
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -123,12 +123,15 @@ def read_torch_save(path: str) -> Manifest:
     if storage.isfile(path):
         root, files = storage.dirname(path), [storage.basename(path)]
         marker: tuple[str, ...] = ()
+        digests: dict[str, str] = {}
     else:
         root = path
         index_path = storage.join(path, BIN_INDEX)
         if storage.exists(index_path):
             try:
-                weight_map = json.loads(storage.read_bytes(index_path))["weight_map"]
+                raw = read_marker(index_path)
+                digests = {BIN_INDEX: digest(raw)}
+                weight_map = json.loads(raw)["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptCheckpointError(f"{index_path}: not a valid index ({e})") from e
@@ -136,6 +139,7 @@ def read_torch_save(path: str) -> Manifest:
         else:
             files = ["pytorch_model.bin"]
             marker = ()
+            digests = {}
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, ObjectEntry] = {}
     paths: dict[str, tuple[str, ...]] = {}
@@ -161,6 +165,8 @@ def read_torch_save(path: str) -> Manifest:
         files=infos,
         paths=paths,
         markers=marker,
+        data_root=root,
+        marker_digests=digests,
     )
 
 

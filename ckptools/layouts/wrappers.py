@@ -15,14 +15,13 @@ merge their manifests (file paths stay relative to the outer directory):
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import replace
 
-from ckptools.core.manifest import FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.core.manifest import Manifest
 from ckptools.errors import IncompleteCheckpointError
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, register
-from ckptools.layouts.dcp import METADATA_FILE, read_dcp
+from ckptools.layouts.base import Layout, read_marker, register
+from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
 from ckptools.layouts.torch_save import read_torch_save_file
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
@@ -49,7 +48,8 @@ def _is_titan_step(path: str) -> bool:
     # state always includes its ``train_state`` Stateful, whose key is found in the metadata
     # bytes without unpickling them.
     try:
-        return b"train_state" in storage.read_bytes(storage.join(path, METADATA_FILE))
+        # peek: the layout that reads this checkpoint parses the same bytes, not read again
+        return b"train_state" in read_marker(storage.join(path, METADATA_FILE), peek=True)
     except (FileNotFoundError, NotADirectoryError):
         return False
 
@@ -60,39 +60,6 @@ def _accelerate_parts(path: str) -> list[str]:
         for n in _listdir(path)
         if (_ACCEL_MODEL.match(n) or _ACCEL_OPTIM.match(n)) and storage.isdir(storage.join(path, n))
     ]
-
-
-def merge(root: str, layout: str, subdirs: Sequence[str], notes: Sequence[str] = ()) -> Manifest:
-    """One manifest over several DCP directories under ``root``."""
-    tensors: dict[str, TensorEntry] = {}
-    objects: dict[str, ObjectEntry] = {}
-    files: dict[str, FileInfo] = {}
-    paths: dict[str, tuple[str, ...]] = {}
-    markers: list[str] = []
-    world_size = None
-    for sub in subdirs:
-        part = read_dcp(root, subdir=sub)
-        tensors.update(part.tensors)
-        objects.update(part.objects)
-        files.update(part.files)
-        paths.update(part.paths)
-        markers.extend(part.markers)
-        if part.world_size is not None:
-            world_size = max(world_size or 0, part.world_size)
-    aux = sorted(n for n in _listdir(root) if n not in subdirs)
-    return Manifest(
-        root=root,
-        format="dcp",
-        layout=layout,
-        tensors=tensors,
-        objects=objects,
-        files=files,
-        world_size=world_size,
-        paths=paths,
-        markers=tuple(markers),
-        notes=tuple(notes),
-        details={"parts": list(subdirs), "aux_files": aux},
-    )
 
 
 def _newest(path: str, pattern: re.Pattern[str], complete: object) -> tuple[str, list[str]] | None:
@@ -136,8 +103,9 @@ class TrainerLayout(Layout):
         return "no trainer_state.json beside pytorch_model_fsdp_*/, and no checkpoint-N/ inside"
 
     def read_manifest(self, path: str) -> Manifest:
-        if _accelerate_parts(path):
-            return merge(path, self.name, _accelerate_parts(path))
+        parts = _accelerate_parts(path)
+        if parts:
+            return read_dcp_tree(path, parts, layout=self.name)
         names = [n for n in _listdir(path) if _TRAINER_CKPT.match(n)]
         found = _newest(
             path,
@@ -151,7 +119,11 @@ class TrainerLayout(Layout):
         chosen, skipped = found
         inner = storage.join(path, chosen)
         return _with_note(
-            merge(inner, self.name, _accelerate_parts(inner)), path, chosen, len(names), skipped
+            read_dcp_tree(inner, _accelerate_parts(inner), layout=self.name),
+            path,
+            chosen,
+            len(names),
+            skipped,
         )
 
 
@@ -168,7 +140,7 @@ class AccelerateLayout(Layout):
         )
 
     def read_manifest(self, path: str) -> Manifest:
-        return merge(path, self.name, _accelerate_parts(path))
+        return read_dcp_tree(path, _accelerate_parts(path), layout=self.name)
 
 
 class LightningLayout(Layout):
@@ -182,7 +154,8 @@ class LightningLayout(Layout):
         return "no DCP .metadata with a meta.pt beside it"
 
     def read_manifest(self, path: str) -> Manifest:
-        manifest = read_dcp(path)
+        # the DCP part alone is what a conversion rewrites; meta.pt is copied (an aux file)
+        manifest = read_dcp_tree(path, layout=self.name)
         with storage.open_reader(path) as reader:
             tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)
         # meta.pt holds the rest of the Lightning checkpoint (epoch, global_step, loops, hparams).
@@ -190,7 +163,6 @@ class LightningLayout(Layout):
         extra_tensors = {f"meta.{t.fqn}": replace(t, fqn=f"meta.{t.fqn}") for t in tensors}
         return replace(
             manifest,
-            layout=self.name,
             tensors={**manifest.tensors, **extra_tensors},
             objects={**manifest.objects, **extra_objects},
             files={**manifest.files, LIGHTNING_META: info},
@@ -220,12 +192,12 @@ class TorchtitanLayout(Layout):
     def read_manifest(self, path: str) -> Manifest:
         base = storage.basename(path)
         if _TITAN_STEP.match(base):
-            return replace(read_dcp(path), layout=self.name)
+            return read_dcp_tree(path, layout=self.name)
         names = [n for n in _listdir(path) if _TITAN_STEP.match(n)]
         found = _newest(path, _TITAN_STEP, _is_dcp)
         assert found is not None
         chosen, skipped = found
-        inner = replace(read_dcp(storage.join(path, chosen)), layout=self.name)
+        inner = read_dcp_tree(storage.join(path, chosen), layout=self.name)
         return _with_note(inner, path, chosen, len(names), skipped)
 
 

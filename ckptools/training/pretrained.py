@@ -10,17 +10,18 @@ gathers the whole model. The output is byte-identical to ``ckpt consolidate`` of
    then gives the checkpoint metadata ``dcp.save`` would write — the same tensor order and the same
    rank for every replicated tensor.
 2. That metadata becomes a torch-free :class:`~ckptools.core.manifest.Manifest`, and
-   :func:`ckptools.plan.safetensors.plan_consolidation` plans the files with consolidate's own key
-   mapping (:func:`ckptools.consolidate.select_tensors`) and tied-weight rule.
+   :func:`ckptools.consolidate.plan_export` (the front half of ``consolidate`` itself: key
+   mapping, tied-weight rule, :func:`ckptools.plan.safetensors.plan_consolidation`) plans the files.
 3. Rank 0 creates the files (final sizes, headers) in ``<out>.tmp-<id>/`` and the config files; each
    rank ``pwrite``\\s the bytes of its own shards at their planned offsets
    (:func:`ckptools.plan.safetensors.runs` maps a shard's box to runs of output elements); after
-   every rank succeeded, rank 0 writes the index last and renames the directory into place.
+   every rank succeeded, rank 0 writes the index last and renames the directory into place
+   (the protocol of :mod:`ckptools.collective`: a failure anywhere removes the directory and
+   raises on every rank).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -36,19 +37,22 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ckptools.collective import Ranks
 from ckptools.consolidate import (
+    DEFAULT_MAX_SHARD_SIZE,
     CastDType,
+    Export,
+    ExportOptions,
     find_model_files,
-    select_tensors,
+    plan_export,
     tie_setting,
-    tied_candidates,
+    write_index,
 )
 from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
-from ckptools.core.sizes import parse_size
 from ckptools.engine.executor import create_files
 from ckptools.engine.runtime import pwrite_all
-from ckptools.errors import CkptError, UsageError
+from ckptools.errors import CkptError
 from ckptools.io import storage
 from ckptools.io.staging import (
     SPOOL_DIR_ENV,
@@ -58,9 +62,8 @@ from ckptools.io.staging import (
     fsync_dir,
     make_tmp_dir,
     upload_dir,
-    write_file_synced,
 )
-from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, plan_consolidation, runs
+from ckptools.plan.safetensors import ConsolidationPlan, runs
 from ckptools.training.state import state_to_save, write_model_config
 
 if TYPE_CHECKING:
@@ -70,8 +73,6 @@ __all__ = ["SavePretrainedResult", "save_pretrained"]
 
 log = logging.getLogger(__name__)
 
-#: transformers' own default for ``save_pretrained`` (the same as ``ckpt consolidate``'s).
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 _TENSOR_ITEMS = (WriteItemType.SHARD, WriteItemType.TENSOR)
 
 
@@ -121,10 +122,12 @@ class SavePretrainedResult:
         }
 
 
-def _rank_and_world() -> tuple[int, int]:
+def _ranks() -> Ranks:
+    """The ranks of the default process group, or this process alone when there is none (a
+    group is never initialised here: the caller's training script owns it)."""
     if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank()), int(dist.get_world_size())
-    return 0, 1
+        return Ranks(rank=int(dist.get_rank()), world_size=int(dist.get_world_size()))
+    return Ranks()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -146,17 +149,50 @@ def _manifest(metadata: Metadata, plans: Sequence[SavePlan], out: str) -> Manife
                 continue
             chunk = item.tensor_data.chunk
             boxes.setdefault(item.index.fqn, []).append(
-                Chunk(tuple(chunk.offsets), tuple(chunk.sizes), "", 0, 0, "raw", rank)
+                Chunk(
+                    offsets=tuple(chunk.offsets),
+                    sizes=tuple(chunk.sizes),
+                    file="",
+                    offset=0,
+                    length=0,
+                    encoding="raw",
+                    rank=rank,
+                )
             )
     tensors: dict[str, TensorEntry] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             tensors[fqn] = TensorEntry(
-                fqn, _dtype_name(md.properties.dtype), tuple(md.size), tuple(boxes.get(fqn, ()))
+                fqn=fqn,
+                dtype=_dtype_name(md.properties.dtype),
+                shape=tuple(md.size),
+                chunks=tuple(boxes.get(fqn, ())),
             )
     planner_data: Mapping[str, Any] = metadata.planner_data or {}
     paths = {fqn: tuple(str(p) for p in planner_data.get(fqn, (fqn,))) for fqn in tensors}
-    return Manifest(out, "dcp", "model", tensors, {}, {}, world_size=len(plans), paths=paths)
+    return Manifest(
+        root=out,
+        format="dcp",
+        layout="model",
+        tensors=tensors,
+        objects={},
+        files={},
+        world_size=len(plans),
+        paths=paths,
+    )
+
+
+def _save_plan(
+    model: nn.Module, ranks: Ranks, out: str
+) -> tuple[DefaultSavePlanner, list[SavePlan], Manifest]:
+    """The plan ``dcp.save`` would make (same items, same order, same owner of replicated
+    tensors), and the checkpoint it describes as a manifest. Collective: the ranks all-gather
+    their local plans (metadata only)."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_to_save(model), storage_meta=None, is_coordinator=ranks.is_root)
+    all_plans = ranks.from_all(planner.create_local_plan, "save_pretrained")
+    global_plans, metadata = planner.create_global_plan(all_plans)
+    return planner, global_plans, _manifest(metadata, global_plans, out)
 
 
 def _prepare_files(
@@ -174,20 +210,6 @@ def _prepare_files(
         with open(os.path.join(tmp, name), "rb") as f:
             os.fsync(f.fileno())
     return tuple(name for _, name in files), tie_setting(files)
-
-
-def _plan(
-    manifest: Manifest, tie: bool | None, limit: int, dtype: str | None
-) -> tuple[ConsolidationPlan, tuple[tuple[str, str], ...]]:
-    names = select_tensors(manifest)
-    dropped: list[tuple[str, str]] = []
-    if tie:
-        # As consolidate: transformers re-ties the output embedding on load.
-        for o, i in tied_candidates(names, manifest):
-            if o in names:
-                dropped.append((o, i))
-                del names[o]
-    return plan_consolidation(manifest, names, max_shard_size=limit, dtype=dtype), tuple(dropped)
 
 
 def _local_bytes(data: torch.Tensor, sizes: tuple[int, ...], dtype: str) -> memoryview:
@@ -215,6 +237,47 @@ def _staging_dir(out: str) -> str:
     if base:
         os.makedirs(base, exist_ok=True)
     return tempfile.mkdtemp(prefix="ckptools-pretrained-", dir=base)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """What rank 0 prepared, handed to every rank: where to write, and what the config says."""
+
+    tmp: str
+    tie: bool | None  # the config's tie_word_embeddings (None when no config says)
+    config_files: tuple[str, ...]
+
+
+def _prepare(
+    model: nn.Module, manifest: Manifest, options: ExportOptions, out: str
+) -> tuple[_Staged, Export]:
+    """Rank 0: check OUT, make the staging directory, write the model files, plan as consolidate
+    does and create the files (final sizes, headers)."""
+    check_writable(out, options.overwrite)
+    tmp = _staging_dir(out)
+    try:
+        names, tie = _prepare_files(model, options.config, tmp, out)
+        export = plan_export(manifest, options, tie)
+        create_files(export.plan, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _Staged(tmp=tmp, tie=tie, config_files=names), export
+
+
+def _remove(staged: _Staged, error: BaseException) -> None:
+    shutil.rmtree(staged.tmp, ignore_errors=True)
+
+
+def _commit(staged: _Staged, plan: ConsolidationPlan, out: str, overwrite: bool) -> None:
+    """Rank 0, after every rank wrote its share: the index last, then the directory in place."""
+    write_index(staged.tmp, plan)
+    fsync_dir(staged.tmp)
+    if storage.is_url(out):
+        upload_dir(staged.tmp, out, overwrite)  # data files, then the index, then the commit
+        shutil.rmtree(staged.tmp, ignore_errors=True)
+    else:
+        commit(staged.tmp, out, overwrite)
 
 
 def _write_share(
@@ -320,97 +383,31 @@ def save_pretrained(
     """
     started = time.perf_counter()
     out = os.fspath(out_dir).rstrip("/") or os.fspath(out_dir)
-    limit = parse_size(max_shard_size)
-    if dtype is not None and (
-        not dtypes.is_dtype_name(dtype) or not dtypes.dtype(dtype).is_floating
-    ):
-        raise UsageError(f"dtype {dtype!r}: choose bfloat16, float16 or float32")
-    rank, world = _rank_and_world()
+    options = ExportOptions(
+        max_shard_size=max_shard_size, dtype=dtype, config=config, overwrite=overwrite
+    )
+    ranks = _ranks()
+    planner, global_plans, manifest = _save_plan(model, ranks, out)
 
-    # The plan dcp.save would make: same items, same order, same owner of replicated tensors.
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(state_to_save(model), storage_meta=None, is_coordinator=rank == 0)
-    local_plan = planner.create_local_plan()
-    all_plans: list[Any] = [None] * world
-    if world > 1:
-        dist.all_gather_object(all_plans, local_plan)
-    else:
-        all_plans = [local_plan]
-    global_plans, metadata = planner.create_global_plan(all_plans)
-    manifest = _manifest(metadata, global_plans, out)
+    planned: list[Export] = []  # rank 0 plans while preparing; the other ranks after
 
-    setup: list[Any] = [None, None, None, ()]  # tmp, tie, error, config files
-    plan: ConsolidationPlan | None = None
-    dropped: tuple[tuple[str, str], ...] = ()
-    rank0_error: BaseException | None = None
-    if rank == 0:
-        tmp = None
-        try:
-            check_writable(out, overwrite)
-            tmp = _staging_dir(out)
-            names, tie = _prepare_files(model, config, tmp, out)
-            plan, dropped = _plan(manifest, tie, limit, dtype)
-            create_files(plan, tmp)
-            setup = [tmp, tie, None, names]
-        except Exception as e:  # sent to the other ranks so that none waits forever
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            rank0_error = e
-            setup = [None, None, f"{type(e).__name__}: {e}", ()]
-    if world > 1:
-        dist.broadcast_object_list(setup, src=0)
-    tmp, tie, error, config_files = setup
-    if rank0_error is not None:
-        raise rank0_error
-    if error is not None:
-        raise CkptError(f"save_pretrained: rank 0 could not prepare {out}: {error}")
-    if plan is None:
-        plan, dropped = _plan(manifest, tie, limit, dtype)
+    def prepare() -> _Staged:
+        staged, export = _prepare(model, manifest, options, out)
+        planned.append(export)
+        return staged
 
-    failure: BaseException | None = None
-    written = 0
-    try:
-        written = _write_share(plan, planner, global_plans[rank].items, tmp)
-    except Exception as e:  # reported to the other ranks below, then re-raised
-        failure = e
-    if world > 1:
-        flag = torch.tensor([0 if failure is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(flag.item())
-    else:
-        failed = failure is not None
-    if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None:
-            raise failure
-        raise CkptError(
-            f"save_pretrained failed on another rank (see its error); {out} not written"
+    with ranks.staged(prepare, _remove, "save_pretrained") as staged:
+        export = planned[0] if planned else plan_export(manifest, options, staged.tie)
+        items = global_plans[ranks.rank].items
+        shares = ranks.from_all(
+            lambda: _write_share(export.plan, planner, items, staged.tmp), "save_pretrained"
         )
-
-    outcome: list[Any] = [None]
-    if rank == 0:
-        try:
-            if plan.index is not None:
-                # The index commits a sharded model directory: written last, after every shard.
-                index = (json.dumps(plan.index, indent=2) + "\n").encode()
-                write_file_synced(os.path.join(tmp, INDEX_NAME), index)
-            fsync_dir(tmp)
-            if storage.is_url(out):
-                upload_dir(tmp, out, overwrite)  # data files, then the index, then the commit
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                commit(tmp, out, overwrite)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if world > 1:
-                dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=0)
-            raise
-    if world > 1:
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise CkptError(f"rank 0 could not commit {out}: {outcome[0]}")
-    log.info("save_pretrained wrote %s (%d bytes from rank %d)", out, written, rank)
+        ranks.from_root(
+            lambda: _commit(staged, export.plan, out, options.overwrite), "save_pretrained"
+        )
+    written = shares[ranks.rank]
+    log.info("save_pretrained wrote %s (%d bytes from rank %d)", out, written, ranks.rank)
+    plan = export.plan
     return SavePretrainedResult(
         out=out,
         files=tuple(f.name for f in plan.files),
@@ -419,8 +416,8 @@ def save_pretrained(
         bytes_written=written,
         seconds=time.perf_counter() - started,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        world_size=world,
-        dtype=dtype,
-        dropped=dropped,
-        config_files=tuple(config_files),
+        world_size=ranks.world_size,
+        dtype=options.dtype,
+        dropped=export.dropped,
+        config_files=staged.config_files,
     )
