@@ -7,6 +7,7 @@ the one place that parses the environment, so every override fails the same clea
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from ckptools.errors import UsageError
 
@@ -24,22 +25,35 @@ MEMORY_BUDGET_ENV = "CKPTOOLS_MEMORY_BUDGET"
 DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UsageError("expected a positive integer")
+    return value
+
+
+def _from_env(name: str, default: int, parse: Callable[[str], int]) -> int:
+    """``parse`` of environment variable ``name``, or ``default`` when unset/empty; a value it
+    refuses is a :class:`UsageError` naming the variable."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return parse(raw)
+    except UsageError as e:
+        raise UsageError(f"{name}={raw!r}: {e}") from e
+
+
 def env_int(name: str, default: int) -> int:
     """The positive integer in environment variable ``name``, or ``default`` when unset/empty.
 
     Raises:
         UsageError: the variable holds anything but a positive integer.
     """
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError as e:
-        raise UsageError(f"{name}={raw!r}: expected a positive integer") from e
-    if value < 1:
-        raise UsageError(f"{name}={raw!r}: expected a positive integer")
-    return value
+    return _from_env(name, default, _positive_int)
 
 
 def env_size(name: str, default: int) -> int:
@@ -51,13 +65,7 @@ def env_size(name: str, default: int) -> int:
     """
     from ckptools.core.sizes import parse_size
 
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        return parse_size(raw)
-    except UsageError as e:
-        raise UsageError(f"{name}={raw!r}: {e}") from e
+    return _from_env(name, default, parse_size)
 
 
 def workers(value: int | None = None) -> int:

@@ -65,16 +65,19 @@ def _register() -> None:
         verify_cmd,
     )
 
-    cli.add_command(inspect_cmd.inspect_command)
-    cli.add_command(consolidate_cmd.consolidate_command)
-    cli.add_command(verify_cmd.verify_command)
-    cli.add_command(verify_cmd.diff_command)
-    cli.add_command(verify_cmd.checksum_command)
-    cli.add_command(reshard_cmd.reshard_command)
-    cli.add_command(reshard_cmd.shard_command)
-    cli.add_command(training_cmd.list_command)
-    cli.add_command(training_cmd.prune_command)
-    cli.add_command(push_cmd.push_command)
+    for command in (
+        inspect_cmd.inspect_command,
+        consolidate_cmd.consolidate_command,
+        verify_cmd.verify_command,
+        verify_cmd.diff_command,
+        verify_cmd.checksum_command,
+        reshard_cmd.reshard_command,
+        reshard_cmd.shard_command,
+        training_cmd.list_command,
+        training_cmd.prune_command,
+        push_cmd.push_command,
+    ):
+        cli.add_command(command)
 
 
 _register()

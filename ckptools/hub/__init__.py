@@ -19,8 +19,8 @@ unreachable Hub become :class:`~ckptools.errors.HubError` subclasses whose one-l
 what to do (:mod:`~ckptools.hub.errors`, an ordered table).
 
 ``huggingface_hub`` is imported only inside the functions that talk to the Hub, so
-``import ckptools`` and ``ckpt --help`` stay light. The names below are re-exported for callers;
-modules inside the package import each other directly, never from here.
+``import ckptools`` and ``ckpt --help`` stay light. The verb and the checks the CLI runs before
+it are re-exported; modules inside the package import each other directly, never from here.
 
 Example:
     >>> import ckptools
@@ -31,51 +31,14 @@ Example:
 
 from __future__ import annotations
 
-from ckptools.hub.card import CARD_NAME, HubFile, model_card, provenance, step_of
-from ckptools.hub.checks import (
-    HUB_MAX_FILE_BYTES,
-    LARGE_FOLDER_BYTES,
-    LARGE_FOLDER_BYTES_ENV,
-    MAX_FILE_BYTES_ENV,
-    check_model_directory,
-    check_sizes,
-    large_folder_bytes,
-    list_files,
-    preflight,
-    resolve_max_file_bytes,
-)
-from ckptools.hub.errors import SUGGESTED_MAX_SHARD_SIZE, hub_error
-from ckptools.hub.push import (
-    PushOptions,
-    PushPlan,
-    PushResult,
-    hash_files,
-    plan_push,
-    push_to_hub,
-)
+from ckptools.hub.checks import check_sizes, preflight, resolve_max_file_bytes
+from ckptools.hub.push import PushOptions, PushResult, push_to_hub
 
 __all__ = [
-    "CARD_NAME",
-    "HUB_MAX_FILE_BYTES",
-    "LARGE_FOLDER_BYTES",
-    "LARGE_FOLDER_BYTES_ENV",
-    "MAX_FILE_BYTES_ENV",
-    "SUGGESTED_MAX_SHARD_SIZE",
-    "HubFile",
     "PushOptions",
-    "PushPlan",
     "PushResult",
-    "check_model_directory",
     "check_sizes",
-    "hash_files",
-    "hub_error",
-    "large_folder_bytes",
-    "list_files",
-    "model_card",
-    "plan_push",
     "preflight",
-    "provenance",
     "push_to_hub",
     "resolve_max_file_bytes",
-    "step_of",
 ]

@@ -112,7 +112,8 @@ def read_dcp(
     with _gc_paused():
         md = parse_metadata(data, where.meta_path)
         del data  # the parse is done; at 878k chunks these bytes are ~100 MB
-        return _build_checked(md, where, check_files, listing, marker_digest)
+        with _malformed_as_corrupt(where):
+            return _build(md, where, check_files, listing, marker_digest)
 
 
 @contextlib.contextmanager
@@ -128,15 +129,12 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _build_checked(
-    md: Any,
-    where: _Where,
-    check_files: bool,
-    listing: Mapping[str, int] | None,
-    marker_digest: str,
-) -> Manifest:
+@contextlib.contextmanager
+def _malformed_as_corrupt(where: _Where) -> Iterator[None]:
+    """Metadata of the wrong shape (a field missing or of the wrong type) is a corrupt
+    checkpoint named by its file, not a traceback."""
     try:
-        return _build(md, where, check_files, listing, marker_digest)
+        yield
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         if isinstance(e, CorruptCheckpointError):
             raise

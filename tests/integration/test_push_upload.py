@@ -25,7 +25,7 @@ import ckptools
 from ckptools.cli.exit_codes import EXIT_USAGE
 from ckptools.cli.main import cli
 from ckptools.errors import HubError, UsageError
-from ckptools.hub import LARGE_FOLDER_BYTES_ENV
+from ckptools.hub.checks import LARGE_FOLDER_BYTES_ENV
 from tests.conftest import Produced
 from tests.support.hub_server import TEST_TOKEN as TOKEN
 from tests.support.hub_server import USER, HubServer

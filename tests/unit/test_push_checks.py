@@ -34,7 +34,8 @@ from ckptools.errors import (
     IncompleteCheckpointError,
     UsageError,
 )
-from ckptools.hub import MAX_FILE_BYTES_ENV, resolve_max_file_bytes, step_of
+from ckptools.hub.card import step_of
+from ckptools.hub.checks import MAX_FILE_BYTES_ENV, resolve_max_file_bytes
 from tests.support.hub_server import TEST_TOKEN as TOKEN
 from tests.support.hub_server import HubServer
 
