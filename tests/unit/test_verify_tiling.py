@@ -148,27 +148,28 @@ def _fastest(fn: Callable[[], object], repeat: int = 3) -> float:
 
 def test_linear_at_scale() -> None:
     # 100k dim-0 chunks of one tensor (a 405B model at 1,024 ranks has ~1M chunks in all):
-    # ~0.15 s on one core, so a second leaves room for a loaded CI machine.
+    # ~0.15 s on one core. The bounds guard against a quadratic check (hours at this size), not
+    # a performance target (those live in bench/): 10 s leaves room for a loaded CI machine.
     n = 100_000
     dim0 = [((i, 0), (1, 16)) for i in range(n)]
     assert tiling_problems((n, 16), dim0) == []
-    assert _fastest(lambda: tiling_problems((n, 16), dim0)) < 1.0
+    assert _fastest(lambda: tiling_problems((n, 16), dim0)) < 10.0
     # one overlap among them is found and named as fast (the failing path sweeps dim 0)
     broken = [*dim0[:500], ((500, 0), (2, 16)), *dim0[501:]]
     problems = tiling_problems((n, 16), broken)
     assert [(p.kind, p.box, p.other) for p in problems] == [
         ("overlap", ((501, 0), (1, 16)), ((500, 0), (2, 16)))
     ]
-    assert _fastest(lambda: tiling_problems((n, 16), broken)) < 1.0
+    assert _fastest(lambda: tiling_problems((n, 16), broken)) < 10.0
     # a 2-D grid of 300 x 300 boxes (FSDP x tensor parallel)
     grid = [((i, j), (1, 1)) for i in range(300) for j in range(300)]
     assert tiling_problems((300, 300), grid) == []
-    assert _fastest(lambda: tiling_problems((300, 300), grid)) < 1.0
+    assert _fastest(lambda: tiling_problems((300, 300), grid)) < 10.0
     # No sweep dimension is quadratic here: one column cut in 50k rows, 50k full-height columns.
     m = 50_000
     mixed = [((i, 0), (1, 1)) for i in range(m)] + [((0, j), (m, 1)) for j in range(1, m + 1)]
     assert tiling_problems((m, m + 1), mixed) == []
-    assert _fastest(lambda: tiling_problems((m, m + 1), mixed), repeat=1) < 2.0
+    assert _fastest(lambda: tiling_problems((m, m + 1), mixed), repeat=1) < 20.0
 
 
 def test_findings_name_tensor_chunk_rank_and_file() -> None:
