@@ -2,7 +2,8 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the raw row-major bytes. Reading the manifest reads only the
-headers; an index (``model.safetensors.index.json``) is checked against the shards it names.
+headers, validated by :mod:`ckptools.formats.safetensors_header` to the safetensors spec; an index
+(``model.safetensors.index.json``) is checked against the shards it names.
 """
 
 from __future__ import annotations
