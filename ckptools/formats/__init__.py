@@ -1,4 +1,5 @@
 """File formats read and written without torch and without running checkpoint code: the
-``torch.save`` zip archive, the allowlisted unpickler, and DCP's ``.metadata`` pickle.
+``torch.save`` zip archive, the allowlisted unpickler, DCP's ``.metadata`` pickle, and the
+safetensors header (read and validated by the library's own rules, and written).
 Layouts (:mod:`ckptools.layouts`) combine these into manifests.
 """

@@ -398,7 +398,8 @@ def restricted_loads(
         raise
     except Exception as e:
         raise CorruptCheckpointError(
-            f"{source}: not a readable pickle ({type(e).__name__}: {e})", path=source
+            f"{source}: not a readable pickle ({type(e).__name__}: {' '.join(str(e).split())})",
+            path=source,
         ) from e
 
 

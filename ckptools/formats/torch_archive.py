@@ -60,13 +60,30 @@ class Archive:
         return rec
 
 
+def _unpack(fmt: struct.Struct | str, buf: bytes, pos: int, file: str, at: int) -> tuple[Any, ...]:
+    """``struct.unpack_from`` on untrusted bytes: a short buffer is a one-line error naming the
+    file and the absolute offset (``at`` is where ``buf`` starts in ``file``), not struct.error."""
+    try:
+        return (
+            fmt.unpack_from(buf, pos)
+            if isinstance(fmt, struct.Struct)
+            else struct.unpack_from(fmt, buf, pos)
+        )
+    except struct.error as e:
+        raise CorruptCheckpointError(
+            f"{file}@{at + pos}: zip structure cut short or damaged ({e}): the item is "
+            "truncated or not a torch.save archive",
+            path=file,
+        ) from e
+
+
 def _parse_zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
     pos = 0
     while pos + 4 <= len(extra):
         tag, size = struct.unpack_from("<HH", extra, pos)
         body = extra[pos + 4 : pos + 4 + size]
         if tag == 0x0001:
-            vals = list(struct.unpack_from(f"<{len(body) // 8}Q", body))
+            vals = list(struct.unpack_from(f"<{len(body) // 8}Q", body, 0))
             if usize == 0xFFFFFFFF and vals:
                 usize = vals.pop(0)
             if csize == 0xFFFFFFFF and vals:
@@ -81,7 +98,9 @@ def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
     """Parse the zip central directory of the archive at ``[start, start+length)`` of ``file``."""
     where = f"{file}@{start}"
     if length < 22:
-        raise CorruptCheckpointError(f"{where}: record of {length} bytes is no torch.save archive")
+        raise CorruptCheckpointError(
+            f"{where}: record of {length} bytes is no torch.save archive", path=file
+        )
     # the reader's window: generous on a disk, small on an object store where bytes are fetched
     tail_len = min(length, reader.archive_tail_bytes)
     tail = reader.read(file, start + length - tail_len, tail_len)
@@ -91,16 +110,23 @@ def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
             f"{where}: no zip end record: the item is not a torch.save archive or is cut short",
             path=file,
         )
-    (_, _, _, _, count, cdir_size, cdir_off, _) = struct.unpack_from("<4sHHHHIIH", tail, eocd)
+    tail_at = start + length - tail_len
+    (_, _, _, _, count, cdir_size, cdir_off, _) = _unpack("<4sHHHHIIH", tail, eocd, file, tail_at)
     if count == 0xFFFF or cdir_off == 0xFFFFFFFF or cdir_size == 0xFFFFFFFF:
         loc = tail.rfind(_EOCD64_LOCATOR, 0, eocd)
         if loc < 0:
-            raise CorruptCheckpointError(f"{where}: zip64 archive without its locator")
-        (eocd64_off,) = struct.unpack_from("<Q", tail, loc + 8)
+            raise CorruptCheckpointError(f"{where}: zip64 archive without its locator", path=file)
+        (eocd64_off,) = _unpack("<Q", tail, loc + 8, file, tail_at)
+        if eocd64_off + 56 > length:
+            raise CorruptCheckpointError(
+                f"{where}: zip64 end record points past the item's end", path=file
+            )
         rec = reader.read(file, start + eocd64_off, 56)
-        count, cdir_size, cdir_off = struct.unpack_from("<QQQ", rec, 32)
+        count, cdir_size, cdir_off = _unpack("<QQQ", rec, 32, file, start + eocd64_off)
     if cdir_off + cdir_size > length:
-        raise CorruptCheckpointError(f"{where}: zip directory points past the item's end")
+        raise CorruptCheckpointError(
+            f"{where}: zip directory points past the item's end", path=file
+        )
     tail_start = length - tail_len
     if cdir_off >= tail_start:
         cdir = tail[cdir_off - tail_start : cdir_off - tail_start + cdir_size]
@@ -111,8 +137,10 @@ def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
     pos = 0
     for _ in range(count):
         if cdir[pos : pos + 4] != _CDIR:
-            raise CorruptCheckpointError(f"{where}: damaged zip directory")
-        h = _CDIR_HEADER.unpack_from(cdir, pos)
+            raise CorruptCheckpointError(
+                f"{file}@{start + cdir_off + pos}: damaged zip directory", path=file
+            )
+        h = _unpack(_CDIR_HEADER, cdir, pos, file, start + cdir_off)
         method, crc, csize, usize, nlen, xlen, clen, hoff = (
             h[4],
             h[7],
@@ -142,11 +170,17 @@ def record_data_offset(reader: Reader, archive: Archive, rec: Record) -> int:
             "ckptools reads only torch.save's uncompressed archives",
             path=archive.file,
         )
-    head = reader.read(archive.file, archive.start + rec.header_offset, 30)
-    sig, *_, nlen, xlen = _LOCAL_HEADER.unpack(head)
+    if rec.header_offset + 30 > archive.length:
+        raise CorruptCheckpointError(
+            f"{archive.file}@{archive.start}: record {rec.name} starts past the item's end",
+            path=archive.file,
+        )
+    at = archive.start + rec.header_offset
+    head = reader.read(archive.file, at, 30)
+    sig, *_, nlen, xlen = _unpack(_LOCAL_HEADER, head, 0, archive.file, at)
     if sig != _LOCAL:
         raise CorruptCheckpointError(
-            f"{archive.file}@{archive.start}: damaged zip record {rec.name}", path=archive.file
+            f"{archive.file}@{at}: damaged zip record {rec.name}", path=archive.file
         )
     data: int = archive.start + rec.header_offset + 30 + int(nlen) + int(xlen)
     if data - archive.start + rec.size > archive.length:

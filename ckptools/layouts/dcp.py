@@ -209,6 +209,14 @@ def _storage_index(
         fqn = getattr(index, "fqn", None)
         if not isinstance(fqn, str) or not isinstance(getattr(info, "relative_path", None), str):
             raise CorruptCheckpointError(f"{meta_path}: malformed storage entry", path=meta_path)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(type(v) is int and v >= 0 for v in (offset, length)):
+            raise CorruptCheckpointError(
+                f"{meta_path}: storage entry of {fqn!r} has offset {offset!r} and length "
+                f"{length!r}, not two non-negative integers",
+                path=meta_path,
+                fqn=fqn,
+            )
         # _StorageInfo.__getstate__ leaves out None fields, so absent means "no transforms".
         descriptors = info.__dict__.get("transform_descriptors")
         if descriptors:

@@ -2,117 +2,68 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the raw row-major bytes. Reading the manifest reads only the
-headers; an index (``model.safetensors.index.json``) is checked against the shards it names.
+headers, validated by :mod:`ckptools.formats.safetensors_header` to the safetensors spec; an index
+(``model.safetensors.index.json``) is checked against the shards it names.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import struct
-from typing import Any
 
-from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    UnsupportedCheckpointError,
 )
+from ckptools.formats import safetensors_header
 from ckptools.io import storage
 from ckptools.layouts.base import Layout, digest, read_marker, register
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: transformers' shard names, ``model-00001-of-00003.safetensors``
 _SHARD_NAME = re.compile(r"^.+-\d{5}-of-\d{5}\.safetensors$")
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-#: First read of a safetensors file on an object store: headers of models with a few hundred
-#: tensors fit, so one round trip suffices; at most this is fetched beyond the header.
-_REMOTE_FIRST_READ_BYTES = 64 * 1024
-
-
-def read_header(path: str) -> tuple[dict[str, Any], int, int]:
-    """Return (header dict, data start offset, file size) of a safetensors file."""
-    try:
-        if storage.is_url(path):
-            # One ranged GET usually holds the header too; a second fetches the rest if not.
-            size = storage.size(path)
-            head = storage.read_range(path, 0, min(size, _REMOTE_FIRST_READ_BYTES))
-        else:
-            with open(path, "rb") as f:
-                head = f.read(8)
-                size = os.fstat(f.fileno()).st_size
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"{path}: too short for a safetensors file", path=path)
-        (n,) = struct.unpack("<Q", head[:8])
-        if n > _MAX_HEADER_BYTES or 8 + n > size:
-            raise CorruptCheckpointError(
-                f"{path}: safetensors header length {n} does not fit a {size}-byte file "
-                "(truncated or not safetensors)",
-                path=path,
-            )
-        if len(head) >= 8 + n:
-            raw = head[8 : 8 + n]
-        elif storage.is_url(path):
-            raw = head[8:] + storage.read_range(path, len(head), 8 + n - len(head))
-        else:
-            with open(path, "rb") as f:
-                raw = os.pread(f.fileno(), n, 8)
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError(f"{path}: file is missing", path=path) from e
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise CorruptCheckpointError(
-            f"{path}: safetensors header is not JSON ({e})", path=path
-        ) from e
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: safetensors header is not an object", path=path)
-    return header, 8 + n, size
 
 
 def _entries(path: str, rel: str) -> tuple[list[TensorEntry], FileInfo, dict[str, str]]:
-    header, start, size = read_header(path)
-    meta = header.pop("__metadata__", None) or {}
+    header = safetensors_header.read_header(path)
     out = []
-    for fqn, info in header.items():
-        try:
-            code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"{path}: malformed header entry for {fqn!r}", path=path, fqn=fqn
-            ) from e
-        dt = dtypes.BY_SAFETENSORS.get(code)
-        if dt is None:
-            raise UnsupportedCheckpointError(
-                f"{path}: tensor {fqn!r} has dtype {code!r}, unknown to ckptools",
-                path=path,
-                fqn=fqn,
-            )
-        shape = tuple(int(s) for s in shape)
-        length = int(end) - int(begin)
-        expected = dt.itemsize
-        for s in shape:
-            expected *= s
-        if length != expected or start + int(end) > size:
-            raise CorruptCheckpointError(
-                f"{path}: tensor {fqn!r} byte range {begin}..{end} does not match its shape "
-                f"{list(shape)} or lies past the end of the {size}-byte file (truncated?)",
-                path=path,
-                fqn=fqn,
-            )
+    for t in header.tensors:
         chunk = Chunk(
-            offsets=(0,) * len(shape),
-            sizes=shape,
+            offsets=(0,) * len(t.shape),
+            sizes=t.shape,
             file=rel,
-            offset=start + int(begin),
-            length=length,
+            offset=header.data_start + t.begin,
+            length=t.end - t.begin,
             encoding="raw",
         )
-        out.append(TensorEntry(fqn, dt.name, shape, (chunk,)))
-    return out, FileInfo(rel, size), {k: str(v) for k, v in meta.items()}
+        out.append(TensorEntry(t.name, t.dtype, t.shape, (chunk,)))
+    return out, FileInfo(rel, header.file_size), header.metadata
+
+
+def parse_index(raw: bytes, index_path: str) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index, checked to map tensor names to file names."""
+    try:
+        index = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCheckpointError(
+            f"{index_path}: not a valid safetensors index ({e})", path=index_path
+        ) from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(
+            f'{index_path}: not a valid safetensors index (no "weight_map" object)',
+            path=index_path,
+        )
+    for fqn, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise CorruptCheckpointError(
+                f"{index_path}: weight_map puts {fqn!r} in {name!r}, not a file name",
+                path=index_path,
+                fqn=fqn,
+            )
+    return weight_map
 
 
 def _index_file(directory: str) -> str | None:
@@ -133,23 +84,18 @@ def read_safetensors(path: str) -> Manifest:
         index_name = _index_file(path)
         if index_name is not None:
             index_path = storage.join(path, index_name)
-            try:
-                raw = read_marker(index_path)
-                digests = {index_name: digest(raw)}
-                index = json.loads(raw)
-                weight_map = index["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise CorruptCheckpointError(
-                    f"{index_path}: not a valid safetensors index ({e})", path=index_path
-                ) from e
+            raw = read_marker(index_path)
+            digests = {index_name: digest(raw)}
+            weight_map = parse_index(raw, index_path)
             files = sorted(set(weight_map.values()))
             present = storage.file_sizes(path, files)
-            for name in files:
-                if name not in present:
-                    raise CheckpointNotFoundError(
-                        f"{storage.join(path, name)}: shard is missing ({index_name} names it)",
-                        path=storage.join(path, name),
-                    )
+            missing = [name for name in files if name not in present]
+            if missing:
+                first = storage.join(path, missing[0])
+                more = f"; so are {', '.join(missing[1:])}" if missing[1:] else ""
+                raise CheckpointNotFoundError(
+                    f"{first}: shard is missing ({index_name} names it){more}", path=first
+                )
         else:
             digests = {}
             files = sorted(n for n in storage.listdir(path) if n.endswith(".safetensors"))

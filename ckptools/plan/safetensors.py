@@ -16,7 +16,6 @@ elements to output elements.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,8 @@ from ckptools.core import dtypes
 from ckptools.core.geometry import Box, tensor_runs, tiling_problems
 from ckptools.core.geometry import chunk_span as chunk_span
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
-from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.errors import CorruptCheckpointError
+from ckptools.formats.safetensors_header import header_bytes, safetensors_code
 
 #: The names the executor and ``save_pretrained`` place chunks with; the geometry (one runs
 #: function, one span) lives in :mod:`ckptools.core.geometry`.
@@ -122,35 +122,6 @@ class ConsolidationPlan:
             "total_size": self.total_size,
             "index": INDEX_NAME if self.index is not None else None,
         }
-
-
-def safetensors_code(dtype: str, *, fqn: str) -> str:
-    code = dtypes.dtype(dtype).safetensors
-    if code is None:
-        raise UnsupportedCheckpointError(
-            f"{fqn!r} has dtype {dtype}, which safetensors cannot store; cast it with "
-            "--dtype (floating types) or leave it out with --select",
-            fqn=fqn,
-        )
-    return code
-
-
-def header_bytes(entries: Sequence[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
-    """The safetensors header for ``(name, dtype, shape, begin, end)`` entries (data offsets).
-
-    Padded with spaces so that the data starts at a multiple of 8, as safetensors itself writes
-    it (readers may then map tensors aligned).
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    for name, dtype, shape, begin, end in entries:
-        header[name] = {
-            "dtype": safetensors_code(dtype, fqn=name),
-            "shape": list(shape),
-            "data_offsets": [begin, end],
-        }
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % 8)
-    return len(body).to_bytes(8, "little") + body
 
 
 def unique_chunks(tensor: TensorEntry) -> tuple[Chunk, ...]:

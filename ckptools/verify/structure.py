@@ -10,7 +10,6 @@ what cannot be read becomes a finding.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass
 
 from ckptools.core.geometry import tiling_problems
@@ -23,6 +22,7 @@ from ckptools.errors import (
     UnsupportedCheckpointError,
 )
 from ckptools.io import storage
+from ckptools.layouts.safetensors import parse_index
 from ckptools.verify.digests import ItemKey
 from ckptools.verify.report import Finding, FindingKind
 
@@ -273,14 +273,17 @@ def tiling_findings(t: TensorEntry) -> list[Finding]:
 
 
 def _index_findings(manifest: Manifest, root: str) -> list[Finding]:
-    """Tensors in safetensors shards that the index does not list (the reverse is checked when
-    the manifest is read)."""
+    """Tensors in safetensors shards that the index does not list, and ``.safetensors`` files in
+    the directory that it does not name (a stray shard: from another save, or half a copy).
+    Entries naming missing shards stop the manifest from being read, and become a finding there.
+    """
     if manifest.format != "safetensors" or not manifest.markers:
         return []
-    index = storage.join(root, manifest.markers[0])
+    marker = manifest.markers[0]
+    index = storage.join(root, marker)
     try:
-        weight_map = json.loads(storage.read_bytes(index))["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError):
+        weight_map = parse_index(storage.read_bytes(index), index)
+    except (OSError, CkptError):
         return []  # reading the manifest already checked it
     out = []
     for fqn, t in manifest.tensors.items():
@@ -291,8 +294,19 @@ def _index_findings(manifest: Manifest, root: str) -> list[Finding]:
                     "index",
                     f"{index}: does not list {fqn!r}, which {file} holds; loaders that follow "
                     "the index will not load it",
-                    manifest.markers[0],
+                    marker,
                     fqn,
+                )
+            )
+    named = set(weight_map.values())
+    for name in sorted(storage.listdir(root)):
+        if name.endswith(".safetensors") and name not in named:
+            out.append(
+                Finding(
+                    "index",
+                    f"{storage.join(root, name)}: stray shard: {marker} does not name it, so "
+                    "loaders that follow the index ignore it; remove it or rewrite the index",
+                    name,
                 )
             )
     return out
