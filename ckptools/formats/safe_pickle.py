@@ -183,34 +183,40 @@ def _copying(make: Callable[..., Any], what: str) -> Callable[..., Any]:
 # C speed (DCP metadata holds three sizes per chunk); anything else is refused, not copied.
 _SIZE = ().__add__
 
-_CONTAINERS = (dict, list, tuple, set, frozenset, Record)
-
-
 def _walk(value: Any, budget: _Budget) -> None:
     """Visit ``value`` as the tree every later walk (flatten, plain, ==, repr) will see,
     counting nodes against ``budget`` and capping the nesting: shared references make a DAG
-    of a few KB expand exponentially, so this is the one walk that has to be bounded."""
+    of a few KB expand exponentially, so this is the one walk that has to be bounded.
+
+    Level by level, each level's nodes gathered by C-speed ``extend``: ~10M nodes/s here, so
+    even the budget of a 1 MB pickle (16M nodes) is walked in a few seconds.
+    """
     if type(value) is TensorRef:  # a DCP chunk's item, millions of times
         return
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    visited = 1
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict):
-            children: Any = (*v, *v.values())
-        elif isinstance(v, Record):
-            children = v.__dict__.values()
-        elif isinstance(v, list | tuple | set | frozenset):
-            children = v
-        else:
-            continue
-        visited += len(children)
-        if visited > budget.objects - budget.used:
-            budget.charge(visited)
-        if depth >= budget.depth and children:
-            raise budget.too_deep()
-        stack.extend((c, depth + 1) for c in children if isinstance(c, _CONTAINERS))
-    budget.charge(visited)
+    level: list[Any] = [value]
+    room = budget.objects - budget.used - 1
+    depth = 0
+    while level:
+        deeper: list[Any] = []
+        for v in level:
+            if isinstance(v, list | tuple | set | frozenset):
+                deeper.extend(v)
+            elif isinstance(v, dict):
+                deeper.extend(v)
+                deeper.extend(v.values())
+            elif isinstance(v, Record):
+                deeper.extend(v.__dict__.values())
+            else:
+                continue
+            if len(deeper) > room:
+                budget.charge(budget.objects)  # raises, naming the tunable
+        if deeper:
+            depth += 1
+            if depth > budget.depth:
+                raise budget.too_deep()
+        room -= len(deeper)
+        level = deeper
+    budget.charge(budget.objects - budget.used - room)
 
 
 _RECORD_CLASSES: dict[str, type[Record]] = {}
