@@ -58,10 +58,11 @@ class DecodingLimitError(CorruptCheckpointError):
     nesting, a size a constructor asks for); the message names the tunable that raises it.
 
     Attributes:
-        tunable: the ``CKPTOOLS_*`` variable whose limit was reached.
+        tunable: the ``CKPTOOLS_*`` variable whose limit was reached; None for a limit no
+            setting raises (a size larger than the bytes that hold it).
     """
 
-    def __init__(self, message: str, *, tunable: str, path: str | None = None) -> None:
+    def __init__(self, message: str, *, tunable: str | None, path: str | None = None) -> None:
         super().__init__(message, path=path)
         self.tunable = tunable
 

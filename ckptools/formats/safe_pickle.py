@@ -147,7 +147,7 @@ class _Budget:
             raise DecodingLimitError(
                 f"{self.source}: refusing to decode: the pickle asks {what} for {requested} "
                 f"bytes, more than its own {self.pickle_bytes} bytes could hold",
-                tunable=tunables.MAX_PICKLE_OBJECTS_ENV,
+                tunable=None,
                 path=self.source,
             )
         self.charge(requested)
@@ -182,6 +182,7 @@ def _copying(make: Callable[..., Any], what: str) -> Callable[..., Any]:
 # torch.Size((d0, d1, ...)): the argument is always a tuple, which ``() + t`` returns itself at
 # C speed (DCP metadata holds three sizes per chunk); anything else is refused, not copied.
 _SIZE = ().__add__
+
 
 def _walk(value: Any, budget: _Budget) -> None:
     """Visit ``value`` as the tree every later walk (flatten, plain, ==, repr) will see,
