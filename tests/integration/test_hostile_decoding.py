@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -231,6 +232,36 @@ def test_dag_in_dcp_metadata_fields_is_harmless(dcp_ckpt: Path, tmp_path: Path) 
     code, text, rss, _ = _ckpt("inspect", str(dcp_ckpt), "--json")
     assert code == 0, text
     assert rss < MAX_RSS_BYTES
+
+
+def _replace_object_item(ckpt: Path, fqn: str, value: Any) -> None:
+    """Append ``torch.save(value)`` to rank 0's file and point ``fqn``'s storage entry at it."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    blob = buf.getvalue()
+    data_file = ckpt / "__0_0.distcp"
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+
+    def edit(md: Any) -> None:
+        for index, info in md.storage_data.items():
+            if index.fqn == fqn:
+                info.offset, info.length = offset, len(blob)
+
+    _edit_metadata(ckpt, edit)
+
+
+def test_dag_in_dcp_object_item_is_refused(dcp_ckpt: Path, tmp_path: Path) -> None:
+    _replace_object_item(dcp_ckpt, "extra.step", _dag_list(60))
+    before = _digest(dcp_ckpt)
+    code, text, rss, seconds = _ckpt("inspect", str(dcp_ckpt), "--values", "--json")
+    assert code == 0, text
+    assert rss < MAX_RSS_BYTES and seconds < TIMEOUT_S
+    (entry,) = (o for o in json.loads(text)["objects"] if o["fqn"] == "extra.step")
+    value = entry["value"]
+    assert "__0_0.distcp" in value["error"] and tunables.MAX_PICKLE_OBJECTS_ENV in value["error"]
+    assert _digest(dcp_ckpt) == before
 
 
 def test_huge_bytearray_is_refused(pt_file: Path, tmp_path: Path) -> None:
