@@ -1,4 +1,5 @@
-"""The unpickler's budget: copies and walks counted, sizes capped by the pickle, depth capped."""
+"""Budgets on untrusted input: the unpickler's copies and walks counted, sizes capped by the pickle,
+depth capped; the world size a conversion plans for bounded."""
 
 from __future__ import annotations
 
@@ -134,3 +135,15 @@ def test_short_repr_is_bounded() -> None:
         node.__dict__["next"] = child
         node = child
     assert len(repr(deep)) < 200
+
+
+def test_world_size_is_bounded_before_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptools.reshard import ReshardOptions
+
+    monkeypatch.delenv(tunables.MAX_WORLD_SIZE_ENV, raising=False)
+    limit = tunables.DEFAULT_MAX_WORLD_SIZE
+    assert ReshardOptions(world_size=limit).world_size == limit
+    with pytest.raises(UsageError, match=f"{10**9}.*{tunables.MAX_WORLD_SIZE_ENV}"):
+        ReshardOptions(world_size=10**9)
+    monkeypatch.setenv(tunables.MAX_WORLD_SIZE_ENV, str(10**9))
+    assert ReshardOptions(world_size=10**9).world_size == 10**9
