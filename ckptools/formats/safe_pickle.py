@@ -45,9 +45,9 @@ from ckptools.errors import (
 class Record:
     """Stand-in for an instance of an allowlisted class (a dataclass in DCP metadata).
 
-    Attribute access returns the pickled state's fields. Records define no ``__setstate__``, so
-    the C unpickler fills ``__dict__`` from a dict state directly (this is the hot path of
-    reading large metadata); :class:`_StateRecord` keeps any other state in ``_state``.
+    Attribute access returns the pickled state's fields. A dict state *becomes* the instance
+    dict, not copied into it (see :meth:`__setstate__`); :class:`_StateRecord` keeps any other
+    state in ``_state``.
     """
 
     _qualname = "Record"
@@ -62,12 +62,14 @@ class Record:
         fields = ", ".join(f"{k}={short(v)}" for k, v in self.__dict__.items() if k != "_args")
         return f"{self._qualname}({fields})"
 
-
-class _StateRecord(Record):
-    """A record whose pickled state may be a tuple (``TensorProperties.__getstate__``)."""
-
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
+        # Adopting the state dict is the hot path of reading large metadata, and faster than
+        # the C unpickler's default, which copies it key by key (64k chunks: 0.15 s vs 0.25 s).
+        # It also bounds memory: a state dict memoised once and built onto many records is
+        # shared, where the copies grew with the square of the pickle (33 KB -> 436 MiB).
+        if type(state) is dict and not self.__dict__:
+            self.__dict__ = state
+        elif isinstance(state, dict):
             self.__dict__.update(state)
         elif (
             isinstance(state, tuple)
@@ -79,7 +81,19 @@ class _StateRecord(Record):
             self.__dict__.update(state[0] or {})
             self.__dict__.update(state[1])
         else:
-            self.__dict__["_state"] = state
+            self._other_state(state)
+
+    def _other_state(self, state: Any) -> None:
+        raise CorruptCheckpointError(
+            f"pickled state of {self._qualname} is a {type(state).__name__}, not a dict"
+        )
+
+
+class _StateRecord(Record):
+    """A record whose pickled state may be a tuple (``TensorProperties.__getstate__``)."""
+
+    def _other_state(self, state: Any) -> None:
+        self.__dict__["_state"] = state
 
 
 class _ShortRepr(reprlib.Repr):
