@@ -53,6 +53,20 @@ class IncompleteCheckpointError(CorruptCheckpointError):
     """The checkpoint was never committed (no marker) or lacks part of its data."""
 
 
+class DecodingLimitError(CorruptCheckpointError):
+    """Decoding the checkpoint's metadata would exceed a limit on work or memory (objects,
+    nesting, a size a constructor asks for); the message names the tunable that raises it.
+
+    Attributes:
+        tunable: the ``CKPTOOLS_*`` variable whose limit was reached; None for a limit no
+            setting raises (a size larger than the bytes that hold it).
+    """
+
+    def __init__(self, message: str, *, tunable: str | None, path: str | None = None) -> None:
+        super().__init__(message, path=path)
+        self.tunable = tunable
+
+
 class UnsafeCheckpointError(CkptError, ValueError):
     """Reading would run code: the data asks for a callable outside the allowlist."""
 

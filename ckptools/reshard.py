@@ -75,7 +75,8 @@ class ReshardOptions:
         worker_count: the copy threads, resolved (derived).
 
     Raises:
-        UsageError: a world size below 1, an unknown ``rank_state``, bad ``workers``.
+        UsageError: a world size below 1 or above :func:`ckptools.tunables.max_world_size`,
+            an unknown ``rank_state``, bad ``workers``.
     """
 
     world_size: int
@@ -92,6 +93,13 @@ class ReshardOptions:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise UsageError(f"world size must be at least 1, got {self.world_size}")
+        limit = tunables.max_world_size()
+        if self.world_size > limit:
+            # before planning: the plan keeps a list per rank and walks the ranks per tensor
+            raise UsageError(
+                f"world size {self.world_size} is above the limit of {limit} ranks (each rank "
+                f"is a file); if it is meant, raise {tunables.MAX_WORLD_SIZE_ENV}"
+            )
         if self.rank_state not in ("keep", "drop"):
             raise UsageError(f"rank_state must be 'keep' or 'drop', got {self.rank_state!r}")
         object.__setattr__(self, "worker_count", tunables.workers(self.workers))

@@ -92,3 +92,57 @@ def memory_budget(value: str | int | None = None) -> int:
     from ckptools.core.sizes import parse_size
 
     return parse_size(value)
+
+
+#: floor of the objects one pickle from a checkpoint may decode into (see pickle_objects)
+MAX_PICKLE_OBJECTS_ENV = "CKPTOOLS_MAX_PICKLE_OBJECTS"
+#: A pickle of a few KB can describe a huge value: shared references make a DAG that any walk
+#: expands as a tree, and a constructor can be asked for gigabytes. The budget counts the
+#: objects a constructor copies and the nodes a walk visits. Measured: a DCP ``.metadata`` of
+#: 64k chunks (7.7 MiB) holds 3.8M opcodes, under 0.5 objects per byte; a ``torch.save`` state
+#: dict's ``data.pkl`` under 0.2. 1M objects, or 16 per pickle byte, is 30x that headroom and
+#: still bounds a hostile 1 MB pickle to about 5 s of walking.
+DEFAULT_MAX_PICKLE_OBJECTS = 1_000_000
+PICKLE_OBJECTS_PER_BYTE = 16
+
+#: deepest nesting of containers a decoded pickle may have
+MAX_PICKLE_DEPTH_ENV = "CKPTOOLS_MAX_PICKLE_DEPTH"
+#: State dicts nest under 10 levels (optimizer state, trainer loops); the walks that flatten
+#: them recurse once per level, so 100 keeps them far from Python's recursion limit (1000).
+DEFAULT_MAX_PICKLE_DEPTH = 100
+
+#: most ranks a reshard or shard may plan for
+MAX_WORLD_SIZE_ENV = "CKPTOOLS_MAX_WORLD_SIZE"
+#: Each target rank is a file and planning is O(tensors x world size): 131,072 is 8x the
+#: largest published FSDP job (16,384 GPUs) and plans in seconds; a typo such as 10**9 is
+#: refused at once instead of allocating per-rank lists for 35 s until memory runs out.
+DEFAULT_MAX_WORLD_SIZE = 1 << 17
+
+
+def pickle_objects(pickle_bytes: int) -> int:
+    """Objects a pickle of ``pickle_bytes`` may decode into:
+    max(``CKPTOOLS_MAX_PICKLE_OBJECTS`` or 1M, 16 x ``pickle_bytes``).
+
+    Raises:
+        UsageError: the variable is not a positive integer.
+    """
+    floor = env_int(MAX_PICKLE_OBJECTS_ENV, DEFAULT_MAX_PICKLE_OBJECTS)
+    return max(floor, PICKLE_OBJECTS_PER_BYTE * pickle_bytes)
+
+
+def pickle_depth() -> int:
+    """Deepest nesting a decoded pickle may have: ``CKPTOOLS_MAX_PICKLE_DEPTH`` or 100.
+
+    Raises:
+        UsageError: the variable is not a positive integer.
+    """
+    return env_int(MAX_PICKLE_DEPTH_ENV, DEFAULT_MAX_PICKLE_DEPTH)
+
+
+def max_world_size() -> int:
+    """Most ranks a conversion may plan for: ``CKPTOOLS_MAX_WORLD_SIZE`` or 131,072.
+
+    Raises:
+        UsageError: the variable is not a positive integer.
+    """
+    return env_int(MAX_WORLD_SIZE_ENV, DEFAULT_MAX_WORLD_SIZE)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptools.formats import safe_pickle
+from ckptools.io import storage
 from ckptools.io.storage import Reader
 
 _EOCD = b"PK\x05\x06"
@@ -203,10 +204,11 @@ def load_pickle(reader: Reader, archive: Archive) -> Any:
         raise UnsupportedCheckpointError(
             f"{archive.file}: big-endian torch.save archives are not supported", path=archive.file
         )
+    file = storage.join(reader.root, archive.file)
     return safe_pickle.restricted_loads(
         read_record(reader, archive, "data.pkl"),
         safe_pickle.ARCHIVE_GLOBALS,
-        source=f"{archive.file}@{archive.start}" if archive.start else archive.file,
+        source=f"{file}@{archive.start}" if archive.start else file,
         persistent_load=safe_pickle.storage_persistent_load,
     )
 

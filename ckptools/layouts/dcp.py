@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +32,9 @@ from ckptools.io import storage
 from ckptools.layouts.base import Layout, digest, read_marker, register
 
 METADATA_FILE = ".metadata"
+#: byte sizes must fit int64 for the readers and writers (os offsets, numpy): 2**59 elements of
+#: the widest dtype (16 bytes, complex128) is the most a shape may hold
+_MAX_NUMEL = 2**59
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
@@ -49,14 +53,23 @@ def _dtype_of(properties: Any, fqn: str, where: str) -> str:
 
 
 def _tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
-    if type(value) is tuple:  # built by the allowlisted ``tuple`` for torch.Size
-        return value
-    if not isinstance(value, tuple | list):
-        raise CorruptCheckpointError(f"{where}: {what} is not a shape")
-    try:
-        return tuple(int(v) for v in value)
-    except (TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: {what} holds a non-integer") from e
+    """A shape, offsets or sizes from the metadata: integers, none negative (a negative size
+    would plan zero bytes where data belongs and still pass an element count)."""
+    dims: tuple[int, ...]
+    if type(value) is tuple:  # torch.Size decodes to a tuple; anything else is converted
+        dims = value
+    elif not isinstance(value, tuple | list):
+        raise CorruptCheckpointError(f"{where}: {what} is not a shape", path=where)
+    else:
+        try:
+            dims = tuple(int(v) for v in value)
+        except (TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: {what} holds a non-integer") from e
+    if dims and min(dims) < 0:
+        raise CorruptCheckpointError(
+            f"{where}: {what} has a negative entry: {list(dims)}", path=where
+        )
+    return dims
 
 
 def _metadata_bytes(path: str) -> bytes:
@@ -70,7 +83,8 @@ def _metadata_bytes(path: str) -> bytes:
 
 def parse_metadata(data: bytes, path: str) -> Any:
     """The ``Metadata`` stand-in of the ``.metadata`` bytes ``data`` read from ``path``."""
-    md = safe_pickle.restricted_loads(data, safe_pickle.METADATA_GLOBALS, source=path)
+    # Not walked as a tree: _build follows named fields and checks their types.
+    md = safe_pickle.restricted_loads(data, safe_pickle.METADATA_GLOBALS, source=path, walk=False)
     if not safe_pickle.is_record(md, ".metadata.Metadata") or not isinstance(
         getattr(md, "state_dict_metadata", None), dict
     ):
@@ -171,12 +185,14 @@ def _build(
     ranks = [r for r in (rank_of(n) for n in files) if r is not None]
     paths = {}
     for fqn, p in (getattr(md, "planner_data", None) or {}).items():
-        if isinstance(p, tuple | list):
+        # key paths hold str keys and int list indices; str() of anything else could expand
+        # a hostile shared structure without bound
+        if isinstance(p, tuple | list) and all(type(x) in (str, int) for x in p):
             paths[fqn] = tuple(str(x) for x in p)
     storage_meta = getattr(md, "storage_meta", None)
     details: dict[str, Any] = {
-        "dcp_version": getattr(md, "version", None),
-        "save_id": getattr(storage_meta, "save_id", None) if storage_meta is not None else None,
+        "dcp_version": _text(getattr(md, "version", None)),
+        "save_id": _text(getattr(storage_meta, "save_id", None)),
     }
     if transforms:
         details["transforms"] = transforms
@@ -195,6 +211,11 @@ def _build(
         data_root=where.root,
         marker_digests={marker: marker_digest},
     )
+
+
+def _text(value: Any) -> str | None:
+    """A string field shown as it is; any other value is dropped (it is displayed later)."""
+    return value if isinstance(value, str) else None
 
 
 def _storage_index(
@@ -220,7 +241,9 @@ def _storage_index(
         # _StorageInfo.__getstate__ leaves out None fields, so absent means "no transforms".
         descriptors = info.__dict__.get("transform_descriptors")
         if descriptors:
-            transforms[fqn] = list(descriptors)
+            transforms[fqn] = [
+                d if isinstance(d, str) else safe_pickle.short(d) for d in descriptors
+            ]
         if getattr(index, "offset", None) is None:
             object_locs[fqn] = info
         else:
@@ -257,6 +280,12 @@ def _tensor_entry(
     meta_path = where.meta_path
     dtype = _dtype_of(item.properties, fqn, meta_path)
     shape = _tuple(item.size, f"shape of {fqn!r}", meta_path)
+    if math.prod(shape) >= _MAX_NUMEL:
+        raise CorruptCheckpointError(
+            f"{meta_path}: shape of {fqn!r} {list(shape)} has more elements than any file holds",
+            path=meta_path,
+            fqn=fqn,
+        )
     chunks = []
     for cm in item.chunks or ():
         offsets = _tuple(cm.offsets, f"chunk offsets of {fqn!r}", meta_path)

@@ -28,27 +28,39 @@ SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-def _contains_tensor(value: Any) -> bool:
-    if isinstance(value, safe_pickle.TensorRef):
-        return True
-    if isinstance(value, dict):
-        return any(_contains_tensor(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_contains_tensor(v) for v in value)
-    return False
-
-
 def flatten(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
     """Yield (key path, leaf) like DCP's ``flatten_state_dict``: dicts always, sequences only
-    when they hold tensors; everything else is a leaf."""
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            yield from flatten(v, (*path, str(k)))
-    elif isinstance(value, list | tuple) and value and _contains_tensor(value):
-        for i, v in enumerate(value):
-            yield from flatten(v, (*path, str(i)))
-    else:
-        yield path, value
+    when they hold tensors; everything else is a leaf.
+
+    ``value`` comes from :func:`~ckptools.formats.torch_archive.load_pickle`, whose walk
+    bounded its size as a tree and its depth; whether a sequence holds a tensor is remembered
+    per object, so nested sequences are searched once, not once per level.
+    """
+    holds: dict[int, bool] = {}
+
+    def contains_tensor(v: Any) -> bool:
+        found = holds.get(id(v))
+        if found is None:
+            if isinstance(v, dict):
+                found = any(contains_tensor(x) for x in v.values())
+            elif isinstance(v, list | tuple):
+                found = any(contains_tensor(x) for x in v)
+            else:
+                found = isinstance(v, safe_pickle.TensorRef)
+            holds[id(v)] = found
+        return found
+
+    def walk(v: Any, at: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
+        if isinstance(v, dict) and v:
+            for k, x in v.items():
+                yield from walk(x, (*at, str(k)))
+        elif isinstance(v, list | tuple) and v and contains_tensor(v):
+            for i, x in enumerate(v):
+                yield from walk(x, (*at, str(i)))
+        else:
+            yield at, v
+
+    return walk(value, path)
 
 
 def _span_bytes(ref: safe_pickle.TensorRef, itemsize: int) -> int:

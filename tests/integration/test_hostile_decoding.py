@@ -1,0 +1,388 @@
+"""Hostile pickles and sizes are decoded within bounds (issue 19, items 4 and 5).
+
+Every case starts from a real checkpoint (``dcp.save`` or ``torch.save``), then replaces what a
+stranger controls: the DCP ``.metadata`` pickle, the ``data.pkl`` of a ``torch.save`` file, the
+sizes in the metadata, the ``--world-size`` asked for. Each command runs as a subprocess (``python
+-m ckptools``) that must end within 30 s and 1 GiB of resident memory with one ``error:`` line
+naming the file and the limit, and leave the source as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckptools import tunables
+from ckptools.errors import DecodingLimitError
+from ckptools.formats import safe_pickle
+from ckptools.layouts.dcp import read_dcp
+
+TIMEOUT_S = 30
+MAX_RSS_BYTES = 1 << 30
+
+# Runs the command as a grandchild and reports its own peak RSS on the last line of stderr; the
+# address space is capped (well above the 1 GiB asserted) so a regression cannot take the
+# machine down with it.
+_RUNNER = textwrap.dedent(
+    """
+    import resource, subprocess, sys
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+    p = subprocess.run([sys.executable, "-m", "ckptools", *sys.argv[1:]], preexec_fn=cap,
+                       capture_output=True, text=True)
+    sys.stdout.write(p.stdout)
+    sys.stderr.write(p.stderr)
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    sys.stderr.write(f"\\nRSS {rss}\\n")
+    sys.exit(p.returncode)
+    """
+)
+
+
+def _ckpt(*args: str) -> tuple[int, str, int, float]:
+    """(exit code, output without the RSS line, peak RSS in bytes, seconds) of ``ckpt args``."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    t0 = time.monotonic()
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _RUNNER, *args],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ckpt {' '.join(args)} ran past {TIMEOUT_S} s")
+    seconds = time.monotonic() - t0
+    head, _, rss = run.stderr.rstrip().rpartition("\nRSS ")
+    return run.returncode, (run.stdout + head).strip(), int(rss), seconds
+
+
+def _one_line_error(*args: str, exit_code: int = 1) -> str:
+    code, text, rss, seconds = _ckpt(*args)
+    assert code == exit_code, text
+    assert text.startswith("error: ") and "\n" not in text, text
+    assert "Traceback" not in text
+    assert rss < MAX_RSS_BYTES, f"ckpt {args[0]} peaked at {rss >> 20} MiB"
+    assert seconds < TIMEOUT_S
+    return text
+
+
+def _digest(root: Path) -> dict[str, str]:
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def _verify_problem(src: Path) -> str:
+    """``verify`` reports an unreadable checkpoint as a problem (exit 3) or a one-line error."""
+    code, text, rss, seconds = _ckpt("verify", str(src))
+    assert code in (1, 3), text
+    assert "Traceback" not in text and rss < MAX_RSS_BYTES and seconds < TIMEOUT_S
+    if code == 1:
+        assert text.startswith("error: ") and "\n" not in text, text
+        return text
+    problems = [line.strip() for line in text.splitlines() if line.strip().startswith("[")]
+    assert len(problems) == 1, text
+    return problems[0]
+
+
+def _all_verbs(src: Path, tmp_path: Path, *, dcp_only: bool = True) -> list[str]:
+    """The one-line errors of inspect, verify, consolidate and (DCP) reshard on ``src``; none
+    writes an output or changes the source."""
+    before = _digest(src)
+    msgs = [
+        _one_line_error("inspect", str(src)),
+        _verify_problem(src),
+        _one_line_error("consolidate", str(src), str(tmp_path / "hf")),
+    ]
+    if dcp_only:
+        msgs.append(_one_line_error("reshard", str(src), str(tmp_path / "re"), "--world-size", "2"))
+    assert _digest(src) == before
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "re").exists()
+    return msgs
+
+
+# --------------------------------------------------------------------------------------------------
+# Hostile values
+# --------------------------------------------------------------------------------------------------
+
+
+def _dag_dict(levels: int) -> dict[str, Any]:
+    """A few hundred bytes pickled; 2**levels leaves when walked as a tree."""
+    d: dict[str, Any] = {"leaf": 1}
+    for _ in range(levels):
+        d = {"a": d, "b": d}
+    return d
+
+
+def _dag_list(levels: int) -> list[Any]:
+    v: list[Any] = [1]
+    for _ in range(levels):
+        v = [v, v]
+    return v
+
+
+def _deep_list_pickle(depth: int) -> bytes:
+    """``[[[...]]]`` nested ``depth`` deep (opcodes: EMPTY_LIST x depth, APPEND x depth - 1)."""
+    return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+
+
+def _bytearray_pickle(size: int) -> bytes:
+    """``bytearray(size)``: GLOBAL, LONG1 size, TUPLE1, REDUCE."""
+    raw = size.to_bytes((size.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x80\x02cbuiltins\nbytearray\n\x8a" + bytes([len(raw)]) + raw + b"\x85R."
+
+
+def _copies_pickle(elements: int, copies: int) -> bytes:
+    """A list of ``elements`` Nones, memoised, then ``set(list)`` rebuilt ``copies`` times: a
+    few bytes per copy, ``elements`` objects each."""
+    out = bytearray(b"\x80\x02cbuiltins\nset\nq\x00](")
+    out += b"N" * elements
+    out += b"eq\x01("  # APPENDS, BINPUT 1, MARK
+    out += b"h\x00h\x01\x85R" * copies  # set(list)
+    out += b"l."  # LIST of the sets
+    return bytes(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real checkpoints, then damaged
+# --------------------------------------------------------------------------------------------------
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"layer.weight": torch.randn(8, 4, generator=g), "layer.bias": torch.randn(4)}
+
+
+@pytest.fixture
+def dcp_ckpt(tmp_path: Path) -> Path:
+    path = tmp_path / "src"
+    dcp.save({"model": _tensors(), "extra": {"step": 3}}, checkpoint_id=str(path))
+    return path
+
+
+def _edit_metadata(ckpt: Path, edit: Any) -> None:
+    """Load ``.metadata`` with torch's own classes, let ``edit`` change it, pickle it back (the
+    pickler's memo keeps shared references shared: a DAG stays a few hundred bytes)."""
+    path = ckpt / ".metadata"
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    edit(md)
+    path.write_bytes(pickle.dumps(md, protocol=2))
+
+
+def _replace_data_pkl(file: Path, data: bytes) -> None:
+    """Rewrite a ``torch.save`` zip with its ``data.pkl`` record replaced (stored, like torch)."""
+    with zipfile.ZipFile(file) as z:
+        records = [(i.filename, z.read(i.filename)) for i in z.infolist()]
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, body in records:
+            z.writestr(name, data if name.endswith("/data.pkl") else body)
+    file.write_bytes(buf.getvalue())
+
+
+@pytest.fixture
+def pt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "model.pt"
+    torch.save(_tensors(), path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Item 4: pickles
+# --------------------------------------------------------------------------------------------------
+
+
+def test_dag_in_torch_save_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save({**_tensors(), "extra": _dag_dict(60)}, path)
+    assert path.stat().st_size < 1 << 20
+    for msg in _all_verbs(path, tmp_path, dcp_only=False):
+        assert path.name in msg and tunables.MAX_PICKLE_OBJECTS_ENV in msg
+
+
+def test_dag_in_data_pkl_of_list_is_refused(pt_file: Path, tmp_path: Path) -> None:
+    _replace_data_pkl(pt_file, pickle.dumps({"x": _dag_list(60)}, protocol=2))
+    msg = _one_line_error("inspect", str(pt_file))
+    assert str(pt_file) in msg and tunables.MAX_PICKLE_OBJECTS_ENV in msg
+
+
+def test_dag_in_dcp_metadata_fields_is_harmless(dcp_ckpt: Path, tmp_path: Path) -> None:
+    # planner_data and storage_meta are shown to the user: a DAG there is dropped, not expanded
+    def edit(md: Any) -> None:
+        md.planner_data["model.layer.weight"] = (_dag_list(60),)
+        md.storage_meta.save_id = _dag_list(60)
+
+    _edit_metadata(dcp_ckpt, edit)
+    code, text, rss, _ = _ckpt("inspect", str(dcp_ckpt), "--json")
+    assert code == 0, text
+    assert rss < MAX_RSS_BYTES
+
+
+def _replace_object_item(ckpt: Path, fqn: str, value: Any) -> None:
+    """Append ``torch.save(value)`` to rank 0's file and point ``fqn``'s storage entry at it."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    blob = buf.getvalue()
+    data_file = ckpt / "__0_0.distcp"
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+
+    def edit(md: Any) -> None:
+        for index, info in md.storage_data.items():
+            if index.fqn == fqn:
+                info.offset, info.length = offset, len(blob)
+
+    _edit_metadata(ckpt, edit)
+
+
+def test_dag_in_dcp_object_item_is_refused(dcp_ckpt: Path, tmp_path: Path) -> None:
+    _replace_object_item(dcp_ckpt, "extra.step", _dag_list(60))
+    before = _digest(dcp_ckpt)
+    code, text, rss, seconds = _ckpt("inspect", str(dcp_ckpt), "--values", "--json")
+    assert code == 0, text
+    assert rss < MAX_RSS_BYTES and seconds < TIMEOUT_S
+    (entry,) = (o for o in json.loads(text)["objects"] if o["fqn"] == "extra.step")
+    value = entry["value"]
+    assert "__0_0.distcp" in value["error"] and tunables.MAX_PICKLE_OBJECTS_ENV in value["error"]
+    assert _digest(dcp_ckpt) == before
+
+
+def test_huge_bytearray_is_refused(pt_file: Path, tmp_path: Path) -> None:
+    _replace_data_pkl(pt_file, _bytearray_pickle(3 << 30))
+    for msg in _all_verbs(pt_file, tmp_path, dcp_only=False):
+        assert pt_file.name in msg and "bytearray" in msg and str(3 << 30) in msg
+
+
+def test_repeated_copies_are_counted(pt_file: Path, tmp_path: Path) -> None:
+    # 500k copies of a 100k-element set: 5e10 objects from a 2.6 MB pickle
+    _replace_data_pkl(pt_file, _copies_pickle(100_000, 500_000))
+    msg = _one_line_error("inspect", str(pt_file))
+    assert str(pt_file) in msg and tunables.MAX_PICKLE_OBJECTS_ENV in msg
+
+
+def test_deep_nesting_in_data_pkl(pt_file: Path, tmp_path: Path) -> None:
+    _replace_data_pkl(pt_file, _deep_list_pickle(100_000))
+    for msg in _all_verbs(pt_file, tmp_path, dcp_only=False):
+        assert pt_file.name in msg and tunables.MAX_PICKLE_DEPTH_ENV in msg
+
+
+def test_deep_nesting_as_dcp_metadata(dcp_ckpt: Path, tmp_path: Path) -> None:
+    (dcp_ckpt / ".metadata").write_bytes(_deep_list_pickle(100_000))
+    for msg in _all_verbs(dcp_ckpt, tmp_path):
+        assert ".metadata" in msg and "not DCP metadata" in msg
+
+
+def test_bytearray_in_dcp_metadata_is_not_allowed(dcp_ckpt: Path, tmp_path: Path) -> None:
+    (dcp_ckpt / ".metadata").write_bytes(_bytearray_pickle(3 << 30))
+    msg = _one_line_error("inspect", str(dcp_ckpt))
+    assert ".metadata" in msg and "builtins.bytearray" in msg
+
+
+# --------------------------------------------------------------------------------------------------
+# Item 5: sizes
+# --------------------------------------------------------------------------------------------------
+
+
+def test_huge_world_size_is_refused_at_once(dcp_ckpt: Path, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    msg = _one_line_error(
+        "reshard", str(dcp_ckpt), str(tmp_path / "re"), "--world-size", "1000000000", exit_code=2
+    )
+    assert time.monotonic() - t0 < 10
+    assert "1000000000" in msg and tunables.MAX_WORLD_SIZE_ENV in msg
+    assert not (tmp_path / "re").exists()
+
+
+@pytest.mark.parametrize("field", ["sizes", "offsets", "shape"])
+def test_negative_sizes_in_metadata(dcp_ckpt: Path, tmp_path: Path, field: str) -> None:
+    def edit(md: Any) -> None:
+        item = md.state_dict_metadata["model.layer.weight"]
+        if field == "shape":
+            item.size = torch.Size([-8, 4])
+        else:
+            setattr(item.chunks[0], field, torch.Size([-1, 4]))
+
+    _edit_metadata(dcp_ckpt, edit)
+    for msg in _all_verbs(dcp_ckpt, tmp_path):
+        assert ".metadata" in msg and "model.layer.weight" in msg, msg
+
+
+def test_shape_beyond_int64_in_metadata(dcp_ckpt: Path, tmp_path: Path) -> None:
+    def edit(md: Any) -> None:
+        md.state_dict_metadata["model.layer.weight"].size = torch.Size([2**40, 2**40])
+
+    _edit_metadata(dcp_ckpt, edit)
+    msg = _one_line_error("inspect", str(dcp_ckpt))
+    assert "model.layer.weight" in msg and "more elements" in msg
+
+
+# --------------------------------------------------------------------------------------------------
+# Legitimate inputs stay within the budgets
+# --------------------------------------------------------------------------------------------------
+
+
+def test_big_legitimate_metadata_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.support.producers import big_many_tensors_metadata
+
+    path = big_many_tensors_metadata(tmp_path / "big", 1000, 64, sized_files=True)
+    # the floor at its smallest: the per-byte budget alone must admit a real 7.7 MiB metadata
+    monkeypatch.setenv(tunables.MAX_PICKLE_OBJECTS_ENV, "1")
+    manifest = read_dcp(str(path))
+    assert sum(len(t.chunks) for t in manifest.tensors.values()) > 50_000
+    data = (Path(path) / ".metadata").read_bytes()
+    # walked as a tree too, it fits the per-byte budget
+    safe_pickle.restricted_loads(data, safe_pickle.METADATA_GLOBALS, source="m", walk=True)
+
+
+def test_state_dict_with_shared_tensors_loads(tmp_path: Path) -> None:
+    # tied weights and a shared sub-dict are legitimate sharing, well within budget
+    t = _tensors()
+    sub = {"w": t["layer.weight"]}
+    path = tmp_path / "tied.pt"
+    torch.save({"a": sub, "b": sub, "tied": t["layer.weight"]}, path)
+    code, text, rss, _ = _ckpt("inspect", str(path))
+    assert code == 0, text
+    assert rss < MAX_RSS_BYTES
+    assert "a.w" in text and "b.w" in text and "tied" in text
+
+
+def test_budget_tunables_raise_the_limits(pt_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.save({**_tensors(), "extra": _dag_dict(12)}, pt_file)  # 4k leaves
+    monkeypatch.setenv(tunables.MAX_PICKLE_OBJECTS_ENV, "1000")
+    from ckptools.layouts.torch_save import read_torch_save
+
+    with pytest.raises(DecodingLimitError, match=tunables.MAX_PICKLE_OBJECTS_ENV):
+        read_torch_save(str(pt_file))
+    monkeypatch.setenv(tunables.MAX_PICKLE_OBJECTS_ENV, "100000")
+    assert len(read_torch_save(str(pt_file)).objects) == 2**12
+
+
+def test_world_size_tunable(
+    dcp_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptools
+    from ckptools.errors import UsageError
+
+    monkeypatch.setenv(tunables.MAX_WORLD_SIZE_ENV, "2")
+    with pytest.raises(UsageError, match=tunables.MAX_WORLD_SIZE_ENV):
+        ckptools.reshard(str(dcp_ckpt), str(tmp_path / "o"), world_size=3, dry_run=True)
+    ckptools.reshard(str(dcp_ckpt), str(tmp_path / "o"), world_size=2, dry_run=True)
