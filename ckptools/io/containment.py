@@ -38,8 +38,9 @@ _SHOWN_CHARS = 120
 _HF_REPO_PREFIX = "models--"
 
 
-def outside_reason(root: str, rel: str) -> str | None:
-    """Why ``root/rel`` would lead outside ``root`` (None when it stays inside).
+def outside_reason(root: str, rel: str, *, links: bool = True) -> str | None:
+    """Why ``root/rel`` would lead outside ``root`` (None when it stays inside); ``links``:
+    follow local symbolic links too (else the name alone is judged).
 
     The reason never names the outside target. A missing file is inside (reading it reports it).
     """
@@ -53,13 +54,19 @@ def outside_reason(root: str, rel: str) -> str | None:
         return "is a URL"
     if ".." in rel.split("/"):
         return "has a '..' segment"
-    if not is_url(root) and _escapes(local_path(root), rel):
+    if links and not is_url(root) and _escapes(local_path(root), rel):
         return "is a symbolic link (or lies below one) leading elsewhere"
     return None
 
 
 def contained(
-    root: str, rel: str, *, named_by: str, entry: str = "names", fqn: str | None = None
+    root: str,
+    rel: str,
+    *,
+    named_by: str,
+    entry: str = "names",
+    fqn: str | None = None,
+    links: bool = True,
 ) -> str:
     """``root/rel``, the path of a file the checkpoint names, when it lies inside ``root``.
 
@@ -70,11 +77,13 @@ def contained(
         entry: how that file names it, a verb phrase put before the name: ``"names"``,
             ``"stores tensor 'model.w' in"``, ``"holds"`` (a file among the checkpoint's).
         fqn: the tensor or entry key, when there is one.
+        links: follow local links (False: judge the name alone, no system call; what readers
+            check again when they open a file the layout already checked).
 
     Raises:
         OutsideCheckpointError: the name leads outside (see the module docstring).
     """
-    reason = outside_reason(root, rel)
+    reason = outside_reason(root, rel, links=links)
     if reason is None:
         return join(root, rel)
     raise OutsideCheckpointError(

@@ -185,6 +185,19 @@ def local_stagings(out: str) -> list[str]:
     return sorted(c for c in found if os.path.isdir(c) and not os.path.islink(c))
 
 
+def superseded(staging: str, fingerprint: str) -> bool:
+    """True when the (dead) staging location ``staging`` holds nothing to resume but for the
+    conversion ``fingerprint``: no journal at all (killed before its first file was done), or
+    this conversion's own."""
+    try:
+        names = storage.listdir(staging)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if not any(n.startswith(JOURNAL_PREFIX) for n in names):
+        return True
+    return Journal.open(staging, fingerprint).resumed
+
+
 def find_local_staging(out: str, fingerprint: str) -> str | None:
     """An earlier run's ``<out>.tmp-*`` directory with a journal of the same conversion.
 

@@ -149,7 +149,7 @@ class LocalStaging:
     def resume(self, out: str, fingerprint: str) -> str:
         staging = resume.find_local_staging(out, fingerprint) or self.begin(self.location(out))
         self.hold(staging, out)
-        self._clear_stale(out)
+        self._clear_stale(out, fingerprint)
         return staging
 
     def hold(self, staging: str, out: str) -> None:
@@ -168,11 +168,13 @@ class LocalStaging:
             )
         self._locks[staging] = fd
 
-    def _clear_stale(self, out: str) -> None:
-        """Remove every ``<out>.tmp-*`` that no live process holds (not this one's): what runs
-        killed with kill -9 left, older than the one resumed. A live run holds its staging
-        location under an exclusive ``flock``, which the kernel drops when the process dies, so
-        a lock that can be taken is a dead run's."""
+    def _clear_stale(self, out: str, fingerprint: str) -> None:
+        """Remove every ``<out>.tmp-*`` that no live process holds (not this one's) and that
+        holds nothing another conversion could resume: what runs killed with kill -9 left
+        before their first file was done, and this conversion's older ones (the best was
+        resumed). A live run holds its staging location under an exclusive ``flock``, which the
+        kernel drops when the process dies, so a lock that can be taken is a dead run's; a
+        directory with another conversion's journal is kept for that conversion to resume."""
         for candidate in resume.local_stagings(out):
             if candidate in self._locks:
                 continue
@@ -181,7 +183,7 @@ class LocalStaging:
             except OSError:
                 continue
             try:
-                if _try_lock(fd):
+                if _try_lock(fd) and resume.superseded(candidate, fingerprint):
                     log.info("removing %s, left by an interrupted run", candidate)
                     _remove_local(candidate)
             finally:

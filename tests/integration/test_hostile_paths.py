@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pickle
+import random
 import shutil
 import signal
 import subprocess
@@ -427,32 +428,42 @@ def _holder(out: Path, mode: str) -> tuple[subprocess.Popen[str], str]:
 
 
 def test_stale_staging_dirs_are_removed_live_ones_kept(tmp_path: Path) -> None:
-    src = _dcp(tmp_path / "ckpt")
+    src = tmp_path / "ckpt"  # 64 MiB: a run writes long enough to be killed while writing
+    dcp.save({"model": {**_tensors(), "big": torch.zeros(16, 2**20)}}, checkpoint_id=str(src))
     out = tmp_path / "out"
-    dead = []
-    for _ in range(3):
+    for _ in range(3):  # killed right after creating (and locking) their staging directory
         proc, tmp = _holder(out, "die")
         assert proc.wait() == -signal.SIGKILL and os.path.isdir(tmp)
-        dead.append(tmp)
-    # a real consolidate killed with SIGKILL once its staging directory appears
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptools", "consolidate", str(src), str(out), "--quiet"]
-    )
-    while proc.poll() is None and len(list(tmp_path.glob("out.tmp-*"))) < 4:
-        time.sleep(0.001)
-    proc.send_signal(signal.SIGKILL)
+    # another conversion's interrupted work: dead, but resumable by that conversion
+    proc, other = _holder(out, "die")
     proc.wait()
-    if out.exists():  # it finished before the kill landed: only its orphans matter here
-        shutil.rmtree(out)
+    journal = {"format": "ckptools-resume", "fingerprint": "another", "done": {"partial": {}}}
+    Path(other, ".ckptools-resume-0.json").write_text(json.dumps(journal))
+    # real consolidate runs killed with SIGKILL at random points early in the run
+    rng = random.Random(19)
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptools", "consolidate", str(src), str(out), "--quiet"]
+        )
+        before, deadline = set(tmp_path.glob("out.tmp-*")), time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            if set(tmp_path.glob("out.tmp-*")) - before:
+                break  # its staging directory exists: kill it somewhere in what follows
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, 0.05))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if out.exists():  # it finished before the kill landed: only its orphans matter here
+            shutil.rmtree(out)
     live, live_tmp = _holder(out, "live")
     try:
         ckptools.consolidate(str(src), str(out))
         left = sorted(str(p) for p in tmp_path.glob("out.tmp-*"))
-        assert left == [live_tmp], left  # every dead run's staging removed, the live one kept
+        assert left == sorted([live_tmp, other]), left  # the dead runs' removed, these kept
     finally:
         assert live.stdin is not None
         live.stdin.close()
         live.wait()
     ckptools.consolidate(str(src), str(out), overwrite=True)
-    assert not list(tmp_path.glob("out.tmp-*"))
+    assert [str(p) for p in tmp_path.glob("out.tmp-*")] == [other]
     assert out.is_dir()
