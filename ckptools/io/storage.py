@@ -20,7 +20,7 @@ How an output is staged and committed (local rename, object-store marker) is
 
 from __future__ import annotations
 
-from ckptools.io.containment import check_apart, contained, outside_reason
+from ckptools.io.containment import check_apart, contained, outside_reason, shown
 from ckptools.io.options import (
     StorageOptions,
     accepts_storage_options,
@@ -107,6 +107,7 @@ __all__ = [
     "read_range",
     "remove",
     "remove_tree",
+    "shown",
     "size",
     "storage_options",
     "walk_files",

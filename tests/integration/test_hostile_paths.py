@@ -467,3 +467,41 @@ def test_stale_staging_dirs_are_removed_live_ones_kept(tmp_path: Path) -> None:
     ckptools.consolidate(str(src), str(out), overwrite=True)
     assert [str(p) for p in tmp_path.glob("out.tmp-*")] == [other]
     assert out.is_dir()
+
+
+# --------------------------------------------------------------------------------------------------
+# Object stores and the training store's marker
+# --------------------------------------------------------------------------------------------------
+
+
+def test_object_store_keys_outside_are_refused(tmp_path: Path) -> None:
+    import uuid
+
+    import fsspec
+
+    ckpt = _dcp(tmp_path / "ckpt")
+    _edit_metadata(ckpt, lambda name: "../" + name)
+    url = f"memory://hostile-{uuid.uuid4().hex[:8]}/ckpt"
+    fs = fsspec.filesystem("memory")
+    for p in ckpt.iterdir():
+        fs.pipe_file(f"{url}/{p.name}".removeprefix("memory://"), p.read_bytes())
+    with pytest.raises(OutsideCheckpointError, match=r"'\.\./__0_0\.distcp'"):
+        ckptools.read_manifest(url)
+    with pytest.raises(UsageError, match="lies inside the source"):
+        ckptools.consolidate(url, url + "/hf/")
+    with pytest.raises(UsageError, match="holds the source"):
+        ckptools.reshard(url, url.rsplit("/", 1)[0], world_size=2, overwrite=True)
+    assert fs.exists(url.removeprefix("memory://") + "/.metadata")
+
+
+def test_training_marker_naming_outside_files_is_incomplete(tmp_path: Path) -> None:
+    from ckptools.training.store import MARKER_NAME, list_checkpoints
+
+    root = tmp_path / "root"
+    ckptools.CheckpointManager(str(root)).save(1, model=torch.nn.Linear(2, 2))
+    marker_path = root / "step-1" / MARKER_NAME
+    marker = json.loads(marker_path.read_text())
+    marker["files"]["../../outside/secret.bin"] = len(SECRET)
+    marker_path.write_text(json.dumps(marker))
+    (info,) = list_checkpoints(str(root))
+    assert not info.complete and "'..' segment" in info.reason
