@@ -493,7 +493,7 @@ def consolidate(
         memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
     )  # fmt: skip
     out = out.rstrip("/") or out
-    check_writable(out, options.overwrite, src=src)
+    check_writable(out, options.overwrite, src=src, inside_src=True)  # e.g. checkpoint-N/hf
     run = _Run.planned(src, out, options, started)
     if options.dry_run:
         return run.result(0)
@@ -635,7 +635,7 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
         )
 
     def prepare() -> str:
-        check_writable(out, options.overwrite, src=run.src)
+        check_writable(out, options.overwrite, src=run.src, inside_src=True)
         made = make_tmp_dir(out)
         try:
             create_files(plan, made)

@@ -147,9 +147,14 @@ def _normalised(path: str) -> str:
     return os.path.realpath(local_path(path))
 
 
-def check_apart(src: str, out: str) -> None:
-    """Refuse an OUT that is SRC, holds SRC or lies inside SRC (real paths compared; URLs by
-    their normalised prefix). Call before anything is created or deleted.
+def check_apart(src: str, out: str, *, allow_inside: bool = False) -> None:
+    """Refuse an OUT that is SRC, holds SRC or (unless ``allow_inside``) lies inside SRC (real
+    paths compared; URLs by their normalised prefix). Call before anything is created or deleted.
+
+    ``allow_inside`` is for writers that copy nothing but the model's own files from SRC
+    (consolidate, whose Trainer callback writes ``checkpoint-N/hf/`` by design): an OUT inside
+    SRC is never deleted with it, and they never read it back. A reshard copies every file
+    beside the data, so an OUT inside SRC would end up in the next output.
 
     Raises:
         UsageError: one line saying which.
@@ -162,7 +167,7 @@ def check_apart(src: str, out: str) -> None:
         why = "is the source checkpoint itself"
     elif s.startswith(o.rstrip(sep) + sep):
         why = f"holds the source checkpoint {src} (--overwrite would delete it)"
-    elif o.startswith(s.rstrip(sep) + sep):
+    elif o.startswith(s.rstrip(sep) + sep) and not allow_inside:
         why = f"lies inside the source checkpoint {src}"
     else:
         return

@@ -332,13 +332,15 @@ def fsync_dir(path: str) -> None:
     staging_for(path).sync(path)
 
 
-def check_writable(out: str, overwrite: bool, *, src: str | None = None) -> None:
+def check_writable(
+    out: str, overwrite: bool, *, src: str | None = None, inside_src: bool = False
+) -> None:
     """Refuse an existing OUT unless ``overwrite`` (checked before any work starts); see
     :meth:`ObjectStoreStaging.check_writable` for what counts as existing on an object store.
-    With ``src``, refuse an OUT that is the source, holds it or lies inside it (whatever
-    ``overwrite`` says: replacing OUT would delete the source)."""
+    With ``src``, refuse an OUT that is the source, holds it or (unless ``inside_src``) lies
+    inside it, whatever ``overwrite`` says (:func:`ckptools.io.containment.check_apart`)."""
     if src is not None:
-        storage.check_apart(src, out)
+        storage.check_apart(src, out, allow_inside=inside_src)
     staging_for(out).check_writable(out, overwrite)
 
 
