@@ -275,15 +275,22 @@ def _config_dir_files(directory: str) -> list[str]:
     return [n for n in MODEL_FILES if n in present]
 
 
+def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
+    """``(path, name)`` of the model files ``names`` in ``directory``, each checked to lie inside
+    it: a ``config.json`` that is a link to a file elsewhere would copy that file into OUT."""
+    return [(storage.contained(directory, n, named_by=directory, entry="holds"), n) for n in names]
+
+
 def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
     """``(source path, name in OUT)`` of the config and tokenizer files to copy.
 
     ``config`` may be a ``config.json`` file (copied alone) or a directory; by default the
     checkpoint directory, then its parent, are searched, and the first holding ``config.json``
-    is used.
+    is used. A file of a directory must lie inside it (:func:`ckptools.io.storage.contained`).
 
     Raises:
         UsageError: ``config`` names nothing usable.
+        OutsideCheckpointError: a model file is a link leading outside its directory.
     """
     if config is not None:
         if storage.isfile(config):
@@ -294,7 +301,7 @@ def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
                 raise UsageError(
                     f"--config {config}: directory holds none of {', '.join(MODEL_FILES[:3])}..."
                 )
-            return [(storage.join(config, n), n) for n in found]
+            return _copied_from(config, found)
         raise UsageError(f"--config {config}: no such file or directory")
     if storage.is_url(src):
         here = src.rstrip("/") if storage.isdir(src) else storage.dirname(src)
@@ -305,7 +312,7 @@ def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
     for directory in (here, parent):
         found = _config_dir_files(directory)
         if "config.json" in found:
-            return [(storage.join(directory, n), n) for n in found]
+            return _copied_from(directory, found)
     return []
 
 
@@ -486,7 +493,7 @@ def consolidate(
         memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
     )  # fmt: skip
     out = out.rstrip("/") or out
-    check_writable(out, options.overwrite)
+    check_writable(out, options.overwrite, src=src, inside_src=True)  # e.g. checkpoint-N/hf
     run = _Run.planned(src, out, options, started)
     if options.dry_run:
         return run.result(0)
@@ -628,7 +635,7 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
         )
 
     def prepare() -> str:
-        check_writable(out, options.overwrite)
+        check_writable(out, options.overwrite, src=run.src, inside_src=True)
         made = make_tmp_dir(out)
         try:
             create_files(plan, made)

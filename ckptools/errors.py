@@ -75,6 +75,23 @@ class UnsafeCheckpointError(CkptError, ValueError):
         self.global_name = global_name
 
 
+class OutsideCheckpointError(UnsafeCheckpointError):
+    """A path the checkpoint names (a file in its metadata or index, a symbolic link among its
+    files) leads outside the checkpoint; nothing there was read.
+
+    Attributes:
+        entry: the name as the checkpoint wrote it (the outside target is never resolved into a
+            message).
+    """
+
+    def __init__(
+        self, message: str, *, entry: str, path: str | None = None, fqn: str | None = None
+    ) -> None:
+        super().__init__(message, global_name="", path=path)
+        self.entry = entry
+        self.fqn = fqn
+
+
 class UnsupportedCheckpointError(CkptError, NotImplementedError):
     """A valid checkpoint uses a feature ckptools does not handle (named in the message)."""
 

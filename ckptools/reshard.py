@@ -209,12 +209,13 @@ def reshard(
 def _read_source(
     src: str, out: str, options: ReshardOptions, formats: tuple[str, ...], otherwise: str
 ) -> Manifest:
-    """The source's manifest (read once), refused unless in one of ``formats``; OUT checked."""
+    """OUT checked (before anything is read), then the source's manifest (read once), refused
+    unless in one of ``formats``."""
+    if not options.dry_run:
+        check_writable(out, options.overwrite, src=src)
     manifest = read_manifest(src, options.format)
     if manifest.format not in formats:
         raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")
-    if not options.dry_run:
-        check_writable(out, options.overwrite)
     return manifest
 
 
@@ -370,7 +371,7 @@ def _write(ranks: Ranks, run: _Run, identity: str) -> tuple[int, int]:
         mine[units[i][0]].append(units[i][1])
 
     def prepare() -> str:
-        check_writable(out, options.overwrite)
+        check_writable(out, options.overwrite, src=run.src)
         tmp = resumable_staging(out, identity)
         try:
             for name in run.copied:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ckptools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
+from ckptools.io.containment import contained
 from ckptools.io.paths import filesystem, is_url, join, local_path
 from ckptools.tunables import env_int
 
@@ -124,7 +125,7 @@ class LocalReader:
         with self._lock:
             fd = self._fds.get(rel)
             if fd is None:
-                path = join(self.root, rel)
+                path = contained(self.root, rel, named_by=self.root, entry="asked for", links=False)
                 try:
                     fd = _open_read(path)
                 except FileNotFoundError as e:
@@ -246,6 +247,7 @@ class RemoteReader:
         self._base = self._base.rstrip("/")
         self.part_bytes = part_bytes or env_int(REMOTE_PART_BYTES_ENV, DEFAULT_REMOTE_PART_BYTES)
         self._sizes: dict[str, int] = {}
+        self._checked: set[str] = set()
         # (rel, start) -> bytes, oldest first; per file, start -> bytes for lookups
         self._segments: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._by_file: dict[str, dict[int, bytes]] = {}
@@ -257,6 +259,9 @@ class RemoteReader:
         self.requests = 0
 
     def _path(self, rel: str) -> str:
+        if rel not in self._checked:  # layouts checked it; a name alone is judged again here
+            contained(self.root, rel, named_by=self.root, entry="asked for", links=False)
+            self._checked.add(rel)
         return f"{self._base}/{rel}" if self._base else rel
 
     def _url(self, rel: str) -> str:

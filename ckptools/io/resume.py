@@ -178,15 +178,33 @@ class Journal:
                 storage.remove(storage.join(self.staging, name))
 
 
+def local_stagings(out: str) -> list[str]:
+    """Every ``<out>.tmp-*`` directory beside the local ``out`` (staging locations of its
+    runs, live or left by interrupted ones)."""
+    found = glob.glob(glob.escape(os.path.abspath(out)) + ".tmp-*")
+    return sorted(c for c in found if os.path.isdir(c) and not os.path.islink(c))
+
+
+def superseded(staging: str, fingerprint: str) -> bool:
+    """True when the (dead) staging location ``staging`` holds nothing to resume but for the
+    conversion ``fingerprint``: no journal at all (killed before its first file was done), or
+    this conversion's own."""
+    try:
+        names = storage.listdir(staging)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if not any(n.startswith(JOURNAL_PREFIX) for n in names):
+        return True
+    return Journal.open(staging, fingerprint).resumed
+
+
 def find_local_staging(out: str, fingerprint: str) -> str | None:
     """An earlier run's ``<out>.tmp-*`` directory with a journal of the same conversion.
 
     Where several exist, the one with the most files done.
     """
     best: tuple[int, str] | None = None
-    for candidate in glob.glob(glob.escape(os.path.abspath(out)) + ".tmp-*"):
-        if not os.path.isdir(candidate):
-            continue
+    for candidate in local_stagings(out):
         journal = Journal.open(candidate, fingerprint)
         if journal.resumed and (best is None or journal.done_count > best[0]):
             best = (journal.done_count, candidate)

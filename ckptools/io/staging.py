@@ -148,22 +148,46 @@ class LocalStaging:
 
     def resume(self, out: str, fingerprint: str) -> str:
         staging = resume.find_local_staging(out, fingerprint) or self.begin(self.location(out))
-        self._lock(staging, out)
+        self.hold(staging, out)
+        self._clear_stale(out, fingerprint)
         return staging
 
-    def _lock(self, staging: str, out: str) -> None:
-        import fcntl
+    def hold(self, staging: str, out: str) -> None:
+        """Lock the staging location ``staging`` of ``out`` for this process (until ``commit``
+        or ``discard``): no other run resumes into it or clears it meanwhile.
 
+        Raises:
+            UsageError: another live run holds it.
+        """
         fd = os.open(staging, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
+        if not _try_lock(fd):
             os.close(fd)
             raise UsageError(
                 f"{out}: another ckptools run is writing it (in {staging}); wait for it to finish",
                 path=out,
-            ) from e
+            )
         self._locks[staging] = fd
+
+    def _clear_stale(self, out: str, fingerprint: str) -> None:
+        """Remove every ``<out>.tmp-*`` that no live process holds (not this one's) and that
+        holds nothing another conversion could resume: what runs killed with kill -9 left
+        before their first file was done, and this conversion's older ones (the best was
+        resumed). A live run holds its staging location under an exclusive ``flock``, which the
+        kernel drops when the process dies, so a lock that can be taken is a dead run's; a
+        directory with another conversion's journal is kept for that conversion to resume."""
+        for candidate in resume.local_stagings(out):
+            if candidate in self._locks:
+                continue
+            try:
+                fd = os.open(candidate, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if _try_lock(fd) and resume.superseded(candidate, fingerprint):
+                    log.info("removing %s, left by an interrupted run", candidate)
+                    _remove_local(candidate)
+            finally:
+                os.close(fd)
 
     def _unlock(self, staging: str) -> None:
         fd = self._locks.pop(staging, None)
@@ -207,6 +231,17 @@ class LocalStaging:
         os.rename(out, trash)
         durable.fsync_dir(os.path.dirname(os.path.abspath(out)))
         _remove_local(trash)
+
+
+def _try_lock(fd: int) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` without waiting; False when another holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _remove_local(path: str) -> None:
@@ -297,9 +332,15 @@ def fsync_dir(path: str) -> None:
     staging_for(path).sync(path)
 
 
-def check_writable(out: str, overwrite: bool) -> None:
+def check_writable(
+    out: str, overwrite: bool, *, src: str | None = None, inside_src: bool = False
+) -> None:
     """Refuse an existing OUT unless ``overwrite`` (checked before any work starts); see
-    :meth:`ObjectStoreStaging.check_writable` for what counts as existing on an object store."""
+    :meth:`ObjectStoreStaging.check_writable` for what counts as existing on an object store.
+    With ``src``, refuse an OUT that is the source, holds it or (unless ``inside_src``) lies
+    inside it, whatever ``overwrite`` says (:func:`ckptools.io.containment.check_apart`)."""
+    if src is not None:
+        storage.check_apart(src, out, allow_inside=inside_src)
     staging_for(out).check_writable(out, overwrite)
 
 
@@ -321,7 +362,10 @@ def make_tmp_dir(out: str) -> str:
     since whatever else is there is removed.
     """
     strategy = staging_for(out)
-    return strategy.begin(strategy.location(out))
+    tmp = strategy.begin(strategy.location(out))
+    if strategy is _LOCAL:
+        _LOCAL.hold(tmp, out)  # a live run's: never cleared as stale by another run
+    return tmp
 
 
 def _has_journal(staging: str) -> bool:

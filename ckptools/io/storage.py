@@ -10,7 +10,9 @@ their own modules:
   :class:`RemoteReader`, positional reads whose errors name the file;
 * :mod:`ckptools.io.options`: :func:`storage_options`, the scoped credentials and endpoints that
   every public function taking ``storage_options=`` enters;
-* :mod:`ckptools.io.durable`: the local fsyncs an atomic commit relies on.
+* :mod:`ckptools.io.durable`: the local fsyncs an atomic commit relies on;
+* :mod:`ckptools.io.containment`: :func:`contained`, the rule that a path a checkpoint names stays
+  inside it, and :func:`check_apart`, that an output is not its source.
 
 How an output is staged and committed (local rename, object-store marker) is
 :mod:`ckptools.io.staging`'s.
@@ -18,6 +20,7 @@ How an output is staged and committed (local rename, object-store marker) is
 
 from __future__ import annotations
 
+from ckptools.io.containment import check_apart, contained, outside_reason, shown
 from ckptools.io.options import (
     StorageOptions,
     accepts_storage_options,
@@ -77,6 +80,8 @@ __all__ = [
     "StorageOptions",
     "accepts_storage_options",
     "basename",
+    "check_apart",
+    "contained",
     "dirname",
     "exists",
     "file_sizes",
@@ -92,6 +97,7 @@ __all__ = [
     "makedirs",
     "open_reader",
     "options_for",
+    "outside_reason",
     "parse_storage_options",
     "pop_storage_options",
     "protocol_of",
@@ -101,6 +107,7 @@ __all__ = [
     "read_range",
     "remove",
     "remove_tree",
+    "shown",
     "size",
     "storage_options",
     "walk_files",

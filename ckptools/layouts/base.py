@@ -6,11 +6,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import xxhash
 
 from ckptools.core.manifest import Manifest
-from ckptools.errors import CheckpointNotFoundError, UnknownFormatError
+from ckptools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownFormatError
 from ckptools.io import storage
 
 
@@ -129,3 +130,27 @@ def read_marker(path: str, *, peek: bool = False) -> bytes:
 def digest(data: bytes) -> str:
     """The digest a manifest records for a marker's bytes (:attr:`Manifest.marker_digests`)."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def index_files(root: str, index_path: str, weight_map: Any) -> list[str]:
+    """The files a Hugging Face index's ``weight_map`` (tensor -> file) names, sorted, each
+    checked to lie inside ``root`` (once per file, before any is opened or stat'ed).
+
+    Raises:
+        CorruptCheckpointError: ``weight_map`` is not a mapping of names.
+        OutsideCheckpointError: a name leads outside ``root``.
+    """
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{index_path}: weight_map is not an object", path=index_path)
+    first: dict[str, str] = {}
+    for fqn, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CorruptCheckpointError(
+                f"{index_path}: weight_map puts {fqn!r} in {name!r}, not a file name",
+                path=index_path,
+                fqn=fqn,
+            )
+        first.setdefault(name, fqn)
+    for name, fqn in first.items():
+        storage.contained(root, name, named_by=index_path, entry=f"puts {fqn!r} in", fqn=fqn)
+    return sorted(first)

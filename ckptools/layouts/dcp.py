@@ -23,6 +23,7 @@ from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, Part, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
+    CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
@@ -105,6 +106,12 @@ class _Where:
     def rel(self, name: str) -> str:
         return f"{self.subdir}/{name}" if self.subdir else name
 
+    def named(self, name: str, fqn: str) -> None:
+        """Refuse a file name in the metadata that leads outside this directory."""
+        storage.contained(
+            self.directory, name, named_by=self.meta_path, entry=f"stores {fqn!r} in", fqn=fqn
+        )
+
 
 def read_dcp(
     root: str,
@@ -121,6 +128,7 @@ def read_dcp(
     """
     directory = storage.join(root, subdir) if subdir else root
     where = _Where(root, subdir, directory, storage.join(directory, METADATA_FILE))
+    storage.contained(root, where.rel(METADATA_FILE), named_by=root, entry="holds")
     data = _metadata_bytes(where.meta_path)
     marker_digest = digest(data)
     with _gc_paused():
@@ -150,7 +158,7 @@ def _malformed_as_corrupt(where: _Where) -> Iterator[None]:
     try:
         yield
     except (AttributeError, TypeError, ValueError, KeyError) as e:
-        if isinstance(e, CorruptCheckpointError):
+        if isinstance(e, CkptError):
             raise
         raise CorruptCheckpointError(
             f"{where.meta_path}: malformed DCP metadata ({type(e).__name__}: {e})",
@@ -172,7 +180,7 @@ def _build(
     file_of: dict[str, tuple[str, int | None]] = {}
     for fqn, item in md.state_dict_metadata.items():
         if safe_pickle.is_record(item, "BytesStorageMetadata"):
-            objects[fqn] = _object_entry(fqn, object_locs.get(fqn), where, extents)
+            objects[fqn] = _object_entry(fqn, object_locs.get(fqn), where, extents, file_of)
         elif safe_pickle.is_record(item, "TensorStorageMetadata"):
             tensors[fqn] = _tensor_entry(fqn, item, chunk_locs, where, extents, file_of)
         else:
@@ -181,7 +189,7 @@ def _build(
                 path=where.meta_path,
                 fqn=fqn,
             )
-    files = _data_files(where, extents, check_files, listing)
+    files = _data_files(where, extents, check_files, listing, file_of)
     ranks = [r for r in (rank_of(n) for n in files) if r is not None]
     paths = {}
     for fqn, p in (getattr(md, "planner_data", None) or {}).items():
@@ -251,13 +259,22 @@ def _storage_index(
     return chunk_locs, object_locs, transforms
 
 
-def _object_entry(fqn: str, info: Any, where: _Where, extents: dict[str, int]) -> ObjectEntry:
+def _object_entry(
+    fqn: str,
+    info: Any,
+    where: _Where,
+    extents: dict[str, int],
+    file_of: dict[str, tuple[str, int | None]],
+) -> ObjectEntry:
     if info is None:
         raise CorruptCheckpointError(
             f"{where.meta_path}: object {fqn!r} has no storage entry",
             path=where.meta_path,
             fqn=fqn,
         )
+    if info.relative_path not in file_of:
+        where.named(info.relative_path, fqn)
+        file_of[info.relative_path] = (where.rel(info.relative_path), rank_of(info.relative_path))
     end = int(info.offset) + int(info.length)
     extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
     return ObjectEntry(
@@ -299,6 +316,7 @@ def _tensor_entry(
         name = info.relative_path
         file = file_of.get(name)
         if file is None:
+            where.named(name, fqn)  # once per file, before anything is read or stat'ed
             file = file_of[name] = (where.rel(name), rank_of(name))
         end = info.offset + info.length
         if end > extents.get(name, 0):
@@ -319,10 +337,15 @@ def _tensor_entry(
 
 
 def _data_files(
-    where: _Where, extents: Mapping[str, int], check_files: bool, listing: Mapping[str, int] | None
+    where: _Where,
+    extents: Mapping[str, int],
+    check_files: bool,
+    listing: Mapping[str, int] | None,
+    named: Mapping[str, object],
 ) -> dict[str, FileInfo]:
     """Every ``.distcp`` file of the directory and every file the metadata refers to, with its
-    size; with ``check_files`` each must exist and hold every recorded byte range."""
+    size; with ``check_files`` each must exist and hold every recorded byte range. The files
+    the metadata names were checked to lie inside (:meth:`_Where.named`); the others are here."""
     directory, meta_path = where.directory, where.meta_path
     if listing is not None:
         present = dict(listing)
@@ -336,6 +359,8 @@ def _data_files(
     else:
         listed = {n for n in _listdir(directory) if n.endswith(".distcp")}
         present = storage.file_sizes(directory, sorted(set(extents) | listed))
+    for name in sorted(listed - set(named)):
+        storage.contained(directory, name, named_by=directory, entry="holds")
     files: dict[str, FileInfo] = {}
     for name in sorted(set(extents) | listed):
         full = storage.join(directory, name)
@@ -358,17 +383,29 @@ def _data_files(
 
 
 def read_dcp_tree(
-    root: str, subdirs: Sequence[str] = ("",), *, layout: str = "dcp", notes: Sequence[str] = ()
+    root: str,
+    subdirs: Sequence[str] = ("",),
+    *,
+    layout: str = "dcp",
+    notes: Sequence[str] = (),
+    check_files: bool = True,
 ) -> Manifest:
-    """One manifest over the DCP directories ``subdirs`` of ``root`` (``""``: root itself).
+    """One manifest over the DCP directories ``subdirs`` of ``root`` (``""``: root itself);
+    ``check_files`` as :func:`read_dcp`.
 
     The tree is walked once: the walk gives each part its file sizes and the manifest its
     :attr:`~ckptools.core.manifest.Manifest.aux_files`; each part's ``.metadata`` is parsed once
     and kept as a :class:`~ckptools.core.manifest.Part`.
     """
     tree = {rel.replace(os.sep, "/"): size for rel, size in storage.walk_files(root).items()}
+    aux_files = _aux_files(tree, subdirs)
+    for rel in aux_files:  # copied into outputs beside the data
+        storage.contained(root, rel, named_by=root, entry="holds")
     parts = tuple(
-        Part(subdir=sub, manifest=read_dcp(root, subdir=sub, listing=_below(tree, sub)))
+        Part(
+            subdir=sub,
+            manifest=read_dcp(root, subdir=sub, check_files=check_files, listing=_below(tree, sub)),
+        )
         for sub in subdirs
     )
     tensors: dict[str, TensorEntry] = {}
@@ -403,7 +440,7 @@ def read_dcp_tree(
         details=parts[0].manifest.details if len(parts) == 1 else {},
         data_root=root,
         parts=parts,
-        aux_files=_aux_files(tree, subdirs),
+        aux_files=aux_files,
         marker_digests=digests,
     )
 

@@ -19,7 +19,7 @@ from ckptools.errors import (
 )
 from ckptools.formats import safetensors_header
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, digest, read_marker, register
+from ckptools.layouts.base import Layout, digest, index_files, read_marker, register
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: transformers' shard names, ``model-00001-of-00003.safetensors``
@@ -83,11 +83,11 @@ def read_safetensors(path: str) -> Manifest:
         root = path
         index_name = _index_file(path)
         if index_name is not None:
-            index_path = storage.join(path, index_name)
+            index_path = storage.contained(path, index_name, named_by=path, entry="holds")
             raw = read_marker(index_path)
             digests = {index_name: digest(raw)}
             weight_map = parse_index(raw, index_path)
-            files = sorted(set(weight_map.values()))
+            files = index_files(path, index_path, weight_map)
             present = storage.file_sizes(path, files)
             missing = [name for name in files if name not in present]
             if missing:
@@ -99,6 +99,8 @@ def read_safetensors(path: str) -> Manifest:
         else:
             digests = {}
             files = sorted(n for n in storage.listdir(path) if n.endswith(".safetensors"))
+            for name in files:
+                storage.contained(path, name, named_by=path, entry="holds")
             sharded = [n for n in files if _SHARD_NAME.match(n)]
             if sharded:
                 # transformers' shard names without their index: a sharded save that never

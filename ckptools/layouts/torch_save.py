@@ -22,7 +22,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
-from ckptools.layouts.base import Layout, digest, read_marker, register
+from ckptools.layouts.base import Layout, digest, index_files, read_marker, register
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -139,17 +139,21 @@ def read_torch_save(path: str) -> Manifest:
     else:
         root = path
         index_path = storage.join(path, BIN_INDEX)
-        if storage.exists(index_path):
+        if storage.lexists(index_path):
+            storage.contained(path, BIN_INDEX, named_by=path, entry="holds")
             try:
                 raw = read_marker(index_path)
                 digests = {BIN_INDEX: digest(raw)}
                 weight_map = json.loads(raw)["weight_map"]
-                files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError) as e:
-                raise CorruptCheckpointError(f"{index_path}: not a valid index ({e})") from e
+                raise CorruptCheckpointError(
+                    f"{index_path}: not a valid index ({e})", path=index_path
+                ) from e
+            files = index_files(path, index_path, weight_map)
             marker = (BIN_INDEX,)
         else:
             files = ["pytorch_model.bin"]
+            storage.contained(path, files[0], named_by=path, entry="holds")
             marker = ()
             digests = {}
     tensors: dict[str, TensorEntry] = {}

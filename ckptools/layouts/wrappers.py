@@ -47,6 +47,8 @@ def _is_titan_step(path: str) -> bool:
     # ``step-N`` alone is a common name (ckptools' own manager uses it); torchtitan's training
     # state always includes its ``train_state`` Stateful, whose key is found in the metadata
     # bytes without unpickling them.
+    if storage.outside_reason(path, METADATA_FILE) is not None:
+        return False  # never peeked at; the DCP layout refuses it with the reason
     try:
         # peek: the layout that reads this checkpoint parses the same bytes, not read again
         return b"train_state" in read_marker(storage.join(path, METADATA_FILE), peek=True)
@@ -117,7 +119,7 @@ class TrainerLayout(Layout):
         )
         assert found is not None
         chosen, skipped = found
-        inner = storage.join(path, chosen)
+        inner = storage.contained(path, chosen, named_by=path, entry="holds")
         return _with_note(
             read_dcp_tree(inner, _accelerate_parts(inner), layout=self.name),
             path,
@@ -156,6 +158,7 @@ class LightningLayout(Layout):
     def read_manifest(self, path: str) -> Manifest:
         # the DCP part alone is what a conversion rewrites; meta.pt is copied (an aux file)
         manifest = read_dcp_tree(path, layout=self.name)
+        # meta.pt is among the aux files, which read_dcp_tree checked to lie inside
         with storage.open_reader(path) as reader:
             tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)
         # meta.pt holds the rest of the Lightning checkpoint (epoch, global_step, loops, hparams).
@@ -197,7 +200,9 @@ class TorchtitanLayout(Layout):
         found = _newest(path, _TITAN_STEP, _is_dcp)
         assert found is not None
         chosen, skipped = found
-        inner = read_dcp_tree(storage.join(path, chosen), layout=self.name)
+        inner = read_dcp_tree(
+            storage.contained(path, chosen, named_by=path, entry="holds"), layout=self.name
+        )
         return _with_note(inner, path, chosen, len(names), skipped)
 
 

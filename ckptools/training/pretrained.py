@@ -59,6 +59,7 @@ from ckptools.io.staging import (
     check_writable,
     commit,
     copy_into,
+    discard,
     fsync_dir,
     make_tmp_dir,
     upload_dir,
@@ -260,13 +261,13 @@ def _prepare(
         export = plan_export(manifest, options, tie)
         create_files(export.plan, tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)  # and its lock released
         raise
     return _Staged(tmp=tmp, tie=tie, config_files=names), export
 
 
 def _remove(staged: _Staged, error: BaseException) -> None:
-    shutil.rmtree(staged.tmp, ignore_errors=True)
+    discard(staged.tmp)  # and its lock released
 
 
 def _commit(staged: _Staged, plan: ConsolidationPlan, out: str, overwrite: bool) -> None:

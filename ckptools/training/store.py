@@ -213,6 +213,10 @@ def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
     files = marker.get("files")
     if not isinstance(files, dict):
         return None, f"{MARKER_NAME} lists no files"
+    for name in files:  # never stat'ed outside the checkpoint (ckptools.io.containment)
+        reason = storage.outside_reason(directory, name, links=False)
+        if reason is not None:
+            return None, f"{MARKER_NAME} names {storage.shown(name, reason)}, which {reason}"
     present = storage.file_sizes(directory, list(files))
     for name, size in files.items():
         found = present.get(name)

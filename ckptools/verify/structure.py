@@ -107,13 +107,13 @@ def _finding_from_error(e: CkptError) -> Finding:
 def read(path: str, format: str | None) -> tuple[Manifest | None, list[Finding]]:
     """The manifest of ``path``, or None and the finding that says why it cannot be read."""
     from ckptools.layouts import detect
-    from ckptools.layouts.dcp import read_dcp
+    from ckptools.layouts.dcp import read_dcp_tree
 
     layout = detect(path, format)  # a missing path or unknown format is an error, not a finding
     try:
         if layout.name == "dcp":
             # check_files=False: report every missing or short file below, not just the first.
-            return read_dcp(path, check_files=False), []
+            return read_dcp_tree(path, check_files=False), []
         return layout.read_manifest(path), []
     except UnsupportedCheckpointError:
         raise
