@@ -53,17 +53,7 @@ from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.engine.executor import create_files
 from ckptools.engine.runtime import pwrite_all
 from ckptools.errors import CkptError
-from ckptools.io import storage
-from ckptools.io.staging import (
-    SPOOL_DIR_ENV,
-    check_writable,
-    commit,
-    copy_into,
-    discard,
-    fsync_dir,
-    make_tmp_dir,
-    upload_dir,
-)
+from ckptools.io import staging, storage
 from ckptools.plan.safetensors import ConsolidationPlan, runs
 from ckptools.training.state import state_to_save, write_model_config
 
@@ -204,7 +194,7 @@ def _prepare_files(
     if config is not None:
         files = find_model_files(out, config)
         for path, name in files:
-            copy_into(path, os.path.join(tmp, name))
+            staging.copy_into(path, os.path.join(tmp, name))
     else:
         files = [(os.path.join(tmp, n), n) for n in write_model_config(model, tmp)]
     for _, name in files:
@@ -231,13 +221,8 @@ def _staging_dir(out: str) -> str:
     ``out``, a fresh local directory (``CKPTOOLS_SPOOL_DIR`` or the system temporary directory,
     which every rank of one node shares), uploaded by rank 0 once every rank has written."""
     if not storage.is_url(out):
-        return make_tmp_dir(out)
-    import tempfile
-
-    base = os.environ.get(SPOOL_DIR_ENV) or None
-    if base:
-        os.makedirs(base, exist_ok=True)
-    return tempfile.mkdtemp(prefix="ckptools-pretrained-", dir=base)
+        return staging.make_tmp_dir(out)
+    return staging.make_spool_dir("ckptools-pretrained-")
 
 
 @dataclass(frozen=True)
@@ -254,31 +239,33 @@ def _prepare(
 ) -> tuple[_Staged, Export]:
     """Rank 0: check OUT, make the staging directory, write the model files, plan as consolidate
     does and create the files (final sizes, headers)."""
-    check_writable(out, options.overwrite)
+    staging.check_writable(out, options.overwrite)
     tmp = _staging_dir(out)
     try:
         names, tie = _prepare_files(model, options.config, tmp, out)
         export = plan_export(manifest, options, tie)
         create_files(export.plan, tmp)
     except BaseException:
-        discard(tmp)  # and its lock released
+        staging.discard(tmp)  # and its lock released
         raise
     return _Staged(tmp=tmp, tie=tie, config_files=names), export
 
 
 def _remove(staged: _Staged, error: BaseException) -> None:
-    discard(staged.tmp)  # and its lock released
+    staging.discard(staged.tmp)  # and its lock released
 
 
 def _commit(staged: _Staged, plan: ConsolidationPlan, out: str, overwrite: bool) -> None:
     """Rank 0, after every rank wrote its share: the index last, then the directory in place."""
     write_index(staged.tmp, plan)
-    fsync_dir(staged.tmp)
+    staging.fsync_dir(staged.tmp)
     if storage.is_url(out):
-        upload_dir(staged.tmp, out, overwrite)  # data files, then the index, then the commit
+        staging.upload_dir(
+            staged.tmp, out, overwrite
+        )  # data files, then the index, then the commit
         shutil.rmtree(staged.tmp, ignore_errors=True)
     else:
-        commit(staged.tmp, out, overwrite)
+        staging.commit(staged.tmp, out, overwrite)
 
 
 def _write_share(
