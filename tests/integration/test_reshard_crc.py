@@ -219,12 +219,28 @@ def test_in_place_crc_windows_and_ranges_past_the_end(
     (tmp_path / "f").write_bytes(data)
     # windows smaller than the range, starting off the allocation granularity
     monkeypatch.setattr(readers, "CRC_WINDOW_BYTES", 2 * mmap.ALLOCATIONGRANULARITY)
+    monkeypatch.setattr(readers, "CRC_READ_BYTES", 4096)  # short tails are read, not mapped
+    ranges = [(0, len(data)), (100, 50), (12345, 700_001), (len(data), 0), (7, 4097)]
     with LocalReader(str(tmp_path)) as reader:
-        for offset, length in [(0, len(data)), (100, 50), (12345, 700_001), (len(data), 0)]:
+        for offset, length in ranges:
             assert reader.crc32("f", offset, length) == zlib.crc32(data[offset : offset + length])
-        # a file cut short after planning: an error naming it, never a SIGBUS from a mapping
-        with pytest.raises(CorruptCheckpointError, match="truncated"):
-            reader.crc32("f", len(data) - 10, 200)
+
+    # no descriptor left for a mapping (mmap duplicates the file's): the range is read instead
+    def no_descriptor(*args: object, **kwargs: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(mmap, "mmap", no_descriptor)
+    with LocalReader(str(tmp_path)) as reader:
+        for offset, length in ranges:
+            assert reader.crc32("f", offset, length) == zlib.crc32(data[offset : offset + length])
+    monkeypatch.undo()
+    monkeypatch.setattr(readers, "CRC_READ_BYTES", 4096)
+    # a file cut short after planning: an error naming it, never a SIGBUS from a mapping
+    with (
+        LocalReader(str(tmp_path)) as reader,
+        pytest.raises(CorruptCheckpointError, match="truncated"),
+    ):
+        reader.crc32("f", len(data) - 10, 200)
 
 
 def test_reshard_truncated_source_is_a_clear_error(
