@@ -5,7 +5,10 @@ before anything is written. Execution (:func:`write_dcp`) fills each piece block
 the source chunks that intersect it (:func:`ckptools.core.geometry.copy_runs`), computing the
 archive's CRC-32 in order, with memory bounded by the block size times the number of files
 written at once; a piece made of whole dim-0 rows of plain source records moves its bytes in the
-kernel instead, its CRC taken from the source records' (:mod:`ckptools.engine.crc_segments`).
+kernel instead (:mod:`ckptools.engine.crc_segments`). Every source record's stored CRC-32 is
+checked on the way: from the CRCs of the bytes copied, or, for a record that a piece reads only
+part of (a dim-1 split), over the whole record in place before its first read
+(:class:`_SourceChecks`).
 Objects (non-tensor entries) are copied byte for byte, never unpickled. ``.metadata`` is written
 last, with torch's own metadata classes, so torch's ``dcp.load`` reads the result at N ranks
 with each rank reading only its own file.
@@ -24,7 +27,9 @@ from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32
 from ckptools.core.geometry import copy_runs
 from ckptools.core.manifest import Chunk, Manifest
-from ckptools.engine.crc_segments import Segment, SplitCrcs, copy_segments, resolve_segments
+from ckptools.engine import checked_copy
+from ckptools.engine.checked_copy import RecordChecks
+from ckptools.engine.crc_segments import Segment, copy_segments, resolve_segments
 from ckptools.engine.reader import SourceCache
 from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, Scratch, pwrite_all, run_all
 from ckptools.formats import torch_archive
@@ -51,6 +56,28 @@ def _strided_to_contiguous(reader: Reader, raw: Chunk, dtype: str) -> bytes:
     return bytes(out.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
+class _SourceChecks:
+    """Source records read piecemeal by :func:`_fill_block`, each checked once against its
+    stored CRC-32, whole and in place over the page cache, before its first read (two threads
+    meeting a record at once may both check it: harmless)."""
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+        self._done: set[tuple[str, int]] = set()
+        self._local = threading.local()  # a buffer per thread, apart from the block's
+
+    def check(self, raw: Chunk, fqn: str) -> None:
+        key = (raw.file, raw.offset)
+        if raw.crc32 is None or key in self._done:
+            return
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = Scratch()
+        crc = checked_copy.record_crc(self._reader, raw, scratch.view(BLOCK_BYTES))
+        checked_copy.check(self._reader, raw, fqn, crc)
+        self._done.add(key)
+
+
 def _fill_block(
     buf: memoryview,
     item: TensorItem,
@@ -59,12 +86,14 @@ def _fill_block(
     cache: SourceCache,
     reader: Reader,
     itemsize: int,
+    sources: _SourceChecks,
 ) -> None:
     for src in item.sources:
         raw = cache.raw(item.source_fqn, src)
         runs = list(copy_runs(src.offsets, src.sizes, block_offsets, block_sizes))
         if not runs:
             continue
+        sources.check(raw, item.source_fqn)
         if raw.strides is not None:
             data = _strided_to_contiguous(reader, raw, item.dtype)
             view = memoryview(data)
@@ -126,16 +155,16 @@ def _write_tensor(
     progress: ByteProgress,
     scratch: Scratch,
     writeback: _Writeback,
+    checks: RecordChecks,
+    sources: _SourceChecks,
     segments: list[Segment] | None = None,
-    crcs: SplitCrcs | None = None,
 ) -> None:
     layout = torch_archive.tensor_archive_layout(item.dtype, item.sizes)
     pwrite_all(fd, layout.head, item.offset)
     itemsize = dtypes.dtype(item.dtype).itemsize
     pos = item.offset + layout.data_offset
     if segments is not None:
-        assert crcs is not None
-        crc = copy_segments(fd, pos, segments, reader, progress, scratch, crcs)
+        crc = copy_segments(fd, pos, segments, item.source_fqn, reader, progress, scratch, checks)
         pwrite_all(fd, layout.tail(crc), pos + layout.nbytes)
         writeback.written(fd, item.offset + item.length)
         return
@@ -155,7 +184,7 @@ def _write_tensor(
         if nbytes == 0:
             continue
         view = scratch.view(nbytes)
-        _fill_block(view, item, offs, box, cache, reader, itemsize)
+        _fill_block(view, item, offs, box, cache, reader, itemsize, sources)
         crc = crc32(view, crc)
         pwrite_all(fd, view, pos)
         pos += nbytes
@@ -299,7 +328,8 @@ def write_dcp(
     ):
         cache = SourceCache(reader, manifest)
         writeback = _Writeback()
-        segments, crcs = resolve_segments(tasks, cache)
+        segments, checks = resolve_segments(tasks, cache)
+        sources = _SourceChecks(reader)
 
         def run(index: int, item: TensorItem | ObjectItem) -> None:
             fd = files.acquire(item.rank)
@@ -312,17 +342,14 @@ def write_dcp(
                 if scratch is None:
                     scratch = local.scratch = Scratch()
                 _write_tensor(
-                    fd, item, cache, reader, bar, scratch, writeback, segments.get(index), crcs
-                )
-            except BaseException:
-                crcs.fail()  # a piece waiting for this one's CRC must not wait forever
-                raise
+                    fd, item, cache, reader, bar, scratch, writeback, checks, sources,
+                    segments.get(index),
+                )  # fmt: skip
             finally:
                 files.release(item.rank)
 
-        # One FIFO queue: a piece that derives its CRC waits only for pieces queued before it;
-        # on the first error or Ctrl-C the waiting pieces are released and the rest cancelled.
-        run_all(lambda task: run(*task), list(enumerate(tasks)), workers, crcs.fail)
+        # One queue in file order; on the first error or Ctrl-C the rest are cancelled.
+        run_all(lambda task: run(*task), list(enumerate(tasks)), workers, lambda: None)
         files.drain()
     if only_files is None:
         write_metadata(out_dir, plan)

@@ -14,6 +14,11 @@ reads a DCP item's archive directory, never its tensor), maps them to output run
 * a strided chunk (a transposed view saved as is) is read whole and made contiguous with torch:
   the only case whose memory is the chunk's size rather than a block.
 
+Each chunk whose record stores a CRC-32 (every DCP item) is checked against it from the bytes
+copied: computed over the blocks as they are read, or, for a kernel copy, over the source's page
+cache just before the kernel copies the same pages (:mod:`ckptools.engine.checked_copy`). A
+damaged record stops the run with one line naming the file, the byte range and the tensor.
+
 Memory is bounded by ``workers × block``: each thread owns one block buffer, sized from the
 memory budget. Writes use positional I/O on a shared descriptor, so threads never contend on a
 file position. The threads, the syncing thread and the kernel and positional copies are
@@ -30,10 +35,11 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from ckptools.core import dtypes
+from ckptools.core.crc32 import crc32
 from ckptools.core.manifest import Chunk, Manifest
+from ckptools.engine import checked_copy
 from ckptools.engine.reader import resolve_chunk
-from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, kernel_copy, pwrite_all, run_all
-from ckptools.errors import CorruptCheckpointError
+from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, pwrite_all, run_all
 from ckptools.io import storage
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader, open_reader
@@ -138,12 +144,22 @@ class _Copier:
         if first_run is None:
             return
         second_run = next(chunk_runs, None)
-        if second_run is None and self.copy_range_ok:
-            # One run (dim-0 sharding, whole tensors): copied in the kernel, no buffer at all.
+        if second_run is None:
+            # One run (dim-0 sharding, whole tensors): copied in the kernel, no buffer at all,
+            # each window checksummed in place just before.
             src, dst, n = first_run
-            if self._copy_range(raw, raw.offset + src * isz, fd, tensor.begin + dst * isz, n * isz):
-                return
-        head = [first_run] if second_run is None else [first_run, second_run]
+            crc, in_kernel = checked_copy.copy_range(
+                self.reader, raw, src * isz, n * isz, fd, tensor.begin + dst * isz,
+                self.progress.update, self.buffer(), kernel=self.copy_range_ok, stop=self.stop,
+            )  # fmt: skip
+            if in_kernel < n * isz:
+                self.copy_range_ok = False
+            with self._lock:
+                self.kernel_copied += in_kernel
+            self._check(raw, tensor.fqn, crc if src == 0 and n * isz == raw.length else None)
+            return
+        head = [first_run, second_run]
+        running = _RunningCrc()
         for block in pieces(itertools.chain(head, chunk_runs), self.block // isz):
             if self.stop.is_set():
                 return
@@ -151,29 +167,21 @@ class _Copier:
             nbytes = (block[-1][0] + block[-1][2] - first) * isz
             buf = self.buffer()[:nbytes]
             self.reader.readinto(raw.file, raw.offset + first * isz, buf)
+            running.add(first * isz, buf)
             for src, dst, n in block:
                 at = (src - first) * isz
                 pwrite_all(fd, buf[at : at + n * isz], tensor.begin + dst * isz)
             self.progress.update(nbytes)
+        self._check(raw, tensor.fqn, running.whole(raw.length))
 
-    def _copy_range(self, raw: Chunk, src_off: int, fd: int, dst_off: int, nbytes: int) -> bool:
-        """Kernel copy; False (nothing copied) where copy_file_range is not supported."""
-        try:
-            copied = kernel_copy(
-                self.reader.fileno(raw.file), fd, src_off, dst_off, nbytes,
-                self.progress.update, self.stop,
-            )  # fmt: skip
-        except EOFError as e:
-            raise CorruptCheckpointError(
-                f"{self.reader.root}/{raw.file}: file is truncated at byte {e.args[0]}",
-                path=raw.file,
-            ) from e
-        if not copied:
-            self.copy_range_ok = False
-            return False
-        with self._lock:
-            self.kernel_copied += nbytes
-        return True
+    def _check(self, raw: Chunk, fqn: str, crc: int | None) -> None:
+        """Check the chunk's record against its stored CRC: from the CRC of the bytes just
+        copied when they were the whole record (always, for a plain chunk), else in place."""
+        if raw.crc32 is None or self.stop.is_set():
+            return
+        if crc is None:
+            crc = checked_copy.record_crc(self.reader, raw, self.buffer())
+        checked_copy.check(self.reader, raw, fqn, crc)
 
     def _copy_with_torch(self, fd: int, tensor: TensorPlan, raw: Chunk) -> None:
         import torch
@@ -195,6 +203,7 @@ class _Copier:
                 )
             self.progress.update(len(mem))
             return
+        crc = _RunningCrc()
         for block in pieces(chunk_runs, self.block // max(src_isz, dst_isz)):
             if self.stop.is_set():
                 return
@@ -202,12 +211,33 @@ class _Copier:
             count = block[-1][0] + block[-1][2] - first
             buf = self.buffer()[: count * src_isz]
             self.reader.readinto(raw.file, raw.offset + first * src_isz, buf)
+            crc.add(first * src_isz, buf)
             cast = torch.frombuffer(buf, dtype=torch.uint8).view(src_t).to(dst_t)
             mem = cast.view(torch.uint8).numpy().data
             for src, dst, n in block:
                 at = (src - first) * dst_isz
                 pwrite_all(fd, mem[at : at + n * dst_isz], tensor.begin + dst * dst_isz)
             self.progress.update(count * dst_isz)
+        self._check(raw, tensor.fqn, crc.whole(raw.length))
+
+
+class _RunningCrc:
+    """CRC-32 of a chunk's bytes as its blocks are read in order; :meth:`whole` is None when
+    they did not run from its first byte to its last without a gap."""
+
+    def __init__(self) -> None:
+        self._crc = 0
+        self._next: int | None = 0
+
+    def add(self, at: int, data: memoryview) -> None:
+        if self._next == at:
+            self._crc = crc32(data, self._crc)
+            self._next = at + len(data)
+        else:
+            self._next = None
+
+    def whole(self, length: int) -> int | None:
+        return self._crc if self._next == length else None
 
 
 def create_files(

@@ -103,6 +103,8 @@ def _open_read(path: str) -> int:
 #: Bytes of one read-only mapping when checksumming in place: large enough that the mmap calls
 #: are few, small enough that the resident set stays far below the memory budget.
 CRC_WINDOW_BYTES = 64 * 2**20
+#: Ranges at most this long are checksummed from a read into memory, not through a mapping.
+CRC_READ_BYTES = 2**20
 
 
 class LocalReader:
@@ -184,7 +186,12 @@ class LocalReader:
         """CRC-32 of bytes ``offset..offset+length`` of ``rel``, computed over the page cache in
         place (read-only ``mmap`` windows of :data:`CRC_WINDOW_BYTES`, unmapped as it goes, so
         neither a copy nor the resident set grows with the range); raises as :meth:`read` at a
-        short file (checked first: touching a mapping past the end would be SIGBUS)."""
+        short file (checked first: touching a mapping past the end would be SIGBUS).
+
+        A range of at most :data:`CRC_READ_BYTES` is read instead (a mapping's set-up costs more
+        than copying that little), and so is any range when no descriptor is left for the
+        mapping (Python's ``mmap`` duplicates the file's: EMFILE under a low ``ulimit -n``).
+        """
         from ckptools.core.crc32 import crc32
 
         fd = self._fd(rel)
@@ -199,9 +206,19 @@ class LocalReader:
         crc = 0
         pos = offset
         while pos < end:
+            if end - pos <= CRC_READ_BYTES:
+                return crc32(self.read(rel, pos, end - pos), crc)
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
             span = min(end, base + CRC_WINDOW_BYTES) - base
-            with mmap.mmap(fd, span, prot=mmap.PROT_READ, offset=base) as window:
+            try:
+                window = mmap.mmap(fd, span, prot=mmap.PROT_READ, offset=base)
+            except OSError as e:
+                if e.errno != errno.EMFILE:
+                    raise
+                for at in range(pos, end, CRC_READ_BYTES):
+                    crc = crc32(self.read(rel, at, min(CRC_READ_BYTES, end - at)), crc)
+                return crc
+            with window:
                 view = memoryview(window)
                 try:
                     crc = crc32(view[pos - base : span], crc)

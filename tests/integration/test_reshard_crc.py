@@ -1,10 +1,11 @@
-"""The reshard writer's CRCs: split records get their last range's CRC derived from the record's
-stored CRC (never reading those bytes); every output record must still check out against its
-own bytes, a damaged source must not give an output that verifies, and a failing piece must
-not leave a deriving piece waiting forever."""
+"""CRC-32 checks while copying: consolidate and reshard check every source record against its
+stored CRC from the bytes they copy (in place over the page cache before a kernel copy, or over
+the block buffer) and stop with one line naming the file and tensor; every output record's CRC
+is that of its bytes; a failing piece leaves no output."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import zlib
 from collections import Counter
@@ -12,13 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import ckptools
+from ckptools.cli.main import cli as cli_main
 from ckptools.core.crc32 import crc32
+from ckptools.core.manifest import Chunk, TensorEntry
 from ckptools.engine import crc_segments
 from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.reader import SourceCache, resolve_chunk
-from ckptools.errors import CkptError
+from ckptools.errors import CkptError, CorruptCheckpointError
 from ckptools.io.storage import LocalReader
 from ckptools.layouts.dcp import read_dcp
 from ckptools.plan.dcp import DcpPlan, plan_dcp
@@ -26,14 +30,14 @@ from tests.conftest import Produced
 from tests.support.producers import flip_bit
 
 
-def _segment_modes(src: str, world_size: int) -> Counter[str]:
-    """How the writer would source each output range's CRC for ``src`` -> ``world_size``."""
+def _segment_checks(src: str, world_size: int) -> Counter[str]:
+    """How the writer would check each source range it copies for ``src`` -> ``world_size``."""
     manifest = read_dcp(src)
     plan = plan_dcp(manifest, world_size)
     tasks = sorted([*plan.objects, *plan.tensors], key=lambda item: (item.rank, item.offset))
     with LocalReader(src) as reader:
         segments, _ = crc_segments.resolve_segments(tasks, SourceCache(reader, manifest))
-    return Counter(seg.mode for segs in segments.values() for seg in segs)
+    return Counter(seg.check for segs in segments.values() for seg in segs)
 
 
 def _record_crcs_match(out: Path) -> None:
@@ -55,11 +59,11 @@ def test_output_crcs_are_those_of_the_bytes(
     produced: Callable[..., Produced], tmp_path: Path, src_ws: int, dst_ws: int
 ) -> None:
     p = produced("fsdp2", world_size=src_ws, optimizer=True)
-    modes = _segment_modes(str(p.path), dst_ws)
-    # The cases exercise the paths under test: split records derive (the tiny model's uneven
-    # rows split records even when merging), merges move whole records.
-    assert modes["derive"] > 0, modes
-    assert modes["whole"] > 0 or dst_ws > src_ws, modes
+    checks = _segment_checks(str(p.path), dst_ws)
+    # The cases exercise the paths under test: split records are checked from their ranges
+    # (the tiny model's uneven rows split records even when merging), merges copy whole records.
+    assert checks["part"] > 0, checks
+    assert checks["whole"] > 0 or dst_ws > src_ws, checks
     out = tmp_path / "out"
     ckptools.reshard(str(p.path), str(out), world_size=dst_ws, quiet=True)
     _record_crcs_match(out)
@@ -73,29 +77,116 @@ def test_fast_crc_equals_zlib() -> None:
     assert crc32(data[1000:], crc32(data[:1000])) == zlib.crc32(data)
 
 
-def test_damaged_source_never_verifies_after_reshard(
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {
+        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }
+
+
+def _damage(src: Path, pick: Callable[[TensorEntry, Chunk, Chunk], bool], where: str) -> str:
+    """Flip one bit in the largest record ``pick`` accepts (first, middle or last byte);
+    return its tensor's FQN."""
+    manifest = read_dcp(str(src))
+    with LocalReader(str(src)) as reader:
+        found = [
+            (t, raw)
+            for t in manifest.tensors.values()
+            for c in t.chunks
+            if pick(t, c, raw := resolve_chunk(reader, t, c)) and raw.crc32 is not None
+        ]
+    tensor, raw = max(found, key=lambda tr: tr[1].length)
+    at = {"first": 0, "middle": raw.length // 2, "last": raw.length - 1}[where]
+    flip_bit(src / raw.file, raw.offset + at, 4)
+    return tensor.fqn
+
+
+def _any(tensor: TensorEntry, chunk: Chunk, raw: Chunk) -> bool:
+    return True
+
+
+def _sharded_on_dim1(tensor: TensorEntry, chunk: Chunk, raw: Chunk) -> bool:
+    return len(chunk.sizes) == 2 and chunk.sizes[1] != tensor.shape[1]
+
+
+def _refused(args: list[str], src: Path, out: Path, fqn: str) -> None:
+    """The CLI stops with one line naming the damaged file and tensor; no output, source intact."""
+    before = _tree_digest(src)
+    result = CliRunner().invoke(cli_main, [*args[:1], str(src), str(out), *args[1:], "-q"])
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "CRC-32" in lines[0] and repr(fqn) in lines[0] and ".distcp" in lines[0], lines
+    assert not out.exists() and not list(out.parent.glob(f"{out.name}.tmp-*"))
+    assert _tree_digest(src) == before
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize(
+    ("verb", "extra"),
+    [
+        ("consolidate", []),  # whole dim-0 shards: kernel copies, checked in place
+        ("reshard", ["--world-size", "4"]),  # records split in two: ranges combined
+        ("reshard", ["--world-size", "1"]),  # merged: whole records
+    ],
+)
+def test_damaged_record_stops_the_copy(
+    produced: Callable[..., Produced], tmp_path: Path, verb: str, extra: list[str], where: str
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(produced("fsdp2", world_size=2, optimizer=True).path, src)
+    fqn = _damage(src, _any, where)
+    _refused([verb, *extra], src, tmp_path / "out", fqn)
+
+
+@pytest.mark.parametrize("verb", ["consolidate", "reshard"])
+def test_damaged_record_sharded_on_dim1_stops_the_copy(
+    produced: Callable[..., Produced], tmp_path: Path, verb: str
+) -> None:
+    # TP shards split dim 1: consolidate copies them row by row through the block buffer, and
+    # reshard fills its pieces from parts of them (each record checked whole, once, in place).
+    src = tmp_path / "src"
+    shutil.copytree(produced("tp_fsdp", world_size=4).path, src)
+    fqn = _damage(src, _sharded_on_dim1, "middle")
+    _refused(
+        [verb, *(["--world-size", "2"] if verb == "reshard" else [])], src, tmp_path / "out", fqn
+    )
+
+
+def test_damaged_record_cast_on_the_way(produced: Callable[..., Produced], tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(produced("fsdp2", world_size=2, optimizer=True).path, src)
+    fqn = _damage(src, lambda t, c, r: t.dtype == "float32" and t.fqn.startswith("model."), "last")
+    _refused(["consolidate", "--dtype", "bfloat16"], src, tmp_path / "out", fqn)
+
+
+def test_damaged_record_copied_in_part_by_this_process(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
+    # Under torchrun each process writes some rank files; a source record split between two
+    # processes is checked whole, in place, by the one copying its first range.
     p = produced("fsdp2", world_size=2, optimizer=True)
     src = tmp_path / "src"
     shutil.copytree(p.path, src)
     manifest = read_dcp(str(src))
-    # The largest record: its second half is a derived range in a 2 -> 4 reshard.
-    tensor, chunk = max(
-        ((t, c) for t in manifest.tensors.values() for c in t.chunks), key=lambda tc: tc[1].length
-    )
+    plan = plan_dcp(manifest, 4)
     with LocalReader(str(src)) as reader:
-        raw = resolve_chunk(reader, tensor, chunk)
-    flip_bit(src / raw.file, raw.offset + raw.length - 3)
+        tasks = sorted(plan.tensors, key=lambda item: (item.rank, item.offset))
+        segments, _ = crc_segments.resolve_segments(
+            [t for t in tasks if t.rank == 0], SourceCache(reader, manifest)
+        )
+    first = next(s for segs in segments.values() for s in segs if s.check == "record")
+    # damage the part of that record that this process (file 0 only) does NOT copy
+    flip_bit(src / first.raw.file, first.raw.offset + first.raw.length - 1)
     out = tmp_path / "out"
-    ckptools.reshard(str(src), str(out), world_size=4, quiet=True)
-    report = ckptools.verify(str(out), quiet=True)
-    assert not report.ok
-    assert {f.fqn for f in report.findings} == {tensor.fqn}, report.findings
+    out.mkdir()
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        dcp_write.write_dcp(manifest, plan, str(out), source_root=str(src), only_files=[0])
 
 
 @pytest.mark.timeout(60)
-def test_failing_piece_releases_deriving_pieces(
+def test_failing_piece_leaves_no_output(
     produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p = produced("fsdp2", world_size=2, optimizer=True)
@@ -128,12 +219,28 @@ def test_in_place_crc_windows_and_ranges_past_the_end(
     (tmp_path / "f").write_bytes(data)
     # windows smaller than the range, starting off the allocation granularity
     monkeypatch.setattr(readers, "CRC_WINDOW_BYTES", 2 * mmap.ALLOCATIONGRANULARITY)
+    monkeypatch.setattr(readers, "CRC_READ_BYTES", 4096)  # short tails are read, not mapped
+    ranges = [(0, len(data)), (100, 50), (12345, 700_001), (len(data), 0), (7, 4097)]
     with LocalReader(str(tmp_path)) as reader:
-        for offset, length in [(0, len(data)), (100, 50), (12345, 700_001), (len(data), 0)]:
+        for offset, length in ranges:
             assert reader.crc32("f", offset, length) == zlib.crc32(data[offset : offset + length])
-        # a file cut short after planning: an error naming it, never a SIGBUS from a mapping
-        with pytest.raises(CorruptCheckpointError, match="truncated"):
-            reader.crc32("f", len(data) - 10, 200)
+
+    # no descriptor left for a mapping (mmap duplicates the file's): the range is read instead
+    def no_descriptor(*args: object, **kwargs: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(mmap, "mmap", no_descriptor)
+    with LocalReader(str(tmp_path)) as reader:
+        for offset, length in ranges:
+            assert reader.crc32("f", offset, length) == zlib.crc32(data[offset : offset + length])
+    monkeypatch.undo()
+    monkeypatch.setattr(readers, "CRC_READ_BYTES", 4096)
+    # a file cut short after planning: an error naming it, never a SIGBUS from a mapping
+    with (
+        LocalReader(str(tmp_path)) as reader,
+        pytest.raises(CorruptCheckpointError, match="truncated"),
+    ):
+        reader.crc32("f", len(data) - 10, 200)
 
 
 def test_reshard_truncated_source_is_a_clear_error(

@@ -1,0 +1,148 @@
+r"""Copying source records with their stored CRC-32 checked on the way.
+
+Every ``.distcp`` item (and every record of a ``torch.save`` archive) stores the CRC-32 of its
+bytes. consolidate and reshard check it as they stream, from the bytes they copy, so a flipped
+bit in the source stops the run with one line naming the file, the byte range and the tensor,
+instead of being copied into a fresh output whose own CRCs would then look clean.
+
+* :func:`copy_range` moves a byte range of a record to the output and returns its CRC-32:
+  in the kernel (``copy_file_range``), window by window, each window checksummed in place over
+  the source's page cache (``Reader.crc32``: a read-only mapping, no copy) right before the
+  kernel copies those same pages, so the bytes come from the disk once; where the kernel cannot
+  copy, or the source has no page cache (an object store), through the block buffer, the CRC
+  computed on the buffer.
+* :class:`RecordChecks` checks records whose bytes are copied as several ranges (a reshard that
+  splits one source record over several output pieces): each range's CRC is handed in as it is
+  copied, and once the ranges cover the record they are combined (``crc32_combine``) and
+  compared with the stored CRC.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from ckptools.core.crc32 import crc32, crc32_combine
+from ckptools.core.manifest import Chunk
+from ckptools.engine.runtime import kernel_copy, pwrite_all
+from ckptools.errors import CorruptCheckpointError
+from ckptools.io.storage import Reader
+
+#: Bytes checksummed in place, then copied in the kernel, at a time: large enough that the
+#: calls are few, small enough that the window's pages are still cached when the copy reads them.
+WINDOW_BYTES = 64 * 2**20
+
+
+def mismatch(reader: Reader, raw: Chunk, fqn: str, computed: int) -> CorruptCheckpointError:
+    """The one-line error for a record whose bytes do not match its stored CRC-32."""
+    assert raw.crc32 is not None
+    path = f"{reader.root}/{raw.file}"
+    return CorruptCheckpointError(
+        f"{path}: bytes {raw.offset}..{raw.offset + raw.length} of tensor {fqn!r} fail their "
+        f"CRC-32 check (stored {raw.crc32:08x}, computed {computed:08x}): the file is damaged "
+        "and no output was committed (`ckpt verify` on the source lists every damaged record)",
+        path=path,
+        fqn=fqn,
+        rank=raw.rank,
+    )
+
+
+def check(reader: Reader, raw: Chunk, fqn: str, computed: int) -> None:
+    """Raise :func:`mismatch` unless ``computed`` is ``raw``'s stored CRC (or it has none)."""
+    if raw.crc32 is not None and computed != raw.crc32:
+        raise mismatch(reader, raw, fqn, computed)
+
+
+def truncated(reader: Reader, raw: Chunk, at: int) -> CorruptCheckpointError:
+    path = f"{reader.root}/{raw.file}"
+    return CorruptCheckpointError(f"{path}: file is truncated at byte {at}", path=path)
+
+
+def copy_range(
+    reader: Reader,
+    raw: Chunk,
+    start: int,
+    length: int,
+    fd: int,
+    pos: int,
+    progress: Callable[[int], None],
+    buffer: memoryview,
+    *,
+    kernel: bool = True,
+    stop: threading.Event | None = None,
+) -> tuple[int, int]:
+    """Copy bytes ``start..start+length`` of record ``raw`` to ``fd`` at ``pos``; return their
+    CRC-32 (see the module's description for how) and how many of them the kernel moved.
+    ``kernel`` False: through ``buffer`` (any size)."""
+    src = raw.offset + start
+    crc = 0
+    done = 0
+    src_fd = reader.fileno(raw.file) if kernel else None
+    while src_fd is not None and done < length:
+        n = min(WINDOW_BYTES, length - done)
+        part = reader.crc32(raw.file, src + done, n)
+        if part is None:
+            break
+        try:
+            copied = kernel_copy(src_fd, fd, src + done, pos + done, n, progress, stop)
+        except EOFError as e:
+            raise truncated(reader, raw, e.args[0]) from e
+        if not copied:
+            break
+        crc = crc32_combine(crc, part, n)
+        done += n
+    in_kernel = done
+    while done < length:
+        n = min(len(buffer), length - done)
+        view = buffer[:n]
+        reader.readinto(raw.file, src + done, view)
+        crc = crc32(view, crc)
+        pwrite_all(fd, view, pos + done)
+        done += n
+        progress(n)
+    return crc, in_kernel
+
+
+class RecordChecks:
+    """Checks records copied as several ranges, once their ranges are all in.
+
+    ``expected[(file, offset)]`` is the number of ranges of each such record this process
+    copies; they must tile the record (the caller checks). Thread-safe: ranges arrive from
+    whichever threads copy them, and the thread that hands in the last one does the check.
+    """
+
+    def __init__(self, expected: dict[tuple[str, int], int]) -> None:
+        self._expected = expected
+        self._parts: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, raw: Chunk) -> bool:
+        return (raw.file, raw.offset) in self._expected
+
+    def add(self, reader: Reader, raw: Chunk, fqn: str, start: int, length: int, crc: int) -> None:
+        key = (raw.file, raw.offset)
+        with self._lock:
+            parts = self._parts.setdefault(key, [])
+            parts.append((start, crc, length))
+            if len(parts) < self._expected[key]:
+                return
+            del self._parts[key]
+        whole = 0
+        for _, part, n in sorted(parts):
+            whole = crc32_combine(whole, part, n)
+        check(reader, raw, fqn, whole)
+
+
+def record_crc(reader: Reader, raw: Chunk, buffer: memoryview) -> int:
+    """CRC-32 of a whole record: in place over the page cache, or read through ``buffer``."""
+    in_place = reader.crc32(raw.file, raw.offset, raw.length)
+    if in_place is not None:
+        return in_place
+    crc = 0
+    done = 0
+    while done < raw.length:
+        view = buffer[: min(len(buffer), raw.length - done)]
+        reader.readinto(raw.file, raw.offset + done, view)
+        crc = crc32(view, crc)
+        done += len(view)
+    return crc
