@@ -517,7 +517,10 @@ class DcpLayout(Layout):
         if METADATA_FILE in names:
             return None
         if any(RANK_METADATA_FILE.match(n) for n in names):
-            return "no .metadata but __<rank>.metadata files: a save without global metadata"
+            return (
+                "no .metadata but __<rank>.metadata files: saved without global metadata "
+                "(layout dcp_rank_local)"
+            )
         if any(n.endswith(".distcp") for n in names):
             return None  # read_manifest reports the missing marker precisely
         return "no .metadata file"

@@ -17,8 +17,9 @@ allowlist, checks and manifest as any DCP directory) and merges them into one ma
   ``verify`` checks every copy's CRC;
 * a replicated object keeps the lowest rank's copy;
 * copies of one entry must hold the same value: the CRC-32s the items' zip directories record
-  for their data are compared (a few hundred bytes read per copy, never the data), and a
-  difference is an error naming both files.
+  for their data are compared (the directory read per copy, never the data: ~22 us a copy on a
+  local disk, so ~7 s for 1,024 ranks x 300 replicated entries), and a difference is an error
+  naming both files.
 
 The world size is what the file names say (the highest rank of any ``__<r>.metadata`` or
 ``__<r>_<n>.distcp``, plus one). A rank below it without its metadata is named; a trailing rank
@@ -44,6 +45,9 @@ from ckptools.layouts.base import Layout, register
 from ckptools.layouts.dcp import RANK_METADATA_FILE, rank_of, read_dcp
 
 LAYOUT = "dcp_rank_local"
+#: Missing ranks named one by one, at most: a name such as ``__999999999.metadata`` must not
+#: make a billion names (the count is always given).
+MISSING_RANKS_NAMED = 64
 
 
 def rank_metadata_name(rank: int) -> str:
@@ -80,6 +84,19 @@ class _Listing:
         ranks = [*self.metadata, *self.data]
         return max(ranks) + 1 if ranks else 0
 
+    def missing(self) -> tuple[list[int], int]:
+        """The first :data:`MISSING_RANKS_NAMED` ranks below the world size without their
+        metadata, and how many there are (linear in the files, whatever the names say)."""
+        count = self.world_size - len(self.metadata)
+        named: list[int] = []
+        expected = 0
+        for r in [*sorted(self.metadata), self.world_size]:
+            named.extend(range(expected, min(r, expected + MISSING_RANKS_NAMED - len(named))))
+            expected = r + 1
+            if len(named) >= MISSING_RANKS_NAMED:
+                break
+        return named, count
+
     def aux_files(self) -> tuple[str, ...]:
         """Files beside the data that belong to the checkpoint: not a rank's ``.distcp`` or
         ``__r.metadata``, and not in a hidden directory (as :func:`read_dcp_tree` decides)."""
@@ -110,13 +127,13 @@ def read_rank_local(root: str, *, check_files: bool = True) -> Manifest:
     """
     listing = _Listing.of(root)
     world = listing.world_size
-    missing = [r for r in range(world) if r not in listing.metadata]
+    missing, n_missing = listing.missing()
     if missing and check_files:
         r = missing[0]
         path = storage.join(root, rank_metadata_name(r))
         raise IncompleteCheckpointError(
             f"{path}: missing: rank {r} of {world} never finished its save (or the file was "
-            f"deleted), so no file describes its chunks ({len(missing)} rank(s) missing); "
+            f"deleted), so no file describes its chunks ({n_missing} rank(s) missing); "
             "restore it or use another checkpoint",
             path=path,
             rank=r,
@@ -137,7 +154,8 @@ def read_rank_local(root: str, *, check_files: bool = True) -> Manifest:
     for r, m in per_rank:
         merged.add(r, m)
     merged.check_replicas(listing.tree if not check_files else None)
-    markers = [rank_metadata_name(r) for r in range(world)]
+    # every marker there and the missing ones verify should name
+    markers = [rank_metadata_name(r) for r in sorted([*listing.metadata, *missing])]
     # rows a rank the names tell of is missing from explain themselves; others are a trailing rank's
     gap = None if missing else _tail_gap(merged.tensors())
     if gap is not None:

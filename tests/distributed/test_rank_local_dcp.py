@@ -14,6 +14,7 @@ import json
 import pickle
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,8 @@ def test_inspect_and_verify_explain_the_layout(rank_local: Produced) -> None:
     assert code == 0, out
     report = json.loads(out)
     assert (report["layout"], report["world_size"]) == ("dcp_rank_local", ws)
+    code, forced = _ckpt(["inspect", str(rank_local.path), "--format", "dcp_rank_local", "--json"])
+    assert code == 0 and json.loads(forced)["layout"] == "dcp_rank_local", forced
     assert any("use_collectives=False" in n for n in report["notes"])
     code, out = _ckpt(["verify", str(rank_local.path), "--json"])
     assert code == 0, out
@@ -230,6 +233,21 @@ def test_a_deleted_rank_is_named(
     assert any(f.file == named for f in report.findings), [f.message for f in report.findings]
     if "__1.metadata" in delete:  # the rows no rank holds, from the one tiling check
         assert any(f.kind == "tiling" for f in report.findings)
+
+
+def test_a_hostile_rank_number_costs_nothing(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """Hostile: a name that claims a trillion ranks is answered at once, by name and count."""
+    src = _copy(produced("fsdp2_rank_local", world_size=2), tmp_path)
+    (src / "__999999999999.metadata").write_bytes(b"")
+    started = time.perf_counter()
+    with pytest.raises(IncompleteCheckpointError, match=r"__2\.metadata: missing: rank 2 of "
+                       r"1000000000000 .*\(999999999997 rank\(s\) missing\)"):  # fmt: skip
+        ckptools.read_manifest(str(src))
+    report = ckptools.verify(str(src), quick=True)
+    assert not report.ok
+    assert time.perf_counter() - started < 10
 
 
 def test_verify_checks_every_copy_of_a_replicated_entry(
