@@ -138,26 +138,22 @@ def read_rank_local(root: str, *, check_files: bool = True) -> Manifest:
             path=path,
             rank=r,
         )
-    per_rank = [
-        (
-            r,
+    merged = _Merge(root)
+    for r in sorted(listing.metadata):
+        merged.add(
             read_dcp(
                 root,
                 check_files=check_files,
-                listing=listing.data.get(r, {}),
+                listing=listing.data.get(r, {}),  # its own files: linear in the ranks
                 metadata_file=rank_metadata_name(r),
-            ),
+            )
         )
-        for r in sorted(listing.metadata)
-    ]
-    merged = _Merge(root)
-    for r, m in per_rank:
-        merged.add(r, m)
     merged.check_replicas(listing.tree if not check_files else None)
     # every marker there and the missing ones verify should name
     markers = [rank_metadata_name(r) for r in sorted([*listing.metadata, *missing])]
     # rows a rank the names tell of is missing from explain themselves; others are a trailing rank's
-    gap = None if missing else _tail_gap(merged.tensors())
+    tensors = merged.tensors()
+    gap = None if missing else _tail_gap(tensors)
     if gap is not None:
         if check_files:
             raise _trailing_rank_missing(root, world, gap)
@@ -170,16 +166,16 @@ def read_rank_local(root: str, *, check_files: bool = True) -> Manifest:
         root=root,
         format="dcp",
         layout=LAYOUT,
-        tensors=merged.tensors(),
+        tensors=tensors,
         objects=merged.objects,
         files=dict(sorted(files.items())),
         world_size=world,
         paths=merged.paths,
         markers=tuple(markers),
         notes=(
-            f"saved without global metadata (dcp.save use_collectives=False): the "
-            f"__<rank>.metadata of {len(per_rank)} rank(s) merged; `ckpt reshard` writes a DCP "
-            "with one global .metadata, which torch's dcp.load needs",
+            "saved without global metadata (dcp.save use_collectives=False): the "
+            f"__<rank>.metadata of {len(listing.metadata)} rank(s) merged; `ckpt reshard` "
+            "writes a DCP with one global .metadata, which torch's dcp.load needs",
         ),
         details=merged.details,
         data_root=root,
@@ -188,34 +184,40 @@ def read_rank_local(root: str, *, check_files: bool = True) -> Manifest:
     )
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class _Copy:
     """Where one rank's copy of an entry is stored."""
 
-    rank: int
-    marker: str  # the rank's metadata file, for messages
     file: str
     offset: int
     length: int
 
+    @property
+    def rank(self) -> int | None:
+        return rank_of(self.file)
+
 
 class _Merge:
-    """Rank manifests merged in rank order; entries stored by several ranks kept as copies
-    for :meth:`check_replicas`."""
+    """Rank manifests merged in rank order; each entry a later rank stored again is paired
+    with the first copy for :meth:`check_replicas`."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._tensors: dict[str, TensorEntry] = {}
         self._chunks: dict[str, list[Chunk]] = {}
+        self._boxes: dict[str, dict[Box, Chunk]] = {}  # FQN -> box -> its first copy
         self._where: dict[str, str] = {}  # FQN -> the metadata file that first described it
         self.objects: dict[str, ObjectEntry] = {}
-        self.copies: dict[tuple[str, tuple[int, ...] | None], list[_Copy]] = {}
+        self.pairs: list[tuple[str, Box | None, _Copy, _Copy]] = []  # (FQN, box, first, again)
         self.files: dict[str, FileInfo] = {}
         self.paths: dict[str, tuple[str, ...]] = {}
         self.digests: dict[str, str] = {}
         self.details: dict[str, Any] = {}
 
-    def add(self, rank: int, m: Manifest) -> None:
+    def add(self, m: Manifest) -> None:
         (marker,) = m.markers
         for fqn, t in m.tensors.items():
             first = self._tensors.get(fqn)
@@ -223,6 +225,7 @@ class _Merge:
                 self._conflict_kind(fqn, marker, fqn in self.objects)
                 self._tensors[fqn] = t
                 self._chunks[fqn] = []
+                self._boxes[fqn] = {}
                 self._where[fqn] = marker
             elif (first.dtype, first.shape) != (t.dtype, t.shape):
                 raise self._differ(
@@ -231,30 +234,29 @@ class _Merge:
                     f"{first.dtype} {list(first.shape)} in one, {t.dtype} {list(t.shape)} in "
                     "the other",
                 )
+            chunks, boxes = self._chunks[fqn], self._boxes[fqn]
             for c in t.chunks:
-                self._chunks[fqn].append(c)
-                key = (fqn, c.offsets + c.sizes)
-                self.copies.setdefault(key, []).append(
-                    _Copy(rank, marker, c.file, c.offset, c.length)
-                )
+                chunks.append(c)
+                box = (c.offsets, c.sizes)
+                kept = boxes.setdefault(box, c)
+                if kept is not c and c.numel:
+                    self.pairs.append((fqn, box, _copy_of(kept), _copy_of(c)))
         for fqn, o in m.objects.items():
             self._conflict_kind(fqn, marker, fqn in self._tensors)
-            self.objects.setdefault(fqn, o)
+            kept_object = self.objects.setdefault(fqn, o)
             self._where.setdefault(fqn, marker)
-            if o.file is not None:
-                self.copies.setdefault((fqn, None), []).append(
-                    _Copy(rank, marker, o.file, o.offset, o.length)
-                )
+            if kept_object is not o and kept_object.file is not None and o.file is not None:
+                self.pairs.append((fqn, None, _copy_of(kept_object), _copy_of(o)))
         self.files.update(m.files)
         self.paths.update(m.paths)
         self.digests.update(m.marker_digests)
-        for name, value in m.details.items():
-            if name == "transforms":
-                self.details.setdefault(name, {}).update(value)
-            else:
-                self.details.setdefault(name, value)
+        # each rank's writer drew its own save_id, so no one id names the checkpoint
+        self.details.setdefault("dcp_version", m.details.get("dcp_version"))
+        if m.details.get("transforms"):
+            self.details.setdefault("transforms", {}).update(m.details["transforms"])
 
     def tensors(self) -> dict[str, TensorEntry]:
+        self._boxes.clear()  # merging is over; at a million chunks this is ~100 MB
         return {
             fqn: TensorEntry(fqn, t.dtype, t.shape, tuple(self._chunks[fqn]))
             for fqn, t in self._tensors.items()
@@ -286,38 +288,36 @@ class _Merge:
         Raises:
             CorruptCheckpointError: two copies differ (both files and ranks named).
         """
-        groups = [
-            (key, copies)
-            for key, copies in self.copies.items()
-            if len(copies) > 1 and any(c.length for c in copies)
-        ]
-        if not groups:
+        if not self.pairs:
             return
         with storage.open_reader(self.root) as reader:
+            known: dict[_Copy, tuple[tuple[str, int, int], ...]] = {}
 
             def fingerprint(c: _Copy, is_object: bool) -> tuple[tuple[str, int, int], ...]:
-                archive = read_archive(reader, c.file, c.offset, c.length)
-                return tuple(
-                    sorted(
-                        (name, rec.size, rec.crc32)
-                        for name, rec in archive.records.items()
-                        if name.startswith("data/") or (is_object and name == "data.pkl")
+                found = known.get(c)
+                if found is None:
+                    archive = read_archive(reader, c.file, c.offset, c.length)
+                    found = tuple(
+                        sorted(
+                            (name, rec.size, rec.crc32)
+                            for name, rec in archive.records.items()
+                            if name.startswith("data/") or (is_object and name == "data.pkl")
+                        )
                     )
-                )
+                return found
 
-            for (fqn, box), copies in groups:
-                present = [c for c in copies if _readable(c, sizes)]
-                if len(present) < 2:
+            for fqn, box, first, again in self.pairs:
+                if not (_readable(first, sizes) and _readable(again, sizes)):
                     continue
-                first = fingerprint(present[0], box is None)
-                for c in present[1:]:
-                    if fingerprint(c, box is None) != first:
-                        raise self._replica_differs(fqn, box, present[0], c)
+                kept = fingerprint(first, box is None)
+                known[first] = kept  # the first copy is compared with every rank's
+                if fingerprint(again, box is None) != kept:
+                    raise self._replica_differs(fqn, box, first, again)
 
     def _replica_differs(
-        self, fqn: str, box: tuple[int, ...] | None, a: _Copy, b: _Copy
+        self, fqn: str, box: Box | None, a: _Copy, b: _Copy
     ) -> CorruptCheckpointError:
-        what = f"chunk at {list(box[: len(box) // 2])}" if box else "value"
+        what = f"chunk at {list(box[0])}" if box is not None and box[0] else "value"
         path_a, path_b = storage.join(self.root, a.file), storage.join(self.root, b.file)
         return CorruptCheckpointError(
             f"{path_a} (rank {a.rank}) and {path_b} (rank {b.rank}) hold different copies of "
@@ -327,6 +327,11 @@ class _Merge:
             fqn=fqn,
             rank=b.rank,
         )
+
+
+def _copy_of(entry: Chunk | ObjectEntry) -> _Copy:
+    assert entry.file is not None
+    return _Copy(entry.file, entry.offset, entry.length)
 
 
 def _readable(c: _Copy, sizes: Mapping[str, int] | None) -> bool:
