@@ -74,6 +74,7 @@ __all__ = [
     "flip_bit",
     "fsdp1",
     "fsdp2",
+    "fsdp2_rank_local",
     "garble_metadata",
     "hf_sharded",
     "hsdp",
@@ -678,6 +679,49 @@ def tp_fsdp(
         parallelize_module(block, mesh["tp"], plan)
     _fsdp2_wrap(model, mesh["dp"])
     return _train_save_reference(rank, model, cfg, optimizer, out, ref_path)
+
+
+def fsdp2_rank_local(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+    *,
+    optimizer: bool = True,
+    extra: bool = False,
+    cfg: ModelConfig = DEFAULT_CONFIG,
+) -> dict[str, str]:
+    """FSDP2 as :func:`fsdp2`, saved with ``dcp.save(..., use_collectives=False)`` (torch >= 2.9):
+    no global plan and no ``.metadata``; each rank writes ``__{rank}_0.distcp`` and
+    ``__{rank}.metadata``, which describes only that rank's chunks (and its own copy of every
+    replicated entry: ``step``, ``param_groups``, ``extra`` values). Every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = _fresh_dir(out)
+    model = TinyLlama(cfg)
+    _fsdp2_wrap(model, init_device_mesh("cpu", (world_size,)))
+    opt = None
+    state: dict[str, Any]
+    if optimizer:
+        opt, _ = _make_optimizer(model)
+        _train(model, cfg, opt)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    extras = _extra_entries() if extra else {}
+    state.update(extras)
+    dcp.save(state, checkpoint_id=out, use_collectives=False)
+
+    ref_model, ref_optim = _gather_reference(model, opt)
+    if rank == 0:
+        layout: Layout = {
+            "model": (".", ("model",)),
+            "optim": (".", ("optim",)) if optimizer else None,
+            "extra": (".", ()) if extra else None,
+        }
+        _save_reference(ref_path, ref_model, ref_optim, layout, extras)
+    return _describe(model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1408,6 +1452,7 @@ def big_many_tensors_metadata(
 #: name -> (distributed producer, world size it is meant for)
 PRODUCERS: dict[str, tuple[Callable[..., dict[str, str]], int]] = {
     "fsdp2": (fsdp2, 2),
+    "fsdp2_rank_local": (fsdp2_rank_local, 2),
     "fsdp1": (fsdp1, 2),
     "hsdp": (hsdp, 4),
     "tp_fsdp": (tp_fsdp, 4),
