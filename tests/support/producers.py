@@ -70,9 +70,12 @@ __all__ = [
     "ModelConfig",
     "TinyLlama",
     "accelerate_fsdp",
+    "accelerate_full",
     "big_many_tensors_metadata",
+    "ddp_torch_save",
     "flip_bit",
     "fsdp1",
+    "fsdp1_full",
     "fsdp2",
     "garble_metadata",
     "hf_sharded",
@@ -1402,6 +1405,173 @@ def big_many_tensors_metadata(
 
 
 # --------------------------------------------------------------------------------------------------
+# torch.save training checkpoints (full state dicts written by one rank)
+# --------------------------------------------------------------------------------------------------
+
+
+def _write_hf_config(out: str, cfg: ModelConfig = DEFAULT_CONFIG) -> None:
+    # Training scripts keep the model's config beside their checkpoints; consolidate copies it.
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=2, sort_keys=True)
+
+
+def _reference_only_model(
+    rank: int, model: nn.Module, opt: torch.optim.Optimizer, ref_path: str | os.PathLike[str]
+) -> None:
+    """The full model and optimizer state gathered by torch (collective); rank 0 writes them
+    with no DCP layout (a torch.save checkpoint has none)."""
+    ref_model, ref_optim = _gather_reference(model, opt)
+    if rank == 0:
+        _save_reference(
+            ref_path, ref_model, ref_optim, {"model": None, "optim": None, "extra": None}
+        )
+
+
+def fsdp1_full(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+    *,
+    use_orig_params: bool = True,
+    step: int = _TRAIN_STEPS,
+) -> dict[str, str]:
+    """The FSDP1 tutorial's checkpoint: ``out/checkpoint.pth`` written by rank 0.
+
+    Follows the pattern training scripts copy (pytorch.org FSDP tutorial)::
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(rank0_only=True)):
+            state = model.state_dict()
+        if rank == 0:
+            torch.save({"model_state_dict": state,
+                        "optimizer_state_dict": optimizer.state_dict(), "step": step}, path)
+
+    The gathered tensors carry FSDP's ``_has_been_cloned`` attribute, so torch pickles them with
+    ``_rebuild_from_type_v2``; ``optimizer.state_dict()`` is rank 0's own state: with
+    ``use_orig_params=False`` one integer-keyed entry per FlatParameter holding rank 0's shard.
+    ``offload_to_cpu`` stays False: with True torch 2.13 segfaults on CPU (see
+    :func:`_gather_reference`). Every rank calls it.
+    """
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    out = _fresh_dir(out)
+    cfg = DEFAULT_CONFIG
+    model = FSDP(
+        TinyLlama(cfg),
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+    )
+    opt, _ = _make_optimizer(model)
+    _train(model, cfg, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # FSDP.state_dict_type is deprecated
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            state = model.state_dict()
+    if rank == 0:
+        checkpoint = {
+            "model_state_dict": state,
+            "optimizer_state_dict": opt.state_dict(),
+            "step": step,
+        }
+        torch.save(checkpoint, os.path.join(out, "checkpoint.pth"))
+        _write_hf_config(out, cfg)
+    _reference_only_model(rank, model, opt, ref_path)
+    return {"flat_params": str(sum(1 for _ in opt.param_groups[0]["params"]))}
+
+
+def accelerate_full(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+) -> dict[str, str]:
+    """What ``Accelerator.save_state(out)`` writes with FSDP and ``FULL_STATE_DICT``, by
+    accelerate's own code: ``save_fsdp_model`` (``pytorch_model_fsdp.bin``, rank 0),
+    ``save_fsdp_optimizer`` (``optimizer.bin``, FQN-keyed, rank 0), then
+    ``save_accelerator_state`` (``scheduler.bin``, ``random_states_<rank>.pkl``).
+
+    The plugin reads ``FSDP_STATE_DICT_TYPE=FULL_STATE_DICT`` from the environment, as
+    ``accelerate launch`` sets it. accelerate enables FSDP only on accelerators, so the
+    ``Accelerator`` here is a CPU one and the model is wrapped with ``fully_shard`` as
+    accelerate's FSDP2 path does; the save functions are the ones ``save_state`` calls
+    (accelerate 1.15, accelerator.py). Every rank calls it.
+    """
+    # accelerate's CPU state reads the launcher's variables; the gloo group is already up (its
+    # file rendezvous), so the address is checked for presence and never connected to.
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        FSDP_STATE_DICT_TYPE="FULL_STATE_DICT",
+        FSDP_VERSION="2",
+    )
+    from accelerate import Accelerator
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.utils import (
+        FullyShardedDataParallelPlugin,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
+
+    out = _fresh_dir(out)
+    accelerator = Accelerator(cpu=True)
+    plugin = FullyShardedDataParallelPlugin()
+    cfg = DEFAULT_CONFIG
+    model, opt, sched = _train_wrapped(2, world_size, TinyLlama(cfg), cfg)
+    save_fsdp_model(plugin, accelerator, model, out)
+    save_fsdp_optimizer(plugin, accelerator, opt, model, out)
+    save_accelerator_state(out, [], [], [sched], [], accelerator.process_index, _TRAIN_STEPS)
+    if rank == 0:
+        _write_hf_config(out, cfg)
+    _reference_only_model(rank, model, opt, ref_path)
+    return {"state_dict_type": str(plugin.state_dict_type)}
+
+
+def ddp_torch_save(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+    *,
+    param_names: bool = False,
+) -> dict[str, str]:
+    """A DDP script's checkpoint: ``out/checkpoint.pt`` = ``{"model": ddp.state_dict(),
+    "optimizer": opt.state_dict(), "epoch": 1}`` by rank 0, every model key under ``module.``.
+
+    AdamW with two param groups, as transformers builds them (weight decay for matrices, none
+    for norms), so integer ids follow group order, not the model's. ``param_names`` passes
+    named parameters, so torch (>= 2.5) stores each group's ``param_names``. Every rank calls it.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = _fresh_dir(out)
+    cfg = DEFAULT_CONFIG
+    model = DDP(TinyLlama(cfg))
+    named = list(model.module.named_parameters())
+    norms = [(n, p) for n, p in named if p.ndim == 1]
+    matrices = [(n, p) for n, p in named if p.ndim != 1]
+    groups: list[dict[str, Any]] = [
+        {"params": norms if param_names else [p for _, p in norms], "weight_decay": 0.0},
+        {"params": matrices if param_names else [p for _, p in matrices], "weight_decay": 0.1},
+    ]
+    opt = torch.optim.AdamW(groups, lr=_LR)
+    _train(model, cfg, opt)
+    if rank == 0:
+        checkpoint = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}
+        torch.save(checkpoint, os.path.join(out, "checkpoint.pt"))
+        _write_hf_config(out, cfg)
+    _reference_only_model(rank, model, opt, ref_path)
+    return {"groups": str([len(g["params"]) for g in opt.param_groups])}
+
+
+# --------------------------------------------------------------------------------------------------
 # Dispatcher
 # --------------------------------------------------------------------------------------------------
 
@@ -1415,6 +1585,9 @@ PRODUCERS: dict[str, tuple[Callable[..., dict[str, str]], int]] = {
     "trainer": (trainer_fsdp, 2),
     "lightning": (lightning_fsdp, 2),
     "torchtitan": (torchtitan, 2),
+    "fsdp1_full": (fsdp1_full, 2),
+    "accelerate_full": (accelerate_full, 2),
+    "ddp": (ddp_torch_save, 2),
 }
 
 
