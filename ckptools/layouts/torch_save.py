@@ -303,7 +303,7 @@ def read_torch_save(path: str) -> Manifest:
         elif not model_files:
             model_files = _single_file(names)
             if len(model_files) != 1:
-                raise UnknownFormatError(_directory_reason(names) or f"{path}: no model file")
+                raise UnknownFormatError(directory_reason(names) or f"{path}: no model file")
         if model_files == [BIN_INDEX]:
             model_files, marker, digests = _bin_index(path)
         extra = sorted(n for n in names if _FSDP_MODEL.match(n) and n not in model_files)
@@ -391,7 +391,7 @@ def _with_safetensors_model(
     )
 
 
-def _directory_reason(names: set[str]) -> str | None:
+def directory_reason(names: set[str]) -> str | None:
     """None when a directory with these entries is this layout's, else why not."""
     model, safetensors_model, _ = _plan_directory("", names)
     if safetensors_model is not None:
@@ -433,7 +433,7 @@ class TorchSaveLayout(Layout):
                 return None
             return f"file is not a zip archive and its name does not end in {SUFFIXES}"
         if storage.isdir(path):
-            return _directory_reason(set(storage.listdir(path)))
+            return directory_reason(set(storage.listdir(path)))
         return "not a file or directory"
 
     def read_manifest(self, path: str) -> Manifest:

@@ -80,6 +80,7 @@ __all__ = [
     "garble_metadata",
     "hf_sharded",
     "hsdp",
+    "lightning_ckpt",
     "lightning_fsdp",
     "malicious_metadata",
     "malicious_object",
@@ -90,6 +91,7 @@ __all__ = [
     "torchtitan",
     "tp_fsdp",
     "trainer_fsdp",
+    "trainer_full",
     "truncate",
 ]
 
@@ -1571,6 +1573,96 @@ def ddp_torch_save(
     return {"groups": str([len(g["params"]) for g in opt.param_groups])}
 
 
+def _hf_llama(cfg: ModelConfig = DEFAULT_CONFIG) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(_INIT_SEED)
+    kwargs = {
+        k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")
+    }
+    return LlamaForCausalLM(LlamaConfig(**kwargs))
+
+
+def trainer_full(
+    out: str | os.PathLike[str], ref_path: str | os.PathLike[str], *, steps: int = _TRAIN_STEPS
+) -> None:
+    """A real transformers ``Trainer`` run on CPU without FSDP: ``out`` is its ``output_dir``,
+    holding ``checkpoint-<steps>/`` with ``model.safetensors``, ``optimizer.pt``,
+    ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` and ``training_args.bin``."""
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.arange(i, i + 6) % DEFAULT_CONFIG.vocab
+            return {"input_ids": ids, "labels": ids}
+
+    out = _fresh_dir(out)
+    model = _hf_llama()
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        save_steps=steps,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        weight_decay=0.01,
+    )
+    Trainer(model=model, args=args, train_dataset=Tokens()).train()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _save_reference(ref_path, sd, None, {"model": None, "optim": None, "extra": None})
+
+
+def lightning_ckpt(out: str | os.PathLike[str], ref_path: str | os.PathLike[str]) -> None:
+    """``lightning.Trainer.save_checkpoint`` after two steps on CPU: ``out/last.ckpt`` with
+    ``state_dict`` (the LightningModule's keys: its ``model.`` attribute in front of the
+    model's own FQNs), ``optimizer_states``, ``lr_schedulers``, ``loops``, ``callbacks``,
+    ``hyper_parameters``. The reference is the inner model's state dict."""
+    import lightning as L
+
+    cfg = DEFAULT_CONFIG
+
+    class Lit(L.LightningModule):
+        def __init__(self, lr: float = _LR) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = TinyLlama(cfg)
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            tokens = batch[0]
+            logits = self.model(tokens[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                opt, functools.partial(_linear_warmup, warmup_steps=4)
+            )
+            return [opt], [sched]
+
+    out = _fresh_dir(out)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_batch(cfg)), batch_size=2)
+    module = Lit()
+    trainer = L.Trainer(
+        max_steps=_TRAIN_STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data)
+    trainer.save_checkpoint(os.path.join(out, "last.ckpt"))
+    sd = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    _save_reference(ref_path, sd, None, {"model": None, "optim": None, "extra": None})
+
+
 # --------------------------------------------------------------------------------------------------
 # Dispatcher
 # --------------------------------------------------------------------------------------------------
@@ -1610,6 +1702,8 @@ def produce(
         "single": single,
         "hf_sharded": hf_sharded,
         "torch_save": torch_save,
+        "trainer_full": trainer_full,
+        "lightning_ckpt": lightning_ckpt,
     }
     if name in local:
         local[name](out, ref_path, **opts)
