@@ -147,7 +147,7 @@ def test_accelerate_full_state_dict_optimizer_is_fqn_keyed(
 
 @pytest.mark.parametrize("param_names", [False, True])
 def test_ddp_two_param_groups(produced: Callable[..., Produced], param_names: bool) -> None:
-    p = produced("ddp", param_names=param_names)
+    p = produced("ddp", param_names=True) if param_names else produced("ddp")
     report = _inspect(p.path)
     [opt] = report["optimizers"]
     assert opt["key"] == "optimizer" and opt["keyed"] == "integer"

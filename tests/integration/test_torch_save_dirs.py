@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptools
-from ckptools.errors import UnknownFormatError, UnsupportedCheckpointError
+from ckptools.errors import CorruptCheckpointError, UnknownFormatError, UnsupportedCheckpointError
 from tests.conftest import Produced
 from tests.support.producers import iter_files
 from tests.support.reference import tensor_bytes
@@ -120,3 +120,27 @@ def test_model_file_that_is_a_sparse_tensor_is_refused_by_name(tmp_path: Path) -
     with pytest.raises(UnsupportedCheckpointError, match=r"'model\.emb' is a sparse_coo"):
         ckptools.consolidate(str(path), str(tmp_path / "out"), quiet=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_tensor_reaching_past_its_record_is_one_error_and_one_verify_finding(
+    tmp_path: Path,
+) -> None:
+    import zipfile
+
+    good = _save(tmp_path / "good.pt", {"model": {"w": torch.arange(64.0)[16:]}})
+    bad = tmp_path / "bad.pt"
+    # the same archive with the storage record cut to 32 of its 64 floats: the view at offset
+    # 16 (48 elements) now reaches past it
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info.filename, data[:128] if info.filename.endswith("data/0") else data)
+    with pytest.raises(CorruptCheckpointError) as info:
+        ckptools.read_manifest(str(bad))
+    message = str(info.value)
+    assert (
+        "'model.w'" in message and "reaches past its storage record data/0 (128 bytes)" in message
+    )
+    report = ckptools.verify(str(bad))
+    assert not report.ok and len(report.findings) == 1
+    assert "reaches past its storage record" in report.findings[0].message
