@@ -63,6 +63,9 @@ _NOT_A_MODEL = re.compile(
 )
 #: top-level entries that record the training step
 _STEP_KEYS = ("step", "global_step", "iteration", "iter")
+#: a Trainer's trainer_state.json grows with its log history (~1 KB per logged step); 64 MiB is
+#: far past any real one, and bounds what reading the step may cost on a hostile directory
+_TRAINER_STATE_MAX_BYTES = 64 << 20
 
 
 def flatten(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -226,14 +229,17 @@ class _Collected:
             entry = self.objects.get(key)
             if entry is not None and type(entry.value) is int:
                 return int(entry.value)
-        if TRAINER_STATE in names:
-            try:
-                state = json.loads(read_marker(storage.join(root, TRAINER_STATE)))
-                step = state.get("global_step") if isinstance(state, dict) else None
-            except (OSError, ValueError):
-                return None  # trainer_state.json is the Trainer's, not ours to validate
-            return step if type(step) is int else None
-        return None
+        if TRAINER_STATE not in names or storage.outside_reason(root, TRAINER_STATE) is not None:
+            return None  # a link out of the checkpoint is never followed
+        size = storage.file_sizes(root, [TRAINER_STATE]).get(TRAINER_STATE)
+        if size is None or size > _TRAINER_STATE_MAX_BYTES:
+            return None  # the step is a nicety: never worth reading a huge file for
+        try:
+            state = json.loads(read_marker(storage.join(root, TRAINER_STATE)))
+            step = state.get("global_step") if isinstance(state, dict) else None
+        except (OSError, ValueError, RecursionError):
+            return None  # trainer_state.json is the Trainer's, not ours to validate
+        return step if type(step) is int else None
 
 
 def replace_fqn(entry: Any, fqn: str) -> Any:

@@ -144,3 +144,19 @@ def test_tensor_reaching_past_its_record_is_one_error_and_one_verify_finding(
     report = ckptools.verify(str(bad))
     assert not report.ok and len(report.findings) == 1
     assert "reaches past its storage record" in report.findings[0].message
+
+
+def test_links_out_of_the_directory_are_never_followed(tmp_path: Path) -> None:
+    from ckptools.errors import OutsideCheckpointError
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"global_step": 99}')
+    ckpt = tmp_path / "checkpoint-5"
+    _save(ckpt / "pytorch_model.bin", {"w": torch.ones(2)})
+    (ckpt / "trainer_state.json").symlink_to(secret)
+    report = ckptools.inspect(str(ckpt)).to_dict()
+    assert report["layout"] == "trainer" and report["step"] is None  # not read from outside
+    _save(tmp_path / "elsewhere.pt", {"state": {}, "param_groups": []})
+    (ckpt / "optimizer.pt").symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(OutsideCheckpointError):
+        ckptools.read_manifest(str(ckpt))
