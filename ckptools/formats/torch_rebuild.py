@@ -117,7 +117,16 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
     return _tensor(func(*args), "_rebuild_from_type_v2")
 
 
+_SPARSE_PARTS = 6
+
+
+def _text(value: Any) -> str:
+    # a dtype or device name as the pickle gave it, bounded: kept in every OtherTensor made
+    return value if isinstance(value, str) and len(value) <= 64 else _brief.repr(value)
+
+
 def _shape(value: Any) -> tuple[int, ...] | None:
+    # ``torch.Size`` arrives as the tuple itself (never copied); a list is not a shape here
     if isinstance(value, tuple) and all(type(v) is int for v in value):
         return value
     return None
@@ -134,17 +143,22 @@ def _rebuild_qtensor(
 ) -> OtherTensor:
     data = _tensor_ref(storage, storage_offset, size, stride, None, None)
     scheme = quantizer_params[0] if isinstance(quantizer_params, tuple) and quantizer_params else ""
-    kind = (
-        f"quantized ({scheme.removeprefix('torch.')})" if isinstance(scheme, str) else "quantized"
-    )
+    kind = "quantized"
+    if isinstance(scheme, str) and scheme:
+        kind = f"quantized ({_text(scheme).removeprefix('torch.')})"
     return OtherTensor(kind, data.dtype, data.shape, (data,))
 
 
 def _rebuild_sparse_tensor(layout: Any, data: Any) -> OtherTensor:
-    parts = tuple(data) if isinstance(data, tuple | list) else (data,)
+    # (indices, values, size[, coalesced]) or (compressed, plain, values, size): a few parts.
+    # Anything longer is refused rather than copied: a memoised list passed again and again
+    # would otherwise grow memory with the square of the pickle.
+    if not (isinstance(data, tuple | list) and len(data) <= _SPARSE_PARTS):
+        raise CorruptCheckpointError("sparse tensor in pickle without its few parts")
+    parts = tuple(data)
     shapes = [s for s in map(_shape, parts) if s is not None]
     refs = [p for p in parts if isinstance(p, TensorRef)]
-    kind = str(layout).removeprefix("torch.") if isinstance(layout, str) else "sparse"
+    kind = _text(layout).removeprefix("torch.") if isinstance(layout, str) else "sparse"
     return OtherTensor(
         kind, refs[-1].dtype if refs else None, shapes[-1] if shapes else None, tuple(refs)
     )
@@ -160,7 +174,7 @@ def _rebuild_nested_tensor(
 def _rebuild_meta_tensor_no_storage(
     dtype: Any, size: Any, stride: Any, requires_grad: Any = False
 ) -> OtherTensor:
-    return OtherTensor("meta (no data)", str(dtype), _shape(tuple(size)), ())
+    return OtherTensor("meta (no data)", _text(dtype), _shape(size), ())
 
 
 def _rebuild_wrapper_subclass(
@@ -173,7 +187,8 @@ def _rebuild_wrapper_subclass(
     device: Any,
     requires_grad: Any = False,
 ) -> OtherTensor:
-    return OtherTensor(f"wrapper subclass on {device} (no data)", str(dtype), _shape(tuple(size)))
+    where = _text(device)
+    return OtherTensor(f"wrapper subclass on {where} (no data)", _text(dtype), _shape(size))
 
 
 def _rebuild_device_tensor_from_cpu_tensor(
@@ -182,7 +197,7 @@ def _rebuild_device_tensor_from_cpu_tensor(
     # torch: ``data.to(dtype=dtype, device=device)``; saved by ``.cpu()``, so the dtype matches
     # and the CPU tensor's bytes are the tensor.
     ref = _tensor(data, "device tensor")
-    name = str(dtype)
+    name = _text(dtype)
     if (
         isinstance(ref, TensorRef)
         and dtypes.is_dtype_name(name)
@@ -195,7 +210,7 @@ def _rebuild_device_tensor_from_cpu_tensor(
 def _rebuild_device_tensor_from_numpy(
     data: Any, dtype: Any, device: Any, requires_grad: Any = False
 ) -> OtherTensor:
-    return OtherTensor("built from a numpy array inside the pickle", str(dtype))
+    return OtherTensor("built from a numpy array inside the pickle", _text(dtype))
 
 
 def _device(kind: Any, index: Any = None) -> str:

@@ -225,3 +225,18 @@ def test_globals_torch_refuses_are_refused_in_torch_save_files(
         ckptools.read_manifest(str(path))
     assert info.value.global_name.startswith(global_name)
     assert os.fspath(path) in str(info.value)
+
+
+def test_stand_ins_copy_nothing_a_hostile_pickle_repeats() -> None:
+    # A memoised value passed to a stand-in again and again must not be copied into each result
+    # (memory would grow with the square of the pickle): sparse parts are few, shapes are the
+    # torch.Size tuple itself, names are bounded.
+    from ckptools.errors import CorruptCheckpointError
+
+    many = list(range(10_000))
+    with pytest.raises(CorruptCheckpointError, match="sparse tensor"):
+        torch_rebuild._rebuild_sparse_tensor("torch.sparse_coo", many)
+    meta = torch_rebuild._rebuild_meta_tensor_no_storage("x" * 10_000, many, many)
+    assert meta.shape is None and len(meta.dtype or "") < 100
+    size = (2, 3)
+    assert torch_rebuild._rebuild_meta_tensor_no_storage("float32", size, (3, 1)).shape is size
