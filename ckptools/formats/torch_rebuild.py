@@ -214,7 +214,8 @@ def _rebuild_device_tensor_from_numpy(
 
 
 def _device(kind: Any, index: Any = None) -> str:
-    if not isinstance(kind, str) or not (index is None or type(index) is int):
+    # bounded: a memoised name repeated would otherwise be copied into every result
+    if not (isinstance(kind, str) and len(kind) <= 64 and (index is None or type(index) is int)):
         raise CorruptCheckpointError(f"torch.device in pickle with arguments {_brief.repr(kind)}")
     return kind if index is None else f"{kind}:{index}"
 
