@@ -33,6 +33,7 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
 from ckptools.formats import safe_pickle
@@ -197,6 +198,12 @@ def _stage_files(tag_dir: str, sizes: Mapping[str, int]) -> tuple[dict[int, str]
     optim: dict[int, str] = {}
     model3: dict[int, str] = {}
     for name in sorted(sizes):
+        if name.startswith("layer_") and name.endswith("model_states.pt"):
+            raise UnsupportedCheckpointError(
+                f"{storage.join(tag_dir, name)}: a pipeline-parallel checkpoint (per-layer model "
+                "states); ckptools reads data-parallel ZeRO checkpoints",
+                path=tag_dir,
+            )
         for pattern, found in ((dsf.OPTIM_RE, optim), (dsf.MODEL_RE, model3)):
             m = pattern.match(name)
             if m is None:
@@ -654,7 +661,10 @@ def _describe(
 
 
 class DeepSpeedLayout(Layout):
-    priority = 30
+    # Before safetensors: a Trainer + DeepSpeed ``checkpoint-N`` holds both the 16-bit
+    # ``model.safetensors`` and ``global_stepN/``; the fp32 masters are the truth
+    # (``--format safetensors`` reads the other).
+    priority = 25
     name = "deepspeed"
     description = "DeepSpeed ZeRO 1/2/3 checkpoint (latest + tag dir, or a tag dir)"
 
@@ -666,6 +676,8 @@ class DeepSpeedLayout(Layout):
             try:
                 tag_rel, _ = dsf.find_tag(path, names)
                 names = set(storage.listdir(storage.join(path, tag_rel)))
+            except UnsafeCheckpointError:
+                return None  # ours, and hostile: reading it says so in one line
             except (OSError, ValueError) as e:
                 return f"its 'latest' names no readable tag directory ({e})"
         if any(dsf.OPTIM_RE.match(n) for n in names):

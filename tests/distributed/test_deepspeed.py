@@ -202,7 +202,11 @@ def test_missing_and_truncated_rank_files(
     zero: Callable[[int, int, str], str], tmp_path: Path
 ) -> None:
     import ckptools
-    from ckptools.errors import CheckpointNotFoundError, CorruptCheckpointError
+    from ckptools.errors import (
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        OutsideCheckpointError,
+    )
 
     path = _copy(zero(2, 2, "fp32"), tmp_path)
     rank1 = os.path.join(path, TAG, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -213,6 +217,12 @@ def test_missing_and_truncated_rank_files(
     assert not ckptools.verify(path, quiet=True).ok
     os.remove(rank1)
     with pytest.raises(CheckpointNotFoundError, match="rank 1's optimizer file is missing"):
+        ckptools.inspect(path)
+    # ``latest`` naming a directory outside the checkpoint is refused, not followed
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(os.path.join(path, TAG), outside)
+    Path(path, "latest").write_text("../elsewhere")
+    with pytest.raises(OutsideCheckpointError, match="latest"):
         ckptools.inspect(path)
 
 
