@@ -62,7 +62,8 @@ class ZeroState:
         tag: the tag directory read (None when the path was the tag directory itself).
         exp_avg, exp_avg_sq: FQN -> entry of the Adam moment, with the parameter's shape and
             chunks in the rank files (empty when the optimizer keeps none).
-        step: flat group index -> rank 0's step counter (a 0-dim tensor entry).
+        step: flat group index -> rank 0's step counter (a 0-dim tensor entry, or the number
+            an older torch saved).
         group_of: FQN -> its optimizer param group.
         param_groups: the client optimizer's param groups (hyperparameters, plain values).
         not_carried: what a conversion cannot carry over, said plainly.
@@ -73,7 +74,7 @@ class ZeroState:
     ds_version: str | None
     exp_avg: Mapping[str, TensorEntry] = field(default_factory=dict)
     exp_avg_sq: Mapping[str, TensorEntry] = field(default_factory=dict)
-    step: Mapping[int, TensorEntry] = field(default_factory=dict)
+    step: Mapping[int, TensorEntry | float] = field(default_factory=dict)
     group_of: Mapping[str, int] = field(default_factory=dict)
     param_groups: tuple[Any, ...] = ()
     not_carried: tuple[str, ...] = ()
@@ -84,7 +85,6 @@ class _Reading:
 
     def __init__(self, root: str, tag_rel: str, tag: str | None, reader: Any) -> None:
         self.root, self.tag_rel, self.tag, self.reader = root, tag_rel, tag, reader
-        self.tensors: dict[str, TensorEntry] = {}
         self.notes: list[str] = []
         self.files: dict[str, FileInfo] = {}
 
@@ -105,6 +105,10 @@ class _Reading:
     ) -> RankFlat:
         """``refs`` as one flat space; ``limits``: take only the first so many elements of
         each (stage 1/2 moments keep the padding the saved masters drop)."""
+        if not all(isinstance(r, safe_pickle.TensorRef) and len(r.shape) == 1 for r in refs):
+            raise CorruptCheckpointError(
+                f"{f.path}: {what} is not a list of flat tensors", path=f.path
+            )
         dts = {r.dtype for r in refs}
         if len(dts) > 1:
             raise CorruptCheckpointError(f"{f.path}: {what} mixes dtypes {sorted(dts)}")
@@ -160,7 +164,9 @@ class _Reading:
         states = {}
         for r, f in files.items():
             state = f.get(*base_keys).get("state") if isinstance(f.get(*base_keys), dict) else None
-            if not isinstance(state, dict) or any(g not in state for g in range(nflat)):
+            if not isinstance(state, dict) or any(
+                not isinstance(state.get(g), dict) for g in range(nflat)
+            ):
                 self.notes.append(
                     "optimizer state: no per-group state in the rank files (not Adam-like, or "
                     "not saved); only the model can be converted"
@@ -238,7 +244,7 @@ def _read_zero12(
     if not isinstance(raw_groups, list):
         raise CorruptCheckpointError(f"{model.path}: param_shapes is not a list of groups")
     groups = [dsf.shapes_of(model, g, f"param_shapes[{i}]") for i, g in enumerate(raw_groups)]
-    osds = {r: f.get("optimizer_state_dict") for r, f in files.items()}
+    osds = {r: f.mapping("optimizer_state_dict") for r, f in files.items()}
     refs = {
         r: dsf.tensor_list(
             files[r],
@@ -265,9 +271,9 @@ def _read_zero12(
             path=files[0].path,
         )
     segs, used = zero12_segments(groups, aligns, saved)
-    _check_zero12_paddings(files, osds, saved, used)
+    dsf.check_zero12_paddings(files, osds, saved, used)
     masters = {r: rd.flats(files[r], refs[r], "single_partition_of_fp32_groups") for r in files}
-    _check_slice_mappings(files, osds, groups, saved, segs)
+    dsf.check_slice_mappings(files, osds, groups, saved, segs)
     params = {n: (s, segs[n]) for g in groups for n, s in g.items()}
     entries = {n: rd.entry(n, shape, ss, masters) for n, (shape, ss) in params.items()}
     frozen_shapes = model.obj.get("frozen_param_shapes")
@@ -290,93 +296,6 @@ def _read_zero12(
     )
     side["group_of"] = {n: g for g, shapes in enumerate(groups) for n in shapes}
     return entries, side
-
-
-def _check_zero12_paddings(
-    files: Mapping[int, dsf.ArchiveFile],
-    osds: Mapping[int, Any],
-    saved: Sequence[Sequence[int]],
-    used: Sequence[int],
-) -> None:
-    """Every rank's saved partition plus its ``group_paddings`` is the same partition size,
-    padding only ends the group (so the saved partitions back to back are its vector), and
-    the parameters with their alignment paddings fill exactly the saved elements."""
-    world = len(saved)
-    pads: list[list[int]] = []
-    for r, f in files.items():
-        raw = osds[r].get("group_paddings")
-        if raw is None:  # before DeepSpeed 0.6: only the total can be checked
-            pads = []
-            break
-        got = dsf.int_list(f, raw, "group_paddings")
-        if len(got) != len(saved[r]):
-            raise CorruptCheckpointError(
-                f"{f.path}: group_paddings lists {len(got)} groups, not {len(saved[r])}",
-                path=f.path,
-                rank=r,
-            )
-        pads.append(got)
-    for g, total in enumerate(used):
-        held = sum(saved[r][g] for r in range(world))
-        if total != held:
-            raise CorruptCheckpointError(
-                f"{files[0].path}: group {g}: param_shapes and alignment take {total} elements, "
-                f"the ranks' saved partitions hold {held}: the files do not add up",
-                path=files[0].path,
-            )
-        if not pads:
-            continue
-        sizes = {saved[r][g] + pads[r][g] for r in range(world)}
-        padded_then_data = any(pads[r][g] and saved[r + 1][g] for r in range(world - 1))
-        if len(sizes) != 1 or padded_then_data:
-            raise CorruptCheckpointError(
-                f"{files[0].path}: group {g}: saved partitions {[row[g] for row in saved]} with "
-                f"group_paddings {[p[g] for p in pads]} are not equal partitions padded at the "
-                "end: the paddings are inconsistent",
-                path=files[0].path,
-            )
-
-
-def _check_slice_mappings(
-    files: Mapping[int, dsf.ArchiveFile],
-    osds: Mapping[int, Any],
-    groups: Sequence[Mapping[str, tuple[int, ...]]],
-    saved: Sequence[Sequence[int]],
-    segs: Mapping[str, Any],
-) -> None:
-    """Where ``param_slice_mappings`` (written by DeepSpeed 0.10+) places each parameter on each
-    rank agrees with the placement computed from ``param_shapes`` and the paddings."""
-    for r, f in files.items():
-        maps = osds[r].get("param_slice_mappings")
-        if not isinstance(maps, list):
-            return
-        base = 0
-        for g, mapping in enumerate(maps[: len(groups)]):
-            if not isinstance(mapping, dict):
-                raise CorruptCheckpointError(f"{f.path}: param_slice_mappings[{g}] is no mapping")
-            mine = {n: (s.local - base, s.count) for n in groups[g] for s in segs[n] if s.rank == r}
-            theirs = {}
-            for n, addr in mapping.items():
-                fields = vars(addr) if isinstance(addr, dsf.FragmentAddress) else {}
-                start, numel = fields.get("start"), fields.get("numel")
-                if type(start) is not int or type(numel) is not int:
-                    raise CorruptCheckpointError(
-                        f"{f.path}: param_slice_mappings[{g}][{n!r}] is no fragment address",
-                        path=f.path,
-                    )
-                if numel:
-                    theirs[n] = (start, numel)
-            if mine != theirs:
-                bad = sorted(set(mine.items()) ^ set(theirs.items()))[0][0]
-                raise CorruptCheckpointError(
-                    f"{f.path}: rank {r} holds {bad!r} at (start, numel) "
-                    f"{theirs.get(bad)} by its param_slice_mappings, at {mine.get(bad)} by "
-                    "param_shapes and the paddings",
-                    path=f.path,
-                    rank=r,
-                    fqn=bad,
-                )
-            base += saved[r][g]
 
 
 def _read_zero3(
@@ -570,8 +489,10 @@ def _assemble(
 ) -> dict[str, TensorEntry]:
     """Buffers, shared parameters and what the module alone holds, in the module's order."""
     module = rd.module(model)
-    raw_buffers = model.obj.get("buffer_names") or []
-    buffers = [b for b in raw_buffers if isinstance(b, str)]
+    raw_buffers = model.obj.get("buffer_names")
+    buffers = (
+        [b for b in raw_buffers if isinstance(b, str)] if isinstance(raw_buffers, list) else []
+    )
     for name in buffers:
         if name in module:
             entries[name] = rd.whole(model, name, module[name], f"module[{name!r}]")
@@ -606,7 +527,7 @@ def _assemble(
 
 def _not_carried(first: dsf.ArchiveFile, model: dsf.ArchiveFile) -> tuple[str, ...]:
     out = []
-    scaler = first.obj["optimizer_state_dict"].get("loss_scaler")
+    scaler = first.mapping("optimizer_state_dict").get("loss_scaler")
     if scaler is not None:
         out.append(f"loss scaler state ({safe_pickle.short(scaler)[:120]})")
     if model.obj.get("lr_scheduler") is not None:

@@ -9,12 +9,14 @@ archive whose pickle names a few DeepSpeed classes; they are decoded here by dat
 stand-ins (:data:`GLOBALS`), so neither DeepSpeed nor anything a checkpoint names is ever
 imported. Only each archive's ``data.pkl`` and zip directory are read: tensors stay
 :class:`~ckptools.formats.safe_pickle.TensorRef`, located by :meth:`ArchiveFile.locate` as
-byte offsets.
+byte offsets. :func:`check_zero12_paddings` and :func:`check_slice_mappings` check that what the
+files say of the stage 1/2 partitions adds up.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +152,16 @@ class ArchiveFile:
                 ) from e
         return value
 
+    def mapping(self, *keys: str) -> dict[Any, Any]:
+        """``obj[k0][k1]...`` checked to be a dict."""
+        value = self.get(*keys)
+        if not isinstance(value, dict):
+            raise CorruptCheckpointError(
+                f"{self.path}: {'/'.join(keys)} is {safe_pickle.short(value)}, not a mapping",
+                path=self.path,
+            )
+        return value
+
 
 def open_file(reader: Reader, rel: str, size: int) -> ArchiveFile:
     """Read the zip directory and ``data.pkl`` of ``rel`` through :data:`GLOBALS`.
@@ -237,3 +249,90 @@ def find_tag(root: str, names: set[str]) -> tuple[str, str | None]:
         raise CorruptCheckpointError(f"{latest}: {raw[:80]!r} is not a tag name", path=latest)
     storage.contained(root, tag, named_by=latest, entry="names the tag directory")
     return tag, tag
+
+
+def check_zero12_paddings(
+    files: Mapping[int, ArchiveFile],
+    osds: Mapping[int, Any],
+    saved: Sequence[Sequence[int]],
+    used: Sequence[int],
+) -> None:
+    """Every rank's saved partition plus its ``group_paddings`` is the same partition size,
+    padding only ends the group (so the saved partitions back to back are its vector), and
+    the parameters with their alignment paddings fill exactly the saved elements."""
+    world = len(saved)
+    pads: list[list[int]] = []
+    for r, f in files.items():
+        raw = osds[r].get("group_paddings")
+        if raw is None:  # before DeepSpeed 0.6: only the total can be checked
+            pads = []
+            break
+        got = int_list(f, raw, "group_paddings")
+        if len(got) != len(saved[r]):
+            raise CorruptCheckpointError(
+                f"{f.path}: group_paddings lists {len(got)} groups, not {len(saved[r])}",
+                path=f.path,
+                rank=r,
+            )
+        pads.append(got)
+    for g, total in enumerate(used):
+        held = sum(saved[r][g] for r in range(world))
+        if total != held:
+            raise CorruptCheckpointError(
+                f"{files[0].path}: group {g}: param_shapes and alignment take {total} elements, "
+                f"the ranks' saved partitions hold {held}: the files do not add up",
+                path=files[0].path,
+            )
+        if not pads:
+            continue
+        sizes = {saved[r][g] + pads[r][g] for r in range(world)}
+        padded_then_data = any(pads[r][g] and saved[r + 1][g] for r in range(world - 1))
+        if len(sizes) != 1 or padded_then_data:
+            raise CorruptCheckpointError(
+                f"{files[0].path}: group {g}: saved partitions {[row[g] for row in saved]} with "
+                f"group_paddings {[p[g] for p in pads]} are not equal partitions padded at the "
+                "end: the paddings are inconsistent",
+                path=files[0].path,
+            )
+
+
+def check_slice_mappings(
+    files: Mapping[int, ArchiveFile],
+    osds: Mapping[int, Any],
+    groups: Sequence[Mapping[str, tuple[int, ...]]],
+    saved: Sequence[Sequence[int]],
+    segs: Mapping[str, Any],
+) -> None:
+    """Where ``param_slice_mappings`` (written by DeepSpeed 0.10+) places each parameter on each
+    rank agrees with the placement computed from ``param_shapes`` and the paddings."""
+    for r, f in files.items():
+        maps = osds[r].get("param_slice_mappings")
+        if not isinstance(maps, list):
+            return
+        base = 0
+        for g, mapping in enumerate(maps[: len(groups)]):
+            if not isinstance(mapping, dict):
+                raise CorruptCheckpointError(f"{f.path}: param_slice_mappings[{g}] is no mapping")
+            mine = {n: (s.local - base, s.count) for n in groups[g] for s in segs[n] if s.rank == r}
+            theirs = {}
+            for n, addr in mapping.items():
+                fields = vars(addr) if isinstance(addr, FragmentAddress) else {}
+                start, numel = fields.get("start"), fields.get("numel")
+                if type(start) is not int or type(numel) is not int:
+                    raise CorruptCheckpointError(
+                        f"{f.path}: param_slice_mappings[{g}][{n!r}] is no fragment address",
+                        path=f.path,
+                    )
+                if numel:
+                    theirs[n] = (start, numel)
+            if mine != theirs:
+                bad = sorted(set(mine.items()) ^ set(theirs.items()))[0][0]
+                raise CorruptCheckpointError(
+                    f"{f.path}: rank {r} holds {bad!r} at (start, numel) "
+                    f"{theirs.get(bad)} by its param_slice_mappings, at {mine.get(bad)} by "
+                    "param_shapes and the paddings",
+                    path=f.path,
+                    rank=r,
+                    fqn=bad,
+                )
+            base += saved[r][g]
