@@ -23,6 +23,7 @@ FORMAT_NAMES = (
     "lightning",
     "torchtitan",
     "dcp",
+    "deepspeed",
     "safetensors",
     "torch_save",
 )
