@@ -86,6 +86,7 @@ class _Reading:
     def __init__(self, root: str, tag_rel: str, tag: str | None, reader: Any) -> None:
         self.root, self.tag_rel, self.tag, self.reader = root, tag_rel, tag, reader
         self.notes: list[str] = []
+        self.opened: list[dsf.ArchiveFile] = []
         self.files: dict[str, FileInfo] = {}
 
     def rel(self, name: str) -> str:
@@ -94,7 +95,9 @@ class _Reading:
     def open(self, name: str, size: int, rank: int | None) -> dsf.ArchiveFile:
         rel = self.rel(name)
         self.files[rel] = FileInfo(rel, size, rank)
-        return dsf.open_file(self.reader, rel, size)
+        opened = dsf.open_file(self.reader, rel, size)
+        self.opened.append(opened)
+        return opened
 
     def flats(
         self,
@@ -395,7 +398,7 @@ def read_deepspeed(path: str) -> Manifest:
         UnsupportedCheckpointError: tensor/pipeline or expert parallelism, an unknown stage.
     """
     names = set(storage.listdir(path))
-    tag_rel, tag = dsf.find_tag(path, names)
+    tag_rel, tag, latest = dsf.find_tag(path, names)
     tag_dir = storage.join(path, tag_rel) if tag_rel else path
     if not storage.isdir(tag_dir):
         raise CheckpointNotFoundError(
@@ -474,6 +477,7 @@ def read_deepspeed(path: str) -> Manifest:
         files=rd.files,
         world_size=world,
         markers=(dsf.LATEST,) if tag is not None else (),
+        marker_digests={dsf.LATEST: dsf.content_digest(latest, rd.opened)} if tag else {},
         notes=tuple(rd.notes),
         details={"deepspeed": state},
         data_root=path,
@@ -595,7 +599,7 @@ class DeepSpeedLayout(Layout):
         names = set(storage.listdir(path))
         if dsf.LATEST in names:
             try:
-                tag_rel, _ = dsf.find_tag(path, names)
+                tag_rel, _, _ = dsf.find_tag(path, names, peek=True)
                 names = set(storage.listdir(storage.join(path, tag_rel)))
             except UnsafeCheckpointError:
                 return None  # ours, and hostile: reading it says so in one line

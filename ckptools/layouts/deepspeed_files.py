@@ -25,6 +25,7 @@ from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader
+from ckptools.layouts.base import digest, read_marker
 
 LATEST = "latest"
 #: stages 1/2 keep one model-states file (the whole 16-bit module and the model's facts)
@@ -230,17 +231,26 @@ def int_list(f: ArchiveFile, value: Any, what: str) -> list[int]:
     return list(value)
 
 
-def find_tag(root: str, names: set[str]) -> tuple[str, str | None]:
-    """(the tag directory relative to ``root``, the tag) for a run directory or a tag directory.
+#: a tag is a directory name; a ``latest`` longer than this is no tag file
+_TAG_BYTES_MAX = 4096
+
+
+def find_tag(root: str, names: set[str], *, peek: bool = False) -> tuple[str, str | None, bytes]:
+    """(the tag directory relative to ``root``, the tag, ``latest``'s bytes) for a run
+    directory, or ``("", None, b"")`` for a tag directory.
 
     ``root`` holding ``latest`` is a run directory: the tag is ``latest``'s text, checked to name
     a directory inside ``root``. Otherwise ``root`` is itself a tag directory (how a tag other
-    than the latest is chosen: pass ``DIR/<tag>``).
+    than the latest is chosen: pass ``DIR/<tag>``). ``peek``: a probe's read, kept for the
+    layout's (:func:`~ckptools.layouts.base.read_marker`).
     """
     if LATEST not in names:
-        return "", None
+        return "", None, b""
     latest = storage.join(root, LATEST)
-    raw = storage.read_bytes(latest)
+    size = storage.file_sizes(root, [LATEST]).get(LATEST, 0)
+    if size > _TAG_BYTES_MAX:
+        raise CorruptCheckpointError(f"{latest}: {size} bytes is no tag name", path=latest)
+    raw = read_marker(latest, peek=peek)
     try:
         tag = raw.decode().strip()
     except UnicodeDecodeError as e:
@@ -248,7 +258,18 @@ def find_tag(root: str, names: set[str]) -> tuple[str, str | None]:
     if not tag or "\n" in tag:
         raise CorruptCheckpointError(f"{latest}: {raw[:80]!r} is not a tag name", path=latest)
     storage.contained(root, tag, named_by=latest, entry="names the tag directory")
-    return tag, tag
+    return tag, tag, raw
+
+
+def content_digest(latest: bytes, files: Sequence[ArchiveFile]) -> str:
+    """A digest naming this save's bytes without reading them: ``latest`` and every record's
+    CRC-32 and size from the zip directories already read (the resume fingerprint)."""
+    parts = [latest]
+    for f in sorted(files, key=lambda f: f.rel):
+        parts.append(f.rel.encode())
+        for name, rec in sorted(f.archive.records.items()):
+            parts.append(f"{name}:{rec.crc32}:{rec.size}".encode())
+    return digest(b"\0".join(parts))
 
 
 def check_zero12_paddings(
