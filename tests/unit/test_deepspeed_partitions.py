@@ -39,7 +39,7 @@ def _shape_and_range(draw: st.DrawFn) -> tuple[tuple[int, ...], int, int]:
     return shape, a, b
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(_shape_and_range())
 def test_flat_boxes_cover_the_range_in_order_each_contiguous(
     case: tuple[tuple[int, ...], int, int],
@@ -95,7 +95,7 @@ def _element_sources(
     return out
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=1, max_size=5),
     st.integers(1, 4),
@@ -124,7 +124,7 @@ def test_zero12_places_every_element_where_zero_to_fp32_reads_it(
         at += math.prod(shape) + pad
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=3), min_size=1, max_size=5),
     st.integers(1, 4),
