@@ -6,9 +6,11 @@ the client optimizer, ``DS_ACCELERATOR=cpu``), trains two steps and calls
 ``engine.save_checkpoint(out/<name>)`` for every requested (stage, dtype), all in one launch so
 that DeepSpeed's import (seconds on a busy machine) is paid once per world size.
 
-Beside each checkpoint the ranks leave the live truth, gathered through DeepSpeed's own API
-(never through ckptools): ``live.pt`` holds ``{fqn: safe_get_full_fp32_param(p)}`` for every
-trainable parameter (a collective under ZeRO-3, so every rank calls it).
+Beside each checkpoint the ranks leave two truths, both DeepSpeed's own (never ckptools'):
+``live.pt`` holds ``{fqn: safe_get_full_fp32_param(p)}`` for every trainable parameter (a
+collective under ZeRO-3, so every rank calls it), and ``zero_to_fp32.pt`` what DeepSpeed's
+converter ``get_fp32_state_dict_from_zero_checkpoint`` makes of the saved checkpoint (run by
+rank 0 once every rank has saved), so the test process never imports DeepSpeed.
 
 The model is chosen to exercise what ZeRO's flattening makes hard: 37x12 tied embedding and
 head (one storage, two names), parameter sizes that are not multiples of 2 or 3 (partitions end
@@ -72,7 +74,9 @@ def _model() -> Any:
 def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
     import deepspeed
     import torch
+    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     model = _model()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -98,8 +102,13 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
         if p.requires_grad:
             full = safe_get_full_fp32_param(p)
             live[name] = full.detach().clone().cpu()
+    dist.barrier()  # every rank's files are written before the converter reads them
     if rank == 0:
         torch.save(live, os.path.join(target, "live.pt"))
+        converted = get_fp32_state_dict_from_zero_checkpoint(target)
+        # clones: tied names share a tensor, which torch.save would keep shared
+        reference = {k: v.contiguous().clone() for k, v in converted.items()}
+        torch.save(reference, os.path.join(target, "zero_to_fp32.pt"))
     engine.destroy()
 
 
@@ -118,8 +127,8 @@ def produce_zero(
     Called by the test process; spawns ``world_size`` ranks (gloo) once for all cases.
 
     Returns:
-        (stage, dtype) -> the checkpoint directory (holding ``latest``, the tag directory and
-        ``live.pt``).
+        (stage, dtype) -> the checkpoint directory (holding ``latest``, the tag directory,
+        ``live.pt`` and ``zero_to_fp32.pt``).
     """
     os.makedirs(out, exist_ok=True)
     saved = os.environ.get("DS_ACCELERATOR")
