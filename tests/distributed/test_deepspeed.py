@@ -138,10 +138,15 @@ def test_bfloat16_export_and_tag_directory(
 
     import ckptools
 
-    path = zero(2, stage, "bf16")
+    path = _copy(zero(2, stage, "bf16"), tmp_path)
+    config = Path(path, "config.json")
+    config.write_text('{"model_type": "tiny", "tie_word_embeddings": false}')
     out = tmp_path / "bf16"
     # the tag directory itself is a checkpoint too: how a tag other than ``latest`` is chosen
-    ckptools.consolidate(os.path.join(path, TAG), str(out), dtype="bfloat16", quiet=True)
+    result = ckptools.consolidate(os.path.join(path, TAG), str(out), dtype="bfloat16", quiet=True)
+    # the model's config is found beside the tag directory (the run directory)
+    assert (out / "config.json").read_bytes() == config.read_bytes()
+    assert result.config_files == ("config.json",)
     ours = _load_dir(out)
     for name, want in _zero_to_fp32(path).items():
         want = want.to(torch.bfloat16) if want.is_floating_point() else want
