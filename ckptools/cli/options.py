@@ -24,6 +24,7 @@ FORMAT_NAMES = (
     "torchtitan",
     "dcp_rank_local",
     "dcp",
+    "deepspeed",
     "safetensors",
     "torch_save",
 )

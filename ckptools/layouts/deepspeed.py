@@ -1,0 +1,616 @@
+"""DeepSpeed ZeRO 1/2/3 checkpoints, described as a manifest without DeepSpeed (torch-free).
+
+The fp32 master weights are the training truth (the 16-bit ``module`` in the model states is a
+cast of them), so every trainable parameter's chunks point into the rank optimizer files' master
+partitions; the files themselves are decoded by :mod:`ckptools.layouts.deepspeed_files`.
+
+**Where a parameter lies** is computed in :mod:`ckptools.layouts.deepspeed_partitions`
+(ZeRO's flattening and padding, and a flat range of a parameter as boxes of its shape), so
+every chunk is a box of the global shape as for DCP, pointing at a byte range of a rank file.
+
+**What else is there**, as ``zero_to_fp32`` takes it: buffers from the 16-bit module (kept in
+their saved dtype, where ``zero_to_fp32`` turns them into fp32), frozen parameters from
+``frozen_param_fragments`` (whole for stages 1/2, per-rank flat pieces for stage 3), tied or
+shared parameters (``shared_params``: alias -> source) as a second entry on the source's
+chunks. Stages 1/2 with frozen parameters DeepSpeed did not list (its bf16 stage 1) take them
+from the 16-bit module, which holds them whole; ``zero_to_fp32`` leaves them out.
+
+**The optimizer** (for a later reshard) is a side table in ``details["deepspeed"]``
+(:class:`ZeroState`): ``exp_avg``/``exp_avg_sq`` as entries with the master's shape and chunks
+(the moments are partitioned exactly as the masters), each group's ``step`` counter, torch's
+``param_groups`` and what does not carry over (the loss scaler, a DeepSpeed LR scheduler).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
+from ckptools.formats import safe_pickle
+from ckptools.io import storage
+from ckptools.io.storage import open_reader
+from ckptools.layouts import deepspeed_files as dsf
+from ckptools.layouts.base import Layout, register
+from ckptools.layouts.deepspeed_partitions import (
+    RankFlat,
+    Segment,
+    chunks_of,
+    zero3_segments,
+    zero12_segments,
+)
+
+#: at most this many ranks are described one by one in the manifest's notes
+_NOTED_RANKS = 16
+
+
+@dataclass(frozen=True)
+class ZeroState:
+    """What a ZeRO checkpoint holds beyond the model, for conversions that carry the optimizer.
+
+    Attributes:
+        stage: 1, 2 or 3.
+        tag: the tag directory read (None when the path was the tag directory itself).
+        exp_avg, exp_avg_sq: FQN -> entry of the Adam moment, with the parameter's shape and
+            chunks in the rank files (empty when the optimizer keeps none).
+        step: flat group index -> rank 0's step counter (a 0-dim tensor entry, or the number
+            an older torch saved).
+        group_of: FQN -> its optimizer param group.
+        param_groups: the client optimizer's param groups (hyperparameters, plain values).
+        not_carried: what a conversion cannot carry over, said plainly.
+    """
+
+    stage: int
+    tag: str | None
+    ds_version: str | None
+    exp_avg: Mapping[str, TensorEntry] = field(default_factory=dict)
+    exp_avg_sq: Mapping[str, TensorEntry] = field(default_factory=dict)
+    step: Mapping[int, TensorEntry | float] = field(default_factory=dict)
+    group_of: Mapping[str, int] = field(default_factory=dict)
+    param_groups: tuple[Any, ...] = ()
+    not_carried: tuple[str, ...] = ()
+
+
+class _Reading:
+    """One read of a ZeRO checkpoint: the decoded files and the entries made from them."""
+
+    def __init__(self, root: str, tag_rel: str, tag: str | None, reader: Any) -> None:
+        self.root, self.tag_rel, self.tag, self.reader = root, tag_rel, tag, reader
+        self.notes: list[str] = []
+        self.opened: list[dsf.ArchiveFile] = []
+        self.files: dict[str, FileInfo] = {}
+
+    def rel(self, name: str) -> str:
+        return f"{self.tag_rel}/{name}" if self.tag_rel else name
+
+    def open(self, name: str, size: int, rank: int | None) -> dsf.ArchiveFile:
+        rel = self.rel(name)
+        self.files[rel] = FileInfo(rel, size, rank)
+        opened = dsf.open_file(self.reader, rel, size)
+        self.opened.append(opened)
+        return opened
+
+    def flats(
+        self,
+        f: dsf.ArchiveFile,
+        refs: Sequence[safe_pickle.TensorRef],
+        what: str,
+        limits: Sequence[int] | None = None,
+    ) -> RankFlat:
+        """``refs`` as one flat space; ``limits``: take only the first so many elements of
+        each (stage 1/2 moments keep the padding the saved masters drop)."""
+        if not all(isinstance(r, safe_pickle.TensorRef) and len(r.shape) == 1 for r in refs):
+            raise CorruptCheckpointError(
+                f"{f.path}: {what} is not a list of flat tensors", path=f.path
+            )
+        dts = {r.dtype for r in refs}
+        if len(dts) > 1:
+            raise CorruptCheckpointError(f"{f.path}: {what} mixes dtypes {sorted(dts)}")
+        dtype = dts.pop() if dts else "float32"
+        pieces = []
+        for g, ref in enumerate(refs):
+            n = ref.shape[0]
+            if limits is not None:
+                if limits[g] > n:
+                    raise CorruptCheckpointError(
+                        f"{f.path}: {what}[{g}] holds {n} elements, fewer than the "
+                        f"{limits[g]} of the fp32 masters' partition",
+                        path=f.path,
+                    )
+                n = limits[g]
+            pieces.append((f.rel, f.locate(ref, f"{what}[{g}]"), n))
+        return RankFlat(tuple(pieces), dtype, dtypes.dtype(dtype).itemsize)
+
+    def entry(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        segs: Sequence[Segment],
+        flats: Mapping[int, RankFlat],
+    ) -> TensorEntry:
+        dtype = next(iter(flats.values())).dtype
+        return TensorEntry(name, dtype, shape, chunks_of(shape, segs, flats))
+
+    def whole(self, f: dsf.ArchiveFile, name: str, ref: Any, what: str) -> TensorEntry:
+        """An entry stored whole in ``f`` (a buffer, a stage 1/2 frozen parameter)."""
+        at = f.locate(ref, what)
+        n = math.prod(ref.shape)
+        size = n * dtypes.dtype(ref.dtype).itemsize
+        chunk = Chunk((0,) * len(ref.shape), ref.shape, f.rel, at, size)
+        return TensorEntry(name, ref.dtype, ref.shape, (chunk,))
+
+    def module(self, model: dsf.ArchiveFile) -> dict[str, Any]:
+        module = model.get("module")
+        if not isinstance(module, dict):
+            raise CorruptCheckpointError(f"{model.path}: 'module' is not a state dict")
+        return module
+
+    def moments(
+        self,
+        files: Mapping[int, dsf.ArchiveFile],
+        base_keys: tuple[str, ...],
+        nflat: int,
+        masters: Mapping[int, RankFlat],
+        params: Mapping[str, tuple[tuple[int, ...], Sequence[Segment]]],
+    ) -> dict[str, Any]:
+        """The Adam moments (partitioned as the masters) and the step counters."""
+        out: dict[str, Any] = {"step": {}}
+        states = {}
+        for r, f in files.items():
+            state = f.get(*base_keys).get("state") if isinstance(f.get(*base_keys), dict) else None
+            if not isinstance(state, dict) or any(
+                not isinstance(state.get(g), dict) for g in range(nflat)
+            ):
+                self.notes.append(
+                    "optimizer state: no per-group state in the rank files (not Adam-like, or "
+                    "not saved); only the model can be converted"
+                )
+                return {}
+            states[r] = state
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if any(kind not in states[r][g] for r in states for g in range(nflat)):
+                continue
+            flats = {
+                r: self.flats(
+                    f,
+                    [states[r][g][kind] for g in range(nflat)],
+                    kind,
+                    [n for _, _, n in masters[r].pieces],
+                )
+                for r, f in files.items()
+            }
+            out[kind] = {
+                name: self.entry(name, shape, segs, flats) for name, (shape, segs) in params.items()
+            }
+        f0 = files[0]
+        for g in range(nflat):
+            step = states[0][g].get("step")
+            if isinstance(step, safe_pickle.TensorRef):
+                out["step"][g] = self.whole(f0, f"step[{g}]", step, f"state[{g}]/step")
+            elif isinstance(step, int | float):
+                out["step"][g] = step
+        out["param_groups"] = tuple(safe_pickle.plain(f0.get(*base_keys).get("param_groups", [])))
+        return out
+
+
+def _stage_files(tag_dir: str, sizes: Mapping[str, int]) -> tuple[dict[int, str], dict[int, str]]:
+    """Rank -> optimizer file name, rank -> stage-3 model-states file name."""
+    optim: dict[int, str] = {}
+    model3: dict[int, str] = {}
+    for name in sorted(sizes):
+        if name.startswith("layer_") and name.endswith("model_states.pt"):
+            raise UnsupportedCheckpointError(
+                f"{storage.join(tag_dir, name)}: a pipeline-parallel checkpoint (per-layer model "
+                "states); ckptools reads data-parallel ZeRO checkpoints",
+                path=tag_dir,
+            )
+        for pattern, found in ((dsf.OPTIM_RE, optim), (dsf.MODEL_RE, model3)):
+            m = pattern.match(name)
+            if m is None:
+                continue
+            rank, mp = int(m[1]), int(m[2])
+            if mp:
+                raise UnsupportedCheckpointError(
+                    f"{storage.join(tag_dir, name)}: model-parallel rank {mp}: ckptools reads "
+                    "data-parallel ZeRO checkpoints (mp_rank_00 only); merge tensor-parallel "
+                    "shards with DeepSpeed's ds_to_universal first",
+                    path=tag_dir,
+                )
+            if rank in found:
+                raise CorruptCheckpointError(
+                    f"{tag_dir}: two files for rank {rank}: {found[rank]} and {name}",
+                    path=tag_dir,
+                    rank=rank,
+                )
+            found[rank] = name
+    return optim, model3
+
+
+def _read_zero12(
+    rd: _Reading,
+    files: Mapping[int, dsf.ArchiveFile],
+    model: dsf.ArchiveFile,
+    world: int,
+) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """Stages 1/2: trainable parameters from the rank partitions, frozen ones from the model
+    states; returns the entries and the optimizer side table."""
+    raw_groups = model.get("param_shapes")
+    if not isinstance(raw_groups, list):
+        raise CorruptCheckpointError(f"{model.path}: param_shapes is not a list of groups")
+    groups = [dsf.shapes_of(model, g, f"param_shapes[{i}]") for i, g in enumerate(raw_groups)]
+    osds = {r: f.mapping("optimizer_state_dict") for r, f in files.items()}
+    refs = {
+        r: dsf.tensor_list(
+            files[r],
+            osds[r].get("single_partition_of_fp32_groups"),
+            "single_partition_of_fp32_groups",
+        )
+        for r in files
+    }
+    saved = [[ref.shape[0] for ref in refs[r]] for r in range(world)]
+    if any(len(row) != len(groups) for row in saved):
+        raise CorruptCheckpointError(
+            f"{files[0].path}: {len(saved[0])} flat groups, but param_shapes lists {len(groups)}",
+            path=files[0].path,
+        )
+    raw_aligns = osds[0].get("param_alignment_paddings")
+    aligns = (
+        [dsf.int_list(files[0], a, "param_alignment_paddings") for a in raw_aligns]
+        if isinstance(raw_aligns, list)
+        else [[0] * len(g) for g in groups]
+    )
+    if [len(a) for a in aligns] != [len(g) for g in groups]:
+        raise CorruptCheckpointError(
+            f"{files[0].path}: param_alignment_paddings does not list one padding per parameter",
+            path=files[0].path,
+        )
+    segs, used = zero12_segments(groups, aligns, saved)
+    dsf.check_zero12_paddings(files, osds, saved, used)
+    masters = {r: rd.flats(files[r], refs[r], "single_partition_of_fp32_groups") for r in files}
+    dsf.check_slice_mappings(files, osds, groups, saved, segs)
+    params = {n: (s, segs[n]) for g in groups for n, s in g.items()}
+    entries = {n: rd.entry(n, shape, ss, masters) for n, (shape, ss) in params.items()}
+    frozen_shapes = model.obj.get("frozen_param_shapes")
+    if frozen_shapes:
+        shapes = dsf.shapes_of(model, frozen_shapes, "frozen_param_shapes")
+        fragments = model.get("frozen_param_fragments")
+        for name, shape in shapes.items():
+            ref = fragments.get(name) if isinstance(fragments, dict) else None
+            entry = rd.whole(model, name, ref, f"frozen_param_fragments[{name!r}]")
+            if entry.shape != shape:
+                raise CorruptCheckpointError(
+                    f"{model.path}: frozen parameter {name!r} is stored as {list(entry.shape)}, "
+                    f"frozen_param_shapes says {list(shape)}",
+                    path=model.path,
+                    fqn=name,
+                )
+            entries[name] = entry
+    side = rd.moments(
+        files, ("optimizer_state_dict", "base_optimizer_state"), len(groups), masters, params
+    )
+    side["group_of"] = {n: g for g, shapes in enumerate(groups) for n in shapes}
+    return entries, side
+
+
+def _read_zero3(
+    rd: _Reading,
+    files: Mapping[int, dsf.ArchiveFile],
+    models: Mapping[int, dsf.ArchiveFile],
+    world: int,
+) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """Stage 3: every parameter cut on its own across all ranks, frozen ones in the per-rank
+    model states; returns the entries and the optimizer side table."""
+    model = models[0]
+    raw_groups = model.get("param_shapes")
+    if not isinstance(raw_groups, list):
+        raise CorruptCheckpointError(f"{model.path}: param_shapes is not a list of groups")
+    groups = [dsf.shapes_of(model, g, f"param_shapes[{i}]") for i, g in enumerate(raw_groups)]
+    merged = {n: s for g in groups for n, s in g.items()}
+    segs, per_rank = zero3_segments(merged, world)
+    masters: dict[int, RankFlat] = {}
+    nflat = None
+    for r, f in files.items():
+        refs = dsf.tensor_list(
+            f, f.get("optimizer_state_dict", "fp32_flat_groups"), "fp32_flat_groups"
+        )
+        masters[r] = rd.flats(f, refs, "fp32_flat_groups")
+        nflat = len(refs) if nflat is None else nflat
+        if masters[r].numel != per_rank or len(refs) != nflat:
+            raise CorruptCheckpointError(
+                f"{f.path}: rank {r} holds {masters[r].numel} master elements in {len(refs)} "
+                f"groups; param_shapes over {world} ranks (each parameter padded to a multiple "
+                f"of {world}) needs {per_rank} on every rank",
+                path=f.path,
+                rank=r,
+            )
+    params = {n: (s, segs[n]) for n, s in merged.items()}
+    entries = {n: rd.entry(n, shape, ss, masters) for n, (shape, ss) in params.items()}
+    frozen_shapes = model.obj.get("frozen_param_shapes")
+    if frozen_shapes:
+        shapes = dsf.shapes_of(model, frozen_shapes, "frozen_param_shapes")
+        frozen_segs, _ = zero3_segments(shapes, world)
+        for name, shape in shapes.items():
+            flats = {}
+            for r, m in models.items():
+                frags = m.get("frozen_param_fragments")
+                what = f"frozen_param_fragments[{name!r}]"
+                ref = frags.get(name) if isinstance(frags, dict) else None
+                if not isinstance(ref, safe_pickle.TensorRef) or len(ref.shape) != 1:
+                    raise CorruptCheckpointError(
+                        f"{m.path}: {what} is {safe_pickle.short(ref)}, not a flat tensor",
+                        path=m.path,
+                        rank=r,
+                    )
+                flats[r] = rd.flats(m, [ref], what)
+            entries[name] = rd.entry(
+                name,
+                shape,
+                [Segment(s.rank, 0, s.start, s.count) for s in frozen_segs[name]],
+                flats,
+            )
+    side = rd.moments(
+        files, ("optimizer_state_dict", "optimizer_state_dict"), nflat or 0, masters, params
+    )
+    side["group_of"] = {n: g for g, shapes in enumerate(groups) for n in shapes}
+    return entries, side
+
+
+def _world_size(f: dsf.ArchiveFile) -> tuple[int, int]:
+    """(stage, world size) from a rank file's ``zero_stage`` and ``partition_count``."""
+    stage = f.get("optimizer_state_dict", "zero_stage")
+    count = f.get("optimizer_state_dict", "partition_count")
+    if type(stage) is not int or stage not in (1, 2, 3):
+        raise UnsupportedCheckpointError(
+            f"{f.path}: ZeRO stage {safe_pickle.short(stage)}; ckptools reads stages 1, 2 and 3",
+            path=f.path,
+        )
+    counts = count if isinstance(count, list) else [count]
+    if not counts or not all(type(c) is int and c > 0 for c in counts):
+        raise CorruptCheckpointError(
+            f"{f.path}: partition_count {safe_pickle.short(count)} is no world size", path=f.path
+        )
+    if len(set(counts)) > 1:
+        raise UnsupportedCheckpointError(
+            f"{f.path}: param groups partitioned over {sorted(set(counts))} ranks (expert "
+            "parallelism); ckptools reads checkpoints whose groups share one data-parallel world",
+            path=f.path,
+        )
+    return stage, counts[0]
+
+
+def read_deepspeed(path: str) -> Manifest:
+    """Manifest of a ZeRO checkpoint: a run directory (``latest`` names the tag) or a tag
+    directory itself (how another tag is chosen).
+
+    Raises:
+        CheckpointNotFoundError: no rank files, or a rank's file (or model states) is missing.
+        CorruptCheckpointError: a file is cut short or does not add up (see the module doc).
+        UnsafeCheckpointError: a pickle names a class outside the allowlist.
+        UnsupportedCheckpointError: tensor/pipeline or expert parallelism, an unknown stage.
+    """
+    names = set(storage.listdir(path))
+    tag_rel, tag, latest = dsf.find_tag(path, names)
+    tag_dir = storage.join(path, tag_rel) if tag_rel else path
+    if not storage.isdir(tag_dir):
+        raise CheckpointNotFoundError(
+            f"{storage.join(path, dsf.LATEST)}: names tag {tag!r}, but {tag_dir} is no "
+            "directory (pass the directory of the tag to read instead)",
+            path=tag_dir,
+        )
+    sizes = storage.file_sizes(tag_dir)
+    optim, model3 = _stage_files(tag_dir, sizes)
+    if not optim:
+        raise CheckpointNotFoundError(
+            f"{tag_dir}: no *_optim_states.pt files: ZeRO writes one per rank", path=tag_dir
+        )
+    with open_reader(path) as reader:
+        rd = _Reading(path, tag_rel, tag, reader)
+        low = min(optim)
+        first = rd.open(optim[low], sizes[optim[low]], low)
+        stage, world = _world_size(first)
+        absent = [r for r in range(world) if r not in optim]
+        stray = sorted(r for r in optim if r >= world)
+        if absent or stray:
+            raise CheckpointNotFoundError(
+                f"{tag_dir}: {world} ranks wrote this checkpoint (partition_count) but "
+                + (
+                    f"rank {absent[0]}'s optimizer file is missing"
+                    if absent
+                    else f"there are files of ranks {stray}"
+                )
+                + f" ({len(optim)} *_optim_states.pt files): a rank did not finish saving, or "
+                "files of another save are mixed in",
+                path=tag_dir,
+                rank=(absent or stray)[0],
+            )
+        files = {
+            r: first if r == low else rd.open(optim[r], sizes[optim[r]], r) for r in range(world)
+        }
+        if stage <= 2:
+            if dsf.MODEL_STATES not in sizes:
+                raise CheckpointNotFoundError(
+                    f"{storage.join(tag_dir, dsf.MODEL_STATES)}: model states file is missing",
+                    path=tag_dir,
+                )
+            model = rd.open(dsf.MODEL_STATES, sizes[dsf.MODEL_STATES], None)
+            models = {0: model}
+            entries, side = _read_zero12(rd, files, model, world)
+        else:
+            absent = [r for r in range(world) if r not in model3]
+            if absent:
+                raise CheckpointNotFoundError(
+                    f"{tag_dir}: rank {absent[0]}'s model states file "
+                    f"(zero_pp_rank_{absent[0]}_mp_rank_00_model_states.pt) is missing",
+                    path=tag_dir,
+                    rank=absent[0],
+                )
+            models = {r: rd.open(model3[r], sizes[model3[r]], r) for r in range(world)}
+            entries, side = _read_zero3(rd, files, models, world)
+        tensors = _assemble(rd, models[0], entries, stage)
+        state = ZeroState(
+            stage=stage,
+            tag=tag,
+            ds_version=_plain_str(first.obj.get("ds_version")),
+            exp_avg=side.get("exp_avg", {}),
+            exp_avg_sq=side.get("exp_avg_sq", {}),
+            step=side.get("step", {}),
+            group_of=side.get("group_of", {}),
+            param_groups=side.get("param_groups", ()),
+            not_carried=_not_carried(first, models[0]),
+        )
+        _describe(rd, state, files, models[0], tensors, world)
+    return Manifest(
+        root=path,
+        format="deepspeed",
+        layout="deepspeed",
+        tensors=tensors,
+        objects={},
+        files=rd.files,
+        world_size=world,
+        markers=(dsf.LATEST,) if tag is not None else (),
+        marker_digests={dsf.LATEST: dsf.content_digest(latest, rd.opened)} if tag else {},
+        notes=tuple(rd.notes),
+        details={"deepspeed": state},
+        data_root=path,
+    )
+
+
+def _plain_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _assemble(
+    rd: _Reading, model: dsf.ArchiveFile, entries: dict[str, TensorEntry], stage: int
+) -> dict[str, TensorEntry]:
+    """Buffers, shared parameters and what the module alone holds, in the module's order."""
+    module = rd.module(model)
+    raw_buffers = model.obj.get("buffer_names")
+    buffers = (
+        [b for b in raw_buffers if isinstance(b, str)] if isinstance(raw_buffers, list) else []
+    )
+    for name in buffers:
+        if name in module:
+            entries[name] = rd.whole(model, name, module[name], f"module[{name!r}]")
+    shared = model.obj.get("shared_params") or {}
+    if isinstance(shared, dict):
+        for alias, source in shared.items():
+            src = entries.get(source) if isinstance(source, str) else None
+            if isinstance(alias, str) and src is not None:
+                entries[alias] = TensorEntry(alias, src.dtype, src.shape, src.chunks)
+    from_module, unsaved = [], []
+    for name, ref in module.items():
+        if name in entries or not isinstance(name, str):
+            continue
+        if stage <= 2 and isinstance(ref, safe_pickle.TensorRef) and all(ref.shape):
+            entries[name] = rd.whole(model, name, ref, f"module[{name!r}]")
+            from_module.append(name)
+        else:
+            unsaved.append(name)
+    if from_module:
+        rd.notes.append(
+            f"taken from the 16-bit module (not among ZeRO's trainable or frozen parameters, "
+            f"so zero_to_fp32 leaves them out): {', '.join(from_module)}"
+        )
+    if unsaved:
+        rd.notes.append(
+            "in the module but saved nowhere (a ZeRO-3 parameter tied to another without "
+            f"shared_params, left out as zero_to_fp32 does): {', '.join(unsaved)}"
+        )
+    order = [n for n in module if n in entries]
+    return {n: entries[n] for n in [*order, *(n for n in entries if n not in module)]}
+
+
+def _not_carried(first: dsf.ArchiveFile, model: dsf.ArchiveFile) -> tuple[str, ...]:
+    out = []
+    scaler = first.mapping("optimizer_state_dict").get("loss_scaler")
+    if scaler is not None:
+        out.append(f"loss scaler state ({safe_pickle.short(scaler)[:120]})")
+    if model.obj.get("lr_scheduler") is not None:
+        out.append("DeepSpeed's LR scheduler state (lr_scheduler in the model states)")
+    return tuple(out)
+
+
+def _describe(
+    rd: _Reading,
+    state: ZeroState,
+    files: Mapping[int, dsf.ArchiveFile],
+    model: dsf.ArchiveFile,
+    tensors: Mapping[str, TensorEntry],
+    world: int,
+) -> None:
+    """Notes for ``inspect``: the run's facts, then what each rank file holds."""
+    module = rd.module(model)
+    module_dtypes = sorted(
+        {r.dtype for r in module.values() if isinstance(r, safe_pickle.TensorRef)}
+    )
+    masters = sorted({tensors[n].dtype for n in state.group_of if n in tensors})
+    rd.notes.insert(
+        0,
+        f"DeepSpeed ZeRO-{state.stage}"
+        + (f", tag {state.tag}" if state.tag else "")
+        + f", {world} ranks, masters {'/'.join(masters) or '-'}, module "
+        f"{'/'.join(module_dtypes) or '-'}, DeepSpeed {state.ds_version or '?'}, "
+        f"{len(state.group_of)} trainable parameters in {len(set(state.group_of.values()))} "
+        "group(s)",
+    )
+    per_rank: dict[int, list[str]] = {}
+    elements: dict[int, int] = {}
+    for name in state.group_of:
+        for c in tensors[name].chunks:
+            if c.rank is not None:
+                names = per_rank.setdefault(c.rank, [])
+                if not names or names[-1] != name:
+                    names.append(name)
+                elements[c.rank] = elements.get(c.rank, 0) + math.prod(c.sizes)
+    moments = ", exp_avg, exp_avg_sq" if state.exp_avg else ""
+    for r in sorted(files)[:_NOTED_RANKS]:
+        names = per_rank.get(r, [])
+        span = f"{names[0]} .. {names[-1]}" if len(names) > 1 else (names[0] if names else "-")
+        rd.notes.append(
+            f"{files[r].rel}: rank {r}: {elements.get(r, 0)} master elements of "
+            f"{len(names)} parameters ({span}){moments}"
+        )
+    if len(files) > _NOTED_RANKS:
+        rd.notes.append(f"... and {len(files) - _NOTED_RANKS} more rank files")
+    for item in state.not_carried:
+        rd.notes.append(f"not carried over by conversions: {item}")
+
+
+class DeepSpeedLayout(Layout):
+    # Before safetensors: a Trainer + DeepSpeed ``checkpoint-N`` holds both the 16-bit
+    # ``model.safetensors`` and ``global_stepN/``; the fp32 masters are the truth
+    # (``--format safetensors`` reads the other).
+    priority = 25
+    name = "deepspeed"
+    description = "DeepSpeed ZeRO 1/2/3 checkpoint (latest + tag dir, or a tag dir)"
+
+    def probe(self, path: str) -> str | None:
+        if not storage.isdir(path):
+            return "not a directory"
+        names = set(storage.listdir(path))
+        if dsf.LATEST in names:
+            try:
+                tag_rel, _, _ = dsf.find_tag(path, names, peek=True)
+                names = set(storage.listdir(storage.join(path, tag_rel)))
+            except UnsafeCheckpointError:
+                return None  # ours, and hostile: reading it says so in one line
+            except (OSError, ValueError) as e:
+                return f"its 'latest' names no readable tag directory ({e})"
+        if any(dsf.OPTIM_RE.match(n) for n in names):
+            return None
+        return "no 'latest' tag file and no *_optim_states.pt rank files"
+
+    def read_manifest(self, path: str) -> Manifest:
+        return read_deepspeed(path)
+
+
+register(DeepSpeedLayout())
