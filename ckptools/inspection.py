@@ -9,11 +9,12 @@ from typing import Any
 from ckptools.core import keys
 from ckptools.core.manifest import Manifest
 from ckptools.engine.reader import read_object
-from ckptools.errors import CkptError
+from ckptools.errors import CkptError, UsageError
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import sharding_summary
+from ckptools.layouts.optimizer_state import optimizer_states
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,11 @@ class InspectReport:
                 "prefix": self.model_part.prefix,
                 "excluded": list(self.model_part.excluded),
                 "tensors": len(model_tensors),
+                "elements": sum(m.tensors[f].numel for f in model_tensors.values()),
             },
+            "sources": list(m.details.get("sources", ())),
+            "step": m.details.get("step"),
+            "optimizers": [o.to_dict() for o in optimizer_states(m)],
             "sharding": sharding_summary(m),
             "tensors": tensors,
             "objects": objects,
@@ -97,6 +102,7 @@ def inspect(
     *,
     format: str | None = None,
     values: bool = False,
+    key: str | None = None,
     storage_options: storage.StorageOptions | None = None,
 ) -> InspectReport:
     """Describe the checkpoint at ``path`` without reading tensor data or running its code.
@@ -106,6 +112,9 @@ def inspect(
         format: force a layout by name (see ``ckpt inspect --help``) instead of detecting it.
         values: also decode non-tensor entries (through the pickle allowlist); an entry that
             cannot be decoded safely is reported with its error instead of a value.
+        key: the dotted key path of the container that holds the model's state dict
+            (``"model_state_dict"``, ``"app.model"``); default: found as
+            :func:`ckptools.core.keys.find_model_part` says.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -124,4 +133,25 @@ def inspect(
                 decoded[fqn] = safe_pickle.plain(read_object(manifest, fqn))
             except CkptError as e:
                 decoded[fqn] = {"error": str(e)}
-    return InspectReport(manifest, keys.find_model_part(manifest), decoded)
+    part = keys.find_model_part(manifest) if key is None else model_part_at(manifest, key)
+    return InspectReport(manifest, part, decoded)
+
+
+def model_part_at(manifest: Manifest, key: str) -> keys.ModelPart:
+    """The model part named by ``key``, a dotted key path of a container of tensors.
+
+    Raises:
+        UsageError: no tensor lies under ``key``; the message lists the top-level keys that
+            hold tensors.
+    """
+    wanted = key.strip(".")
+    for fqn in manifest.tensors:
+        path = keys.key_path(manifest, fqn)
+        for n in range(1, len(path)):
+            if ".".join(path[:n]) == wanted:
+                return keys.ModelPart(path[:n])
+    tops = sorted({keys.key_path(manifest, f)[0] for f in manifest.tensors})
+    raise UsageError(
+        f"{manifest.root}: --key {key!r} holds no tensors; top-level keys with tensors: "
+        f"{', '.join(tops) or '(none)'}"
+    )

@@ -38,6 +38,13 @@ from ckptools.cli.render import emit, human_bytes, table
     default=None,
     help="Export this key sub-tree (e.g. optim, app.model) instead of the model; '*' = all.",
 )
+@click.option(
+    "--key",
+    default=None,
+    metavar="NAME",
+    help="The container holding the model's state dict (e.g. model_state_dict, net); "
+    "default: found from the keys. The same as --select NAME.",
+)
 @click.option("--strip-prefix", default=None, help="Remove this prefix from output names.")
 @click.option(
     "--config",
@@ -65,6 +72,7 @@ def consolidate_command(
     push_to_hub: str | None,
     quiet: bool,
     as_json: bool,
+    key: str | None,
     **options: Any,
 ) -> None:
     """Write the checkpoint at SRC as a Hugging Face safetensors model directory OUT.
@@ -79,8 +87,16 @@ def consolidate_command(
       ckpt consolidate ckpt hf_model --dry-run
       torchrun --nproc-per-node 4 -m ckptools consolidate ckpt hf_model
       ckpt consolidate checkpoints/step-1000 hf_model --push-to-hub me/my-model
+      ckpt consolidate checkpoint.pth hf_model --key model_state_dict
     """
     from ckptools.consolidate import consolidate
+
+    if key is not None:
+        # the model's container is the sub-tree to export: --select's meaning, named for
+        # torch.save users
+        if options["select"] is not None:
+            raise click.UsageError("--key and --select both choose what to export; give one")
+        options["select"] = key
 
     if push_to_hub is not None:
         from ckptools.cli.push_cmd import check_push_option

@@ -20,6 +20,13 @@ from ckptools.cli.render import emit, human_bytes, human_count, table
     "--values", is_flag=True, help="Decode non-tensor entries too (through the safe allowlist)."
 )
 @click.option("--limit", type=int, default=None, help="Show at most N tensors in the table.")
+@click.option(
+    "--key",
+    default=None,
+    metavar="NAME",
+    help="The container holding the model's state dict (e.g. model_state_dict, app.model); "
+    "default: found from the keys.",
+)
 @storage_options_option
 def inspect_command(path: str, as_json: bool, limit: int | None, **options: Any) -> None:
     """Show what the checkpoint at PATH holds: tensors, dtypes, shapes, bytes, chunks, ranks.
@@ -30,10 +37,22 @@ def inspect_command(path: str, as_json: bool, limit: int | None, **options: Any)
     Examples:
       ckpt inspect checkpoints/step-1000
       ckpt inspect out/checkpoint-500 --json | jq '.totals'
+      ckpt inspect checkpoint.pth --key model_state_dict
     """
     from ckptools.inspection import inspect
 
     emit(inspect(path, **options), as_json, partial(_render, limit=limit))
+
+
+def _optimizer_line(opt: dict[str, Any]) -> str:
+    elements = ", ".join(f"{k} {human_count(v)}" for k, v in opt["elements"].items())
+    names = "with param_names" if opt["param_names"] else "without param_names"
+    return (
+        f"optimizer {opt['key']!r}: {opt['keyed']}-keyed, {opt['entries']} entries "
+        f"({', '.join(opt['state']) or 'no state'}; elements: {elements or '-'}), "
+        f"{opt['param_groups']} param group(s) listing {opt['params']} params {names}; "
+        f"hyper-parameters: {', '.join(opt['hyperparameters']) or '-'}"
+    )
 
 
 def _render(d: dict[str, Any], limit: int | None) -> str:
@@ -48,7 +67,17 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.append(f"  note: {note}")
     mp = d["model_part"]
     excluded = f" (excluding {', '.join(mp['excluded'])})" if mp["excluded"] else ""
-    out.append(f"  model part: prefix {mp['prefix']!r}{excluded}, {mp['tensors']} tensors")
+    out.append(
+        f"  model part: prefix {mp['prefix']!r}{excluded}, {mp['tensors']} tensors, "
+        f"{human_count(mp['elements'])} elements"
+    )
+    for src in d["sources"]:
+        under = f" (under {src['under']!r})" if src["under"] else ""
+        out.append(f"  {src['role']} file: {src['file']}{under}, keys: {', '.join(src['keys'])}")
+    if d["step"] is not None:
+        out.append(f"  step: {d['step']}")
+    for opt in d["optimizers"]:
+        out.append("  " + _optimizer_line(opt))
     if d["sharding"]:
         out.append("  sharding: " + ", ".join(f"{k}: {v}" for k, v in d["sharding"].items()))
     out.append("")

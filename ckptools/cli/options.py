@@ -22,6 +22,7 @@ FORMAT_NAMES = (
     "accelerate",
     "lightning",
     "torchtitan",
+    "dcp_rank_local",
     "dcp",
     "safetensors",
     "torch_save",

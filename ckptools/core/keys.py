@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from ckptools.core.manifest import Manifest
 
 #: containers that hold the model's state dict in the layouts users have
-MODEL_CONTAINERS = ("model", "module", "state_dict", "model_state_dict", "model_state")
+MODEL_CONTAINERS = ("model", "module", "state_dict", "model_state_dict", "model_state", "net")
 #: containers that hold other training state; never the model
 NON_MODEL_CONTAINERS = (
     "optim",
     "optimizer",
+    "optimizer_state_dict",
     "optimizers",
     "optimizer_states",
     "lr_scheduler",

@@ -27,19 +27,24 @@ import io
 import pickle
 import reprlib
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptools import tunables
-from ckptools.core import dtypes
 from ckptools.errors import (
     CkptError,
     CorruptCheckpointError,
     DecodingLimitError,
     UnsafeCheckpointError,
 )
+from ckptools.formats import torch_rebuild
+from ckptools.formats.tensor_refs import DTypeName as DTypeName
+from ckptools.formats.tensor_refs import OtherTensor as OtherTensor
+from ckptools.formats.tensor_refs import StorageRef as StorageRef
+from ckptools.formats.tensor_refs import StorageType as StorageType
+from ckptools.formats.tensor_refs import TensorRef as TensorRef
 
 
 class Record:
@@ -251,50 +256,6 @@ def is_record(obj: object, qualname_suffix: str) -> bool:
     return isinstance(obj, Record) and obj._qualname.endswith(qualname_suffix)
 
 
-class DTypeName(str):
-    """A torch dtype named in a pickle (``torch.float32`` → ``DTypeName("float32")``)."""
-
-    __slots__ = ()
-
-
-@dataclass(frozen=True, slots=True)
-class StorageType:
-    """A ``torch.*Storage`` class named in a pickle; ``dtype`` None is ``UntypedStorage``."""
-
-    dtype: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class StorageRef:
-    """A storage a ``torch.save`` pickle refers to: bytes live in ``<prefix>/data/<key>``."""
-
-    key: str
-    dtype: str | None
-    location: str
-    numel: int  # elements of ``dtype`` (bytes when dtype is None)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """A tensor in a ``torch.save`` pickle, described without its bytes."""
-
-    storage: StorageRef
-    storage_offset: int  # in elements
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    flags: tuple[str, ...] = ()  # e.g. ("conj",): bits raw copying cannot honour
-
-    @property
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.strides), strict=True):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
-
-
 @dataclass(frozen=True, slots=True)
 class BytesValue:
     """An ``io.BytesIO`` from a checkpoint, as its bytes."""
@@ -387,77 +348,15 @@ def _reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
     return cls.__new__(cls)
 
 
-def _rebuild_tensor_v2(
-    storage: Any,
-    storage_offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any = False,
-    backward_hooks: Any = None,
-    metadata: Any = None,
-) -> TensorRef:
-    return _tensor_ref(storage, storage_offset, size, stride, None, metadata)
-
-
-def _rebuild_tensor_v3(
-    storage: Any,
-    storage_offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any,
-    backward_hooks: Any,
-    dtype: Any,
-    metadata: Any = None,
-) -> TensorRef:
-    return _tensor_ref(storage, storage_offset, size, stride, dtype, metadata)
-
-
-def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
-    return _tensor_ref(storage, storage_offset, size, stride, None, None)
-
-
-def _tensor_ref(
-    storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any, metadata: Any
-) -> TensorRef:
-    if not isinstance(storage, StorageRef):
-        raise CorruptCheckpointError("tensor without a storage in pickle")
-    name = str(dtype) if dtype is not None else storage.dtype
-    if name is None:
-        raise CorruptCheckpointError("tensor with untyped storage and no dtype")
-    if not isinstance(metadata or {}, dict):
-        raise CorruptCheckpointError("tensor metadata in pickle is not a dict")
-    flags = tuple(sorted(str(k) for k, v in (metadata or {}).items() if v))
-    ref = TensorRef(
-        storage=storage,
-        storage_offset=int(storage_offset),
-        shape=tuple(int(s) for s in size),
-        strides=tuple(int(s) for s in stride),
-        dtype=dtypes.canonical(name),
-        flags=flags,
-    )
-    if min((ref.storage_offset, *ref.shape, *ref.strides)) < 0:
-        raise CorruptCheckpointError(
-            f"tensor with a negative offset, size or stride in pickle: shape {list(ref.shape)}, "
-            f"strides {list(ref.strides)}, offset {ref.storage_offset}"
-        )
-    return ref
-
-
-def _rebuild_parameter(
-    data: Any, requires_grad: Any, backward_hooks: Any, state: Any = None
-) -> Any:
-    return data
-
-
 def _torch_global(name: str) -> Any:
-    if dtypes.is_dtype_name(name):
-        return DTypeName(dtypes.canonical(name))
-    if name in dtypes.BY_STORAGE:
-        return StorageType(dtypes.BY_STORAGE[name].name)
+    # ``torch.<name>`` that any pickle may name: torch's weights-only dtypes, storage types and
+    # quantization schemes (DCP ``.metadata`` holds dtypes), and ``torch.Size``.
     if name == "Size":
         return _SIZE
-    return None
+    return torch_rebuild.TORCH_VALUES.get(name)
 
+
+_tensor_ref = torch_rebuild._tensor_ref  # one check of a rebuilt tensor's numbers
 
 _DCP = "torch.distributed.checkpoint"
 _DCP_RECORDS = (
@@ -478,21 +377,21 @@ _DCP_RECORDS = (
 _COMMON: dict[str, Any] = {
     "collections.OrderedDict": _copying(OrderedDict, "OrderedDict"),
     "builtins.set": _copying(set, "set"),
-    "builtins.frozenset": _copying(frozenset, "frozenset"),
     "builtins.complex": complex,
-    "builtins.object": object,
-    "copyreg._reconstructor": _reconstructor,
     # torch.Size pickles as torch.Size((d0, d1, ...)). Callers check the elements' types.
     "torch.Size": _SIZE,
+    "torch.serialization._get_layout": _layout,
 }
 
 # Globals a DCP ``.metadata`` pickle may name.
 METADATA_GLOBALS: dict[str, Any] = {
     **_COMMON,
+    "builtins.frozenset": _copying(frozenset, "frozenset"),
+    "builtins.object": object,
+    "copyreg._reconstructor": _reconstructor,
     **{q: _record_class(q) for q in _DCP_RECORDS},
     f"{_DCP}.metadata._MEM_FORMAT_ENCODING": _enum_value,
     "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": _enum_value,
-    "torch.serialization._get_layout": _layout,
     "pathlib.PosixPath": _path,
     "pathlib.WindowsPath": _path,
     "pathlib.PurePosixPath": _path,
@@ -500,24 +399,29 @@ METADATA_GLOBALS: dict[str, Any] = {
     "pathlib.Path": _path,
 }
 
-# Globals a ``torch.save`` pickle (state dict file or DCP object item) may name.
-ARCHIVE_GLOBALS: dict[str, Any] = {
+# Globals ``torch.load(weights_only=True)`` admits by default (torch 2.13), and nothing more:
+# what a ``torch.save`` file (a state dict, an optimizer, a Lightning ``.ckpt``) may name.
+WEIGHTS_ONLY_GLOBALS: dict[str, Any] = {
     **_COMMON,
-    "torch._utils._rebuild_tensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "torch.storage.UntypedStorage": StorageType(None),
-    "torch.serialization._get_layout": _layout,
+    "collections.Counter": _copying(Counter, "Counter"),
+    "builtins.bytearray": _copying(bytearray, "bytearray"),
     "_codecs.encode": _codecs_encode,
+    **torch_rebuild.TORCH_GLOBALS,
+}
+
+# Globals a DCP object item may name: torch loads those with ``weights_only=False``, and
+# training state holds RNG states (numpy arrays), ``io.BytesIO`` and a few more builtins.
+ARCHIVE_GLOBALS: dict[str, Any] = {
+    **WEIGHTS_ONLY_GLOBALS,
+    "builtins.frozenset": _copying(frozenset, "frozenset"),
+    "builtins.object": object,
+    "builtins.slice": slice,
+    "copyreg._reconstructor": _reconstructor,
     "_io.BytesIO": _BytesIOStandIn,
     "numpy.core.multiarray._reconstruct": lambda cls, shape, dt: cls.__new__(cls),
     "numpy._core.multiarray._reconstruct": lambda cls, shape, dt: cls.__new__(cls),
     "numpy.ndarray": _NumpyArrayStandIn,
     "numpy.dtype": _NumpyDTypeStandIn,
-    "builtins.bytearray": _copying(bytearray, "bytearray"),
-    "builtins.slice": slice,
 }
 
 
@@ -621,6 +525,8 @@ def plain(value: Any) -> Any:
         return {"type": "numpy.ndarray", "dtype": value.dtype, "shape": list(value.shape)}
     if isinstance(value, TensorRef):
         return {"type": "tensor", "dtype": value.dtype, "shape": list(value.shape)}
+    if isinstance(value, OtherTensor):
+        return {"type": "tensor", "kind": value.kind, "dtype": value.dtype, "shape": value.shape}
     if isinstance(value, bytes | bytearray):
         return {"type": "bytes", "bytes": len(value)}
     if isinstance(value, dict):

@@ -17,6 +17,7 @@ import math
 import pickle
 import struct
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,8 +199,13 @@ def read_record(reader: Reader, archive: Archive, name: str) -> bytes:
     return reader.read(archive.file, record_data_offset(reader, archive, rec), rec.size)
 
 
-def load_pickle(reader: Reader, archive: Archive) -> Any:
-    """Unpickle the archive's ``data.pkl`` through the allowlist (tensors as TensorRef)."""
+def load_pickle(reader: Reader, archive: Archive, allowed: Mapping[str, Any] | None = None) -> Any:
+    """Unpickle the archive's ``data.pkl`` through the allowlist (tensors as TensorRef).
+
+    ``allowed``: the globals it may name; default ``safe_pickle.ARCHIVE_GLOBALS`` (a DCP object
+    item, which torch loads with ``weights_only=False``); a ``torch.save`` file passes
+    ``safe_pickle.WEIGHTS_ONLY_GLOBALS``, what ``torch.load(weights_only=True)`` admits.
+    """
     byteorder = archive.records.get("byteorder")
     if byteorder is not None and read_record(reader, archive, "byteorder") != b"little":
         raise UnsupportedCheckpointError(
@@ -208,7 +214,7 @@ def load_pickle(reader: Reader, archive: Archive) -> Any:
     file = storage.join(reader.root, archive.file)
     return safe_pickle.restricted_loads(
         read_record(reader, archive, "data.pkl"),
-        safe_pickle.ARCHIVE_GLOBALS,
+        safe_pickle.ARCHIVE_GLOBALS if allowed is None else allowed,
         source=f"{file}@{archive.start}" if archive.start else file,
         persistent_load=safe_pickle.storage_persistent_load,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ckptools.layouts import (
     dcp,  # noqa: F401  (registers dcp)
+    dcp_rank_local,  # noqa: F401  (registers dcp_rank_local)
     safetensors,  # noqa: F401  (registers safetensors)
     torch_save,  # noqa: F401  (registers torch_save)
     wrappers,  # noqa: F401  (registers trainer, accelerate, lightning, torchtitan)

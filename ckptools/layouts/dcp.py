@@ -37,6 +37,8 @@ METADATA_FILE = ".metadata"
 #: the widest dtype (16 bytes, complex128) is the most a shape may hold
 _MAX_NUMEL = 2**59
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+#: the metadata each rank writes for itself when saved with ``use_collectives=False``
+RANK_METADATA_FILE = re.compile(r"^__(\d+)\.metadata$")
 
 
 @functools.lru_cache(maxsize=65536)
@@ -102,6 +104,7 @@ class _Where:
     subdir: str
     directory: str
     meta_path: str
+    meta_name: str = METADATA_FILE  # the marker's name in the directory
 
     def rel(self, name: str) -> str:
         return f"{self.subdir}/{name}" if self.subdir else name
@@ -119,16 +122,20 @@ def read_dcp(
     subdir: str = "",
     check_files: bool = True,
     listing: Mapping[str, int] | None = None,
+    metadata_file: str = METADATA_FILE,
 ) -> Manifest:
     """Build the manifest of the DCP directory ``root/subdir``; file paths are relative to root.
 
     With ``check_files`` every referenced file must exist and be long enough for every byte range
     recorded in the metadata (one ``stat`` per file). ``listing`` (relative path -> size of the
     files below ``root/subdir``, from a walk the caller already made) spares listing again.
+    ``metadata_file`` is the metadata pickle to read: one rank's ``__<rank>.metadata`` of a save
+    without global metadata (:mod:`ckptools.layouts.dcp_rank_local`).
     """
     directory = storage.join(root, subdir) if subdir else root
-    where = _Where(root, subdir, directory, storage.join(directory, METADATA_FILE))
-    storage.contained(root, where.rel(METADATA_FILE), named_by=root, entry="holds")
+    meta_path = storage.join(directory, metadata_file)
+    where = _Where(root, subdir, directory, meta_path, metadata_file)
+    storage.contained(root, where.rel(metadata_file), named_by=root, entry="holds")
     data = _metadata_bytes(where.meta_path)
     marker_digest = digest(data)
     with _gc_paused():
@@ -204,7 +211,7 @@ def _build(
     }
     if transforms:
         details["transforms"] = transforms
-    marker = where.rel(METADATA_FILE)
+    marker = where.rel(where.meta_name)
     return Manifest(
         root=where.root,
         format="dcp",
@@ -509,6 +516,11 @@ class DcpLayout(Layout):
         names = _listdir(path)
         if METADATA_FILE in names:
             return None
+        if any(RANK_METADATA_FILE.match(n) for n in names):
+            return (
+                "no .metadata but __<rank>.metadata files: saved without global metadata "
+                "(layout dcp_rank_local)"
+            )
         if any(n.endswith(".distcp") for n in names):
             return None  # read_manifest reports the missing marker precisely
         return "no .metadata file"

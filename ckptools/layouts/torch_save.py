@@ -1,31 +1,71 @@
-"""Full state dicts saved with ``torch.save`` (``.pt``, ``.pth``, ``.bin``), and HF ``.bin`` dirs.
+"""Checkpoints saved with ``torch.save``: a state dict file, or the directory a trainer wrote.
 
-The archive's ``data.pkl`` is unpickled through the allowlist (the equivalent of
-``torch.load(weights_only=True)``, but without torch and without reading tensor bytes): each tensor
-becomes a raw chunk pointing into its storage record. Nested dicts are flattened to dotted FQNs
-the way DCP flattens them; tensors that share a storage (tied weights) point at the same bytes.
+The archive's ``data.pkl`` is unpickled through the allowlist ``torch.load(weights_only=True)``
+uses (:data:`~ckptools.formats.safe_pickle.WEIGHTS_ONLY_GLOBALS`), without torch and without
+reading tensor bytes: each tensor becomes a raw chunk pointing into its storage record. Nested
+dicts are flattened to dotted FQNs the way DCP flattens them, keeping each key path; tensors
+that share a storage (tied weights) point at the same bytes.
+
+What users have, and where the model is found (:func:`ckptools.core.keys.find_model_part`
+picks the container; ``--key`` names it):
+
+* a file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``): a bare state dict, or a dict holding one under
+  ``model``, ``model_state_dict``, ``state_dict``, ``module`` or ``net`` beside the optimizer,
+  step, epoch... (the FSDP1 tutorial's ``checkpoint.pth``, DDP scripts, Lightning ``.ckpt``);
+* a directory: accelerate ``save_state`` with ``FULL_STATE_DICT`` (``pytorch_model_fsdp.bin`` +
+  ``optimizer.bin``), the Trainer's ``checkpoint-N`` (``pytorch_model.bin`` or
+  ``model.safetensors``, + ``optimizer.pt``), accelerate without FSDP (``model.safetensors`` +
+  ``optimizer.bin``), an HF ``pytorch_model*.bin`` directory, or a directory holding one
+  ``torch.save`` file. The model file's entries keep their own key paths; an optimizer file's
+  go under ``optimizer`` (a second one under ``optimizers.<i>``), so the optimizer stays in the
+  manifest, with its key paths, as non-model entries.
+
+``Manifest.details["sources"]`` says which file holds what (its role, its top-level keys, the
+key they went under), and ``details["step"]`` the training step when a file or
+``trainer_state.json`` records it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
+from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    UnknownFormatError,
     UnsupportedCheckpointError,
 )
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
 from ckptools.layouts.base import Layout, digest, index_files, read_marker, register
+from ckptools.layouts.safetensors import INDEX_SUFFIX, read_safetensors
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 BIN_INDEX = "pytorch_model.bin.index.json"
+SAFETENSORS_MODEL = "model.safetensors"
+TRAINER_STATE = "trainer_state.json"
+#: accelerate ``save_state`` with FULL_STATE_DICT: model i is ``pytorch_model_fsdp[_i].bin``
+_FSDP_MODEL = re.compile(r"^pytorch_model_fsdp(?:_(\d+))?\.bin$")
+#: accelerate's ``optimizer[_i].bin``, the Trainer's ``optimizer.pt``
+_OPTIMIZER = re.compile(r"^optimizer(?:_(\d+))?\.(?:bin|pt)$")
+#: torch.save files a trainer writes beside the model that are not a model
+_NOT_A_MODEL = re.compile(
+    r"^(?:rng_state.*\.pth|scheduler.*\.(?:pt|bin)|training_args\.bin|random_states_\d+\.pkl|"
+    r"optimizer.*|meta\.pt)$"
+)
+#: top-level entries that record the training step
+_STEP_KEYS = ("step", "global_step", "iteration", "iter")
+#: a Trainer's trainer_state.json grows with its log history (~1 KB per logged step); 64 MiB is
+#: far past any real one, and bounds what reading the step may cost on a hostile directory
+_TRAINER_STATE_MAX_BYTES = 64 << 20
 
 
 def flatten(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -71,9 +111,19 @@ def _span_bytes(ref: safe_pickle.TensorRef, itemsize: int) -> int:
 
 
 def read_torch_save_file(
-    reader: Reader, rel: str
+    reader: Reader, rel: str, allowed: Mapping[str, Any] = safe_pickle.WEIGHTS_ONLY_GLOBALS
 ) -> tuple[list[TensorEntry], list[ObjectEntry], dict[str, tuple[str, ...]], FileInfo]:
-    """Tensors (as raw chunks), plain values and key paths of one ``torch.save`` file."""
+    """Tensors (as raw chunks), plain values and key paths of one ``torch.save`` file.
+
+    ``allowed``: the globals its pickle may name; by default what
+    ``torch.load(weights_only=True)`` admits.
+
+    Raises:
+        UnsafeCheckpointError: the pickle names a global outside ``allowed``.
+        UnsupportedCheckpointError: not a zip archive, or a tensor that is not one dense byte
+            range (sparse, quantized, nested, meta...), named with its FQN.
+        CorruptCheckpointError: a tensor's bytes reach past its storage record.
+    """
     path = storage.join(reader.root, rel)
     size = reader.size(rel)
     head = reader.read(rel, 0, min(4, size))
@@ -84,16 +134,22 @@ def read_torch_save_file(
             path=path,
         )
     archive = torch_archive.read_archive(reader, rel, 0, size)
-    obj = torch_archive.load_pickle(reader, archive)
+    obj = torch_archive.load_pickle(reader, archive, allowed)
     data_offsets: dict[str, int] = {}
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
     paths: dict[str, tuple[str, ...]] = {}
-    from ckptools.core import dtypes
-
     for key_path, leaf in flatten(obj):
         fqn = ".".join(key_path)
         paths[fqn] = key_path
+        if isinstance(leaf, safe_pickle.OtherTensor):
+            raise UnsupportedCheckpointError(
+                f"{path}: {fqn!r} is {leaf.describe()}, not a dense tensor stored as one byte "
+                "range, which is what ckptools copies; convert it with torch (e.g. "
+                "t.to_dense(), t.dequantize()) and save it again",
+                path=path,
+                fqn=fqn,
+            )
         if isinstance(leaf, safe_pickle.TensorRef):
             if leaf.flags:
                 raise UnsupportedCheckpointError(
@@ -112,7 +168,10 @@ def read_torch_save_file(
             span = _span_bytes(leaf, itemsize)
             if start + span > storage_bytes:
                 raise CorruptCheckpointError(
-                    f"{path}: tensor {fqn!r} reaches past its storage", path=path, fqn=fqn
+                    f"{path}: tensor {fqn!r} (bytes {start}..{start + span} of its storage) "
+                    f"reaches past its storage record data/{key} ({storage_bytes} bytes)",
+                    path=path,
+                    fqn=fqn,
                 )
             chunk = Chunk(
                 offsets=(0,) * len(leaf.shape),
@@ -130,66 +189,247 @@ def read_torch_save_file(
     return tensors, objects, paths, FileInfo(rel, size)
 
 
+class _Collected:
+    """Entries of the files read so far, each file's under its own key (``optimizer``...)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.tensors: dict[str, TensorEntry] = {}
+        self.objects: dict[str, ObjectEntry] = {}
+        self.paths: dict[str, tuple[str, ...]] = {}
+        self.infos: dict[str, FileInfo] = {}
+        self.sources: list[dict[str, Any]] = []
+
+    def add_file(self, reader: Reader, rel: str, role: str, under: tuple[str, ...] = ()) -> None:
+        tensors, objects, paths, info = read_torch_save_file(reader, rel)
+        prefix = "".join(f"{k}." for k in under)
+        for t in tensors:
+            self._put(self.tensors, replace_fqn(t, prefix + t.fqn), rel)
+        for o in objects:
+            self._put(self.objects, replace_fqn(o, prefix + o.fqn), rel)
+        self.paths.update((prefix + fqn, (*under, *p)) for fqn, p in paths.items())
+        self.infos[rel] = info
+        tops = list(dict.fromkeys(p[0] for p in paths.values() if p))
+        self.sources.append(
+            {"file": rel, "role": role, "under": ".".join(under), "keys": _shown_keys(tops)}
+        )
+
+    def _put(self, into: dict[str, Any], entry: Any, rel: str) -> None:
+        if entry.fqn in into or entry.fqn in self.tensors or entry.fqn in self.objects:
+            raise CorruptCheckpointError(
+                f"{storage.join(self.root, rel)}: {entry.fqn!r} is also in another file of "
+                "the checkpoint",
+                path=storage.join(self.root, rel),
+                fqn=entry.fqn,
+            )
+        into[entry.fqn] = entry
+
+    def step(self, root: str, names: set[str]) -> int | None:
+        for key in _STEP_KEYS:
+            entry = self.objects.get(key)
+            if entry is not None and type(entry.value) is int:
+                return int(entry.value)
+        if TRAINER_STATE not in names or storage.outside_reason(root, TRAINER_STATE) is not None:
+            return None  # a link out of the checkpoint is never followed
+        size = storage.file_sizes(root, [TRAINER_STATE]).get(TRAINER_STATE)
+        if size is None or size > _TRAINER_STATE_MAX_BYTES:
+            return None  # the step is a nicety: never worth reading a huge file for
+        try:
+            state = json.loads(read_marker(storage.join(root, TRAINER_STATE)))
+            step = state.get("global_step") if isinstance(state, dict) else None
+        except (OSError, ValueError, RecursionError):
+            return None  # trainer_state.json is the Trainer's, not ours to validate
+        return step if type(step) is int else None
+
+
+def replace_fqn(entry: Any, fqn: str) -> Any:
+    return entry if entry.fqn == fqn else replace(entry, fqn=fqn)
+
+
+def _shown_keys(tops: list[str]) -> list[str]:
+    # A bare state dict's top-level keys are its tensors (hundreds); name a few.
+    return tops if len(tops) <= 12 else [*tops[:10], f"... {len(tops) - 10} more"]
+
+
+def _plan_directory(path: str, names: set[str]) -> tuple[list[str], str | None, list[str]]:
+    """(torch.save model files, a safetensors model marker or None, optimizer files) of a
+    training directory; empty model lists when it is not one."""
+    fsdp = sorted((n for n in names if _FSDP_MODEL.match(n)), key=_index_of)
+    optim = sorted((n for n in names if _OPTIMIZER.match(n)), key=_index_of)
+    if fsdp:
+        return fsdp[:1], None, optim
+    if optim and (SAFETENSORS_MODEL in names or SAFETENSORS_MODEL + ".index.json" in names):
+        return [], SAFETENSORS_MODEL, optim
+    if BIN_INDEX in names or "pytorch_model.bin" in names:
+        return [BIN_INDEX if BIN_INDEX in names else "pytorch_model.bin"], None, optim
+    return [], None, optim
+
+
+def _index_of(name: str) -> int:
+    m = _FSDP_MODEL.match(name) or _OPTIMIZER.match(name)
+    return int(m.group(1)) if m and m.group(1) else 0
+
+
+def _single_file(names: set[str]) -> list[str]:
+    return sorted(n for n in names if n.endswith(SUFFIXES) and not _NOT_A_MODEL.match(n))
+
+
+def _producer(names: set[str], model_files: list[str], objects: Mapping[str, Any]) -> str:
+    if TRAINER_STATE in names:
+        return "trainer"
+    if any(_FSDP_MODEL.match(n) for n in model_files):
+        return "accelerate"
+    if "pytorch-lightning_version" in objects:
+        return "lightning"
+    return "torch_save"
+
+
 def read_torch_save(path: str) -> Manifest:
-    """Manifest of a ``torch.save`` file, or of an HF directory of ``pytorch_model*.bin``."""
+    """Manifest of a ``torch.save`` file, or of a directory of them (see the module docstring).
+
+    Raises:
+        CheckpointNotFoundError: a file the directory's index names is missing.
+        UnknownFormatError: a directory without a model file this layout reads.
+    """
+    found = _Collected(storage.dirname(path) if storage.isfile(path) else path)
+    notes: list[str] = []
+    marker: tuple[str, ...] = ()
+    digests: dict[str, str] = {}
+    names: set[str] = set()
+    base: Manifest | None = None
     if storage.isfile(path):
-        root, files = storage.dirname(path), [storage.basename(path)]
-        marker: tuple[str, ...] = ()
-        digests: dict[str, str] = {}
+        root, model_files = storage.dirname(path), [storage.basename(path)]
+        optim: list[str] = []
     else:
         root = path
-        index_path = storage.join(path, BIN_INDEX)
-        if storage.lexists(index_path):
-            storage.contained(path, BIN_INDEX, named_by=path, entry="holds")
-            try:
-                raw = read_marker(index_path)
-                digests = {BIN_INDEX: digest(raw)}
-                weight_map = json.loads(raw)["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise CorruptCheckpointError(
-                    f"{index_path}: not a valid index ({e})", path=index_path
-                ) from e
-            files = index_files(path, index_path, weight_map)
-            marker = (BIN_INDEX,)
-        else:
-            files = ["pytorch_model.bin"]
-            storage.contained(path, files[0], named_by=path, entry="holds")
-            marker = ()
-            digests = {}
-    tensors: dict[str, TensorEntry] = {}
-    objects: dict[str, ObjectEntry] = {}
-    paths: dict[str, tuple[str, ...]] = {}
-    infos: dict[str, FileInfo] = {}
-    present = storage.file_sizes(root, files)
+        names = set(storage.listdir(path))
+        model_files, safetensors_model, optim = _plan_directory(path, names)
+        if safetensors_model is not None:
+            base = read_safetensors(path)
+        elif not model_files:
+            model_files = _single_file(names)
+            if len(model_files) != 1:
+                raise UnknownFormatError(directory_reason(names) or f"{path}: no model file")
+        if model_files == [BIN_INDEX]:
+            model_files, marker, digests = _bin_index(path)
+        extra = sorted(n for n in names if _FSDP_MODEL.match(n) and n not in model_files)
+        if extra:
+            notes.append(
+                f"{path}: read {model_files[0]}; {', '.join(extra)} hold other models "
+                "(point at a file to read it)"
+            )
+    for rel in [*model_files, *optim]:
+        storage.contained(root, rel, named_by=path, entry="holds")
+    present = storage.file_sizes(root, [*model_files, *optim])
     with open_reader(root) as reader:
-        for rel in files:
+        for rel in [*model_files, *optim]:
             if rel not in present:
                 raise CheckpointNotFoundError(
                     f"{storage.join(root, rel)}: file is missing", path=storage.join(root, rel)
                 )
-            ts, objs, ps, info = read_torch_save_file(reader, rel)
-            tensors.update((t.fqn, t) for t in ts)
-            objects.update((o.fqn, o) for o in objs)
-            paths.update(ps)
-            infos[rel] = info
+        for rel in model_files:
+            found.add_file(reader, rel, "model")
+        for i, rel in enumerate(optim):
+            found.add_file(
+                reader, rel, "optimizer", ("optimizer",) if i == 0 else ("optimizers", str(i))
+            )
+    if base is not None:
+        return _with_safetensors_model(base, found, path, names)
+    details = {"sources": found.sources, "step": found.step(root, names)}
     return Manifest(
         root=path,
         format="torch_save",
-        layout="torch_save",
-        tensors=tensors,
-        objects=objects,
-        files=infos,
-        paths=paths,
+        layout=_producer(names, model_files, found.objects),
+        tensors=found.tensors,
+        objects=found.objects,
+        files=found.infos,
+        paths=found.paths,
         markers=marker,
+        notes=tuple(notes),
+        details=details,
         data_root=root,
         marker_digests=digests,
     )
 
 
+def _bin_index(path: str) -> tuple[list[str], tuple[str, ...], dict[str, str]]:
+    index_path = storage.contained(path, BIN_INDEX, named_by=path, entry="holds")
+    try:
+        raw = read_marker(index_path)
+        weight_map = json.loads(raw)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"{index_path}: not a valid index ({e})", path=index_path
+        ) from e
+    return index_files(path, index_path, weight_map), (BIN_INDEX,), {BIN_INDEX: digest(raw)}
+
+
+def _with_safetensors_model(
+    model: Manifest, found: _Collected, path: str, names: set[str]
+) -> Manifest:
+    """The safetensors model of an accelerate/Trainer directory with its optimizer files."""
+    sources = [
+        {"file": f, "role": "model", "under": "", "keys": _shown_keys(list(model.tensors))}
+        for f in model.files
+    ]
+    clash = set(model.tensors) & (set(found.tensors) | set(found.objects))
+    if clash:
+        first = sorted(clash)[0]
+        raise CorruptCheckpointError(
+            f"{path}: {first!r} is in the model and the optimizer files", path=path, fqn=first
+        )
+    return Manifest(
+        root=path,
+        format="torch_save",
+        layout="trainer" if TRAINER_STATE in names else "accelerate",
+        tensors={**model.tensors, **found.tensors},
+        objects=found.objects,
+        files={**model.files, **found.infos},
+        paths={**{f: (f,) for f in model.tensors}, **found.paths},
+        markers=model.markers,
+        details={
+            **model.details,
+            "sources": [*sources, *found.sources],
+            "step": found.step(path, names),
+        },
+        data_root=path,
+        marker_digests=model.marker_digests,
+    )
+
+
+def directory_reason(names: set[str]) -> str | None:
+    """None when a directory with these entries is this layout's, else why not."""
+    model, safetensors_model, _ = _plan_directory("", names)
+    if safetensors_model is not None:
+        return None
+    if model:
+        if model[0] in (BIN_INDEX, "pytorch_model.bin") and any(
+            n.endswith((".safetensors", INDEX_SUFFIX)) for n in names
+        ):
+            return "its safetensors weights are the safetensors layout's"
+        return None
+    if any(n.endswith((".safetensors", INDEX_SUFFIX)) for n in names):
+        return "safetensors weights without a torch.save optimizer beside them"
+    single = _single_file(names)
+    if len(single) == 1:
+        return None
+    if single:
+        return f"holds several torch.save files ({', '.join(single[:4])}); point at one"
+    return (
+        "no pytorch_model_fsdp*.bin, pytorch_model.bin (or its index), optimizer beside a "
+        "model.safetensors, or a single .pt/.pth/.ckpt file"
+    )
+
+
 class TorchSaveLayout(Layout):
-    priority = 40
+    # Before safetensors (30): a directory with a model.safetensors and a torch.save optimizer
+    # is a training checkpoint, which that layout would read as the model alone.
+    priority = 25
     name = "torch_save"
-    description = "full state dict saved with torch.save (.pt/.pth/.bin), or an HF .bin directory"
+    description = (
+        "torch.save checkpoint (.pt/.pth/.bin/.ckpt), or a directory of them: accelerate "
+        "FULL_STATE_DICT, Trainer checkpoint-N, HF pytorch_model*.bin"
+    )
 
     def probe(self, path: str) -> str | None:
         if storage.isfile(path):
@@ -199,10 +439,7 @@ class TorchSaveLayout(Layout):
                 return None
             return f"file is not a zip archive and its name does not end in {SUFFIXES}"
         if storage.isdir(path):
-            names = set(storage.listdir(path))
-            if BIN_INDEX in names or "pytorch_model.bin" in names:
-                return None
-            return "no pytorch_model.bin or its index"
+            return directory_reason(set(storage.listdir(path)))
         return "not a file or directory"
 
     def read_manifest(self, path: str) -> Manifest:

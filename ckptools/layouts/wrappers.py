@@ -22,7 +22,7 @@ from ckptools.errors import IncompleteCheckpointError
 from ckptools.io import storage
 from ckptools.layouts.base import Layout, read_marker, register
 from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
-from ckptools.layouts.torch_save import read_torch_save_file
+from ckptools.layouts.torch_save import directory_reason, read_torch_save, read_torch_save_file
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")
@@ -64,6 +64,14 @@ def _accelerate_parts(path: str) -> list[str]:
     ]
 
 
+def _trainer_checkpoint_complete(path: str) -> bool:
+    parts = _accelerate_parts(path)
+    if parts:
+        return all(_is_dcp(storage.join(path, s)) for s in parts)
+    # a full-state checkpoint (model.safetensors or pytorch_model*.bin, optimizer.pt)
+    return directory_reason(set(_listdir(path))) is None
+
+
 def _newest(path: str, pattern: re.Pattern[str], complete: object) -> tuple[str, list[str]] | None:
     found = []
     for name in _listdir(path):
@@ -77,7 +85,8 @@ def _newest(path: str, pattern: re.Pattern[str], complete: object) -> tuple[str,
     skipped = [n for _, n in found if n not in usable]
     if not usable:
         raise IncompleteCheckpointError(
-            f"{path}: none of {', '.join(n for _, n in found)} is complete (no DCP .metadata)",
+            f"{path}: none of {', '.join(n for _, n in found)} is complete (no DCP .metadata, "
+            "no model file)",
             path=path,
         )
     return usable[-1], skipped
@@ -109,19 +118,13 @@ class TrainerLayout(Layout):
         if parts:
             return read_dcp_tree(path, parts, layout=self.name)
         names = [n for n in _listdir(path) if _TRAINER_CKPT.match(n)]
-        found = _newest(
-            path,
-            _TRAINER_CKPT,
-            lambda p: (
-                bool(_accelerate_parts(p))
-                and all(_is_dcp(storage.join(p, s)) for s in _accelerate_parts(p))
-            ),
-        )
+        found = _newest(path, _TRAINER_CKPT, _trainer_checkpoint_complete)
         assert found is not None
         chosen, skipped = found
         inner = storage.contained(path, chosen, named_by=path, entry="holds")
+        parts = _accelerate_parts(inner)
         return _with_note(
-            read_dcp_tree(inner, _accelerate_parts(inner), layout=self.name),
+            read_dcp_tree(inner, parts, layout=self.name) if parts else read_torch_save(inner),
             path,
             chosen,
             len(names),

@@ -108,12 +108,16 @@ def read(path: str, format: str | None) -> tuple[Manifest | None, list[Finding]]
     """The manifest of ``path``, or None and the finding that says why it cannot be read."""
     from ckptools.layouts import detect
     from ckptools.layouts.dcp import read_dcp_tree
+    from ckptools.layouts.dcp_rank_local import LAYOUT as RANK_LOCAL
+    from ckptools.layouts.dcp_rank_local import read_rank_local
 
     layout = detect(path, format)  # a missing path or unknown format is an error, not a finding
     try:
+        # check_files=False: report every missing or short file below, not just the first.
         if layout.name == "dcp":
-            # check_files=False: report every missing or short file below, not just the first.
             return read_dcp_tree(path, check_files=False), []
+        if layout.name == RANK_LOCAL:
+            return read_rank_local(path, check_files=False), []
         return layout.read_manifest(path), []
     except UnsupportedCheckpointError:
         raise

@@ -70,13 +70,18 @@ __all__ = [
     "ModelConfig",
     "TinyLlama",
     "accelerate_fsdp",
+    "accelerate_full",
     "big_many_tensors_metadata",
+    "ddp_torch_save",
     "flip_bit",
     "fsdp1",
+    "fsdp1_full",
     "fsdp2",
+    "fsdp2_rank_local",
     "garble_metadata",
     "hf_sharded",
     "hsdp",
+    "lightning_ckpt",
     "lightning_fsdp",
     "malicious_metadata",
     "malicious_object",
@@ -87,6 +92,7 @@ __all__ = [
     "torchtitan",
     "tp_fsdp",
     "trainer_fsdp",
+    "trainer_full",
     "truncate",
 ]
 
@@ -678,6 +684,49 @@ def tp_fsdp(
         parallelize_module(block, mesh["tp"], plan)
     _fsdp2_wrap(model, mesh["dp"])
     return _train_save_reference(rank, model, cfg, optimizer, out, ref_path)
+
+
+def fsdp2_rank_local(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+    *,
+    optimizer: bool = True,
+    extra: bool = False,
+    cfg: ModelConfig = DEFAULT_CONFIG,
+) -> dict[str, str]:
+    """FSDP2 as :func:`fsdp2`, saved with ``dcp.save(..., use_collectives=False)`` (torch >= 2.9):
+    no global plan and no ``.metadata``; each rank writes ``__{rank}_0.distcp`` and
+    ``__{rank}.metadata``, which describes only that rank's chunks (and its own copy of every
+    replicated entry: ``step``, ``param_groups``, ``extra`` values). Every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = _fresh_dir(out)
+    model = TinyLlama(cfg)
+    _fsdp2_wrap(model, init_device_mesh("cpu", (world_size,)))
+    opt = None
+    state: dict[str, Any]
+    if optimizer:
+        opt, _ = _make_optimizer(model)
+        _train(model, cfg, opt)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    extras = _extra_entries() if extra else {}
+    state.update(extras)
+    dcp.save(state, checkpoint_id=out, use_collectives=False)
+
+    ref_model, ref_optim = _gather_reference(model, opt)
+    if rank == 0:
+        layout: Layout = {
+            "model": (".", ("model",)),
+            "optim": (".", ("optim",)) if optimizer else None,
+            "extra": (".", ()) if extra else None,
+        }
+        _save_reference(ref_path, ref_model, ref_optim, layout, extras)
+    return _describe(model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1402,12 +1451,270 @@ def big_many_tensors_metadata(
 
 
 # --------------------------------------------------------------------------------------------------
+# torch.save training checkpoints (full state dicts written by one rank)
+# --------------------------------------------------------------------------------------------------
+
+
+def _write_hf_config(out: str, cfg: ModelConfig = DEFAULT_CONFIG) -> None:
+    # Training scripts keep the model's config beside their checkpoints; consolidate copies it.
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=2, sort_keys=True)
+
+
+def _reference_only_model(
+    rank: int, model: nn.Module, opt: torch.optim.Optimizer, ref_path: str | os.PathLike[str]
+) -> None:
+    """The full model and optimizer state gathered by torch (collective); rank 0 writes them
+    with no DCP layout (a torch.save checkpoint has none)."""
+    ref_model, ref_optim = _gather_reference(model, opt)
+    if rank == 0:
+        _save_reference(
+            ref_path, ref_model, ref_optim, {"model": None, "optim": None, "extra": None}
+        )
+
+
+def fsdp1_full(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+    *,
+    use_orig_params: bool = True,
+    step: int = _TRAIN_STEPS,
+) -> dict[str, str]:
+    """The FSDP1 tutorial's checkpoint: ``out/checkpoint.pth`` written by rank 0.
+
+    Follows the pattern training scripts copy (pytorch.org FSDP tutorial)::
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(rank0_only=True)):
+            state = model.state_dict()
+        if rank == 0:
+            torch.save({"model_state_dict": state,
+                        "optimizer_state_dict": optimizer.state_dict(), "step": step}, path)
+
+    The gathered tensors carry FSDP's ``_has_been_cloned`` attribute, so torch pickles them with
+    ``_rebuild_from_type_v2``; ``optimizer.state_dict()`` is rank 0's own state: with
+    ``use_orig_params=False`` one integer-keyed entry per FlatParameter holding rank 0's shard.
+    ``offload_to_cpu`` stays False: with True torch 2.13 segfaults on CPU (see
+    :func:`_gather_reference`). Every rank calls it.
+    """
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    out = _fresh_dir(out)
+    cfg = DEFAULT_CONFIG
+    model = FSDP(
+        TinyLlama(cfg),
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+    )
+    opt, _ = _make_optimizer(model)
+    _train(model, cfg, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # FSDP.state_dict_type is deprecated
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            state = model.state_dict()
+    if rank == 0:
+        checkpoint = {
+            "model_state_dict": state,
+            "optimizer_state_dict": opt.state_dict(),
+            "step": step,
+        }
+        torch.save(checkpoint, os.path.join(out, "checkpoint.pth"))
+        _write_hf_config(out, cfg)
+    _reference_only_model(rank, model, opt, ref_path)
+    return {"flat_params": str(sum(1 for _ in opt.param_groups[0]["params"]))}
+
+
+def accelerate_full(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+) -> dict[str, str]:
+    """What ``Accelerator.save_state(out)`` writes with FSDP and ``FULL_STATE_DICT``, by
+    accelerate's own code: ``save_fsdp_model`` (``pytorch_model_fsdp.bin``, rank 0),
+    ``save_fsdp_optimizer`` (``optimizer.bin``, FQN-keyed, rank 0), then
+    ``save_accelerator_state`` (``scheduler.bin``, ``random_states_<rank>.pkl``).
+
+    The plugin reads ``FSDP_STATE_DICT_TYPE=FULL_STATE_DICT`` from the environment, as
+    ``accelerate launch`` sets it. accelerate enables FSDP only on accelerators, so the
+    ``Accelerator`` here is a CPU one and the model is wrapped with ``fully_shard`` as
+    accelerate's FSDP2 path does; the save functions are the ones ``save_state`` calls
+    (accelerate 1.15, accelerator.py). Every rank calls it.
+    """
+    # accelerate's CPU state reads the launcher's variables; the gloo group is already up (its
+    # file rendezvous), so the address is checked for presence and never connected to.
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        FSDP_STATE_DICT_TYPE="FULL_STATE_DICT",
+        FSDP_VERSION="2",
+    )
+    from accelerate import Accelerator
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.utils import (
+        FullyShardedDataParallelPlugin,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
+
+    out = _fresh_dir(out)
+    accelerator = Accelerator(cpu=True)
+    plugin = FullyShardedDataParallelPlugin()
+    cfg = DEFAULT_CONFIG
+    model, opt, sched = _train_wrapped(2, world_size, TinyLlama(cfg), cfg)
+    save_fsdp_model(plugin, accelerator, model, out)
+    save_fsdp_optimizer(plugin, accelerator, opt, model, out)
+    save_accelerator_state(out, [], [], [sched], [], accelerator.process_index, _TRAIN_STEPS)
+    if rank == 0:
+        _write_hf_config(out, cfg)
+    _reference_only_model(rank, model, opt, ref_path)
+    return {"state_dict_type": str(plugin.state_dict_type)}
+
+
+def ddp_torch_save(
+    rank: int,
+    world_size: int,
+    out: str | os.PathLike[str],
+    ref_path: str | os.PathLike[str],
+    *,
+    param_names: bool = False,
+) -> dict[str, str]:
+    """A DDP script's checkpoint: ``out/checkpoint.pt`` = ``{"model": ddp.state_dict(),
+    "optimizer": opt.state_dict(), "epoch": 1}`` by rank 0, every model key under ``module.``.
+
+    AdamW with two param groups, as transformers builds them (weight decay for matrices, none
+    for norms), so integer ids follow group order, not the model's. ``param_names`` passes
+    named parameters, so torch (>= 2.5) stores each group's ``param_names``. Every rank calls it.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = _fresh_dir(out)
+    cfg = DEFAULT_CONFIG
+    model = DDP(TinyLlama(cfg))
+    named = list(model.module.named_parameters())
+    norms = [(n, p) for n, p in named if p.ndim == 1]
+    matrices = [(n, p) for n, p in named if p.ndim != 1]
+    groups: list[dict[str, Any]] = [
+        {"params": norms if param_names else [p for _, p in norms], "weight_decay": 0.0},
+        {"params": matrices if param_names else [p for _, p in matrices], "weight_decay": 0.1},
+    ]
+    opt = torch.optim.AdamW(groups, lr=_LR)
+    _train(model, cfg, opt)
+    if rank == 0:
+        checkpoint = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}
+        torch.save(checkpoint, os.path.join(out, "checkpoint.pt"))
+        _write_hf_config(out, cfg)
+    _reference_only_model(rank, model, opt, ref_path)
+    return {"groups": str([len(g["params"]) for g in opt.param_groups])}
+
+
+def _hf_llama(cfg: ModelConfig = DEFAULT_CONFIG) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(_INIT_SEED)
+    kwargs = {
+        k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "torch_dtype")
+    }
+    return LlamaForCausalLM(LlamaConfig(**kwargs))
+
+
+def trainer_full(
+    out: str | os.PathLike[str], ref_path: str | os.PathLike[str], *, steps: int = _TRAIN_STEPS
+) -> None:
+    """A real transformers ``Trainer`` run on CPU without FSDP: ``out`` is its ``output_dir``,
+    holding ``checkpoint-<steps>/`` with ``model.safetensors``, ``optimizer.pt``,
+    ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` and ``training_args.bin``."""
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.arange(i, i + 6) % DEFAULT_CONFIG.vocab
+            return {"input_ids": ids, "labels": ids}
+
+    out = _fresh_dir(out)
+    model = _hf_llama()
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        save_steps=steps,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        weight_decay=0.01,
+    )
+    Trainer(model=model, args=args, train_dataset=Tokens()).train()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _save_reference(ref_path, sd, None, {"model": None, "optim": None, "extra": None})
+
+
+def lightning_ckpt(out: str | os.PathLike[str], ref_path: str | os.PathLike[str]) -> None:
+    """``lightning.Trainer.save_checkpoint`` after two steps on CPU: ``out/last.ckpt`` with
+    ``state_dict`` (the LightningModule's keys: its ``model.`` attribute in front of the
+    model's own FQNs), ``optimizer_states``, ``lr_schedulers``, ``loops``, ``callbacks``,
+    ``hyper_parameters``. The reference is the inner model's state dict."""
+    import lightning as L
+
+    cfg = DEFAULT_CONFIG
+
+    class Lit(L.LightningModule):
+        def __init__(self, lr: float = _LR) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = TinyLlama(cfg)
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            tokens = batch[0]
+            logits = self.model(tokens[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                opt, functools.partial(_linear_warmup, warmup_steps=4)
+            )
+            return [opt], [sched]
+
+    out = _fresh_dir(out)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_batch(cfg)), batch_size=2)
+    module = Lit()
+    trainer = L.Trainer(
+        max_steps=_TRAIN_STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data)
+    trainer.save_checkpoint(os.path.join(out, "last.ckpt"))
+    sd = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    _save_reference(ref_path, sd, None, {"model": None, "optim": None, "extra": None})
+
+
+# --------------------------------------------------------------------------------------------------
 # Dispatcher
 # --------------------------------------------------------------------------------------------------
 
 #: name -> (distributed producer, world size it is meant for)
 PRODUCERS: dict[str, tuple[Callable[..., dict[str, str]], int]] = {
     "fsdp2": (fsdp2, 2),
+    "fsdp2_rank_local": (fsdp2_rank_local, 2),
     "fsdp1": (fsdp1, 2),
     "hsdp": (hsdp, 4),
     "tp_fsdp": (tp_fsdp, 4),
@@ -1415,6 +1722,9 @@ PRODUCERS: dict[str, tuple[Callable[..., dict[str, str]], int]] = {
     "trainer": (trainer_fsdp, 2),
     "lightning": (lightning_fsdp, 2),
     "torchtitan": (torchtitan, 2),
+    "fsdp1_full": (fsdp1_full, 2),
+    "accelerate_full": (accelerate_full, 2),
+    "ddp": (ddp_torch_save, 2),
 }
 
 
@@ -1437,6 +1747,8 @@ def produce(
         "single": single,
         "hf_sharded": hf_sharded,
         "torch_save": torch_save,
+        "trainer_full": trainer_full,
+        "lightning_ckpt": lightning_ckpt,
     }
     if name in local:
         local[name](out, ref_path, **opts)

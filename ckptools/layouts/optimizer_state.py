@@ -1,0 +1,113 @@
+"""What optimizer state a checkpoint holds, read from its manifest's key paths (pure, torch-free).
+
+An ``optimizer.state_dict()`` is ``{"state": {id: {name: value}}, "param_groups": [{...,
+"params": [id, ...]}]}``: ids are integers in param-group order for a plain optimizer, FQNs
+for ``FSDP.optim_state_dict`` and ``get_optimizer_state_dict`` (accelerate, torch's
+distributed state dict); torch >= 2.5 may add each group's ``param_names``. Which ids map to
+which parameters is not in the file unless ``param_names`` or FQN keys say so, so this module
+only describes what is there (how it is keyed, how many entries and elements, the groups),
+for ``inspect`` and for the step that maps optimizer state to FQNs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckptools.core import keys
+from ckptools.core.manifest import Manifest
+
+_GROUP_KEYS = ("params", "param_names")
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """One optimizer state dict inside a checkpoint.
+
+    Attributes:
+        key: dotted key path of the state dict (``"optimizer_state_dict"``,
+            ``"optimizer_states.0"``, ``"optimizer"``).
+        keyed: ``"integer"`` (ids in param-group order), ``"fqn"`` (parameter names), or
+            ``"empty"`` (no per-parameter state yet).
+        entries: parameters with state.
+        state: the per-parameter state names (``exp_avg``, ``exp_avg_sq``, ``step``).
+        elements: per state name, tensor elements summed over entries.
+        param_groups: number of param groups.
+        params: ids (or FQNs) the groups list, over all groups.
+        param_names: whether every group lists ``param_names``.
+        hyperparameters: the groups' other keys (``lr``, ``betas``, ``weight_decay``...).
+    """
+
+    key: str
+    keyed: Literal["integer", "fqn", "empty"]
+    entries: int
+    state: tuple[str, ...]
+    elements: Mapping[str, int] = field(default_factory=dict)
+    param_groups: int = 0
+    params: int = 0
+    param_names: bool = False
+    hyperparameters: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "keyed": self.keyed,
+            "entries": self.entries,
+            "state": list(self.state),
+            "elements": dict(self.elements),
+            "param_groups": self.param_groups,
+            "params": self.params,
+            "param_names": self.param_names,
+            "hyperparameters": list(self.hyperparameters),
+        }
+
+
+def optimizer_states(manifest: Manifest) -> list[OptimizerState]:
+    """Every optimizer state dict of ``manifest``: a ``param_groups`` list of dicts beside a
+    ``state`` sub-tree (or an empty ``state``), in key-path order."""
+    roots: dict[tuple[str, ...], list[Any]] = {}
+    for fqn, entry in manifest.objects.items():
+        path = keys.key_path(manifest, fqn)
+        if path[-1] == "param_groups" and _is_groups(entry.value):
+            roots[path[:-1]] = entry.value
+    if not roots:
+        return []
+    found: dict[tuple[str, ...], dict[str, dict[str, int]]] = {r: {} for r in roots}
+    for fqn in [*manifest.tensors, *manifest.objects]:
+        path = keys.key_path(manifest, fqn)
+        if len(path) >= 3 and path[-3] == "state" and path[:-3] in found:
+            tensor = manifest.tensors.get(fqn)
+            per_entry = found[path[:-3]].setdefault(path[-2], {})
+            per_entry[path[-1]] = tensor.numel if tensor is not None else 0
+    return [_describe(root, found[root], roots[root]) for root in sorted(roots)]
+
+
+def _is_groups(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(g, dict) for g in value)
+
+
+def _describe(
+    root: tuple[str, ...], state: Mapping[str, Mapping[str, int]], groups: Sequence[Any]
+) -> OptimizerState:
+    names: dict[str, int] = {}
+    for per_entry in state.values():
+        for name, numel in per_entry.items():
+            names[name] = names.get(name, 0) + numel
+    params = [p for g in groups for p in (g.get("params") or [])]
+    ids = [*state, *(str(p) for p in params)]
+    keyed: Literal["integer", "fqn", "empty"] = "empty"
+    if ids:
+        keyed = "integer" if all(i.isdigit() for i in ids) else "fqn"
+    hyper = sorted({str(k) for g in groups for k in g if k not in _GROUP_KEYS})
+    return OptimizerState(
+        key=".".join(root),
+        keyed=keyed,
+        entries=len(state),
+        state=tuple(names),
+        elements={k: v for k, v in names.items() if v},
+        param_groups=len(groups),
+        params=len(params),
+        param_names=bool(groups) and all("param_names" in g for g in groups),
+        hyperparameters=tuple(hyper),
+    )

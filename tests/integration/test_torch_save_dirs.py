@@ -1,0 +1,162 @@
+"""torch.save checkpoints of one process: the Trainer's and Lightning's, and what a directory of
+torch.save files may hold.
+
+The Trainer run and the Lightning run are real (transformers' ``Trainer`` and
+``lightning.Trainer.save_checkpoint`` on CPU); the consolidated model equals the model's own
+state dict bit for bit and no input byte changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptools
+from ckptools.errors import CorruptCheckpointError, UnknownFormatError, UnsupportedCheckpointError
+from tests.conftest import Produced
+from tests.support.producers import iter_files
+from tests.support.reference import tensor_bytes
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in iter_files(root)}
+
+
+def _output(out: Path) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(f))
+    return got
+
+
+def _assert_equal(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(reference)
+    for fqn, expected in reference.items():
+        assert got[fqn].dtype == expected.dtype and got[fqn].shape == expected.shape, fqn
+        assert torch.equal(tensor_bytes(got[fqn]), tensor_bytes(expected)), fqn
+
+
+def test_trainer_checkpoint_model_safetensors_and_optimizer_pt(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    p = produced("trainer_full")
+    checkpoint = p.path / "checkpoint-2"
+    before = _hashes(p.path)
+    report = ckptools.inspect(str(checkpoint)).to_dict()
+    assert report["layout"] == "trainer" and report["step"] == 2
+    roles = {s["file"]: s["role"] for s in report["sources"]}
+    assert roles == {"model.safetensors": "model", "optimizer.pt": "optimizer"}
+    [opt] = report["optimizers"]
+    # the Trainer's two groups: weight decay for matrices, none for norms and biases
+    assert opt["keyed"] == "integer" and opt["param_groups"] == 2
+    assert opt["params"] == report["model_part"]["tensors"]
+    for src in (checkpoint, p.path):  # the checkpoint, or the output_dir holding it
+        out = tmp_path / f"hf-{src.name}"
+        ckptools.consolidate(str(src), str(out), quiet=True)
+        _assert_equal(_output(out), p.reference()["model"])
+    assert ckptools.verify(str(checkpoint)).ok
+    assert _hashes(p.path) == before
+
+
+def test_lightning_ckpt(produced: Callable[..., Produced], tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    p = produced("lightning_ckpt")
+    before = _hashes(p.path)
+    report = ckptools.inspect(str(p.path)).to_dict()  # the directory holding last.ckpt
+    assert report["layout"] == "lightning" and report["step"] == 2
+    assert report["model_part"]["prefix"] == "state_dict."
+    [opt] = report["optimizers"]
+    assert opt["key"] == "optimizer_states.0" and opt["keyed"] == "integer"
+    # the LightningModule keeps the model in its ``model`` attribute: that container is the model
+    out = tmp_path / "hf"
+    ckptools.consolidate(str(p.path / "last.ckpt"), str(out), select="state_dict.model", quiet=True)
+    _assert_equal(_output(out), p.reference()["model"])
+    assert _hashes(p.path) == before
+
+
+def _save(path: Path, value: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(value, path)
+    return path
+
+
+def test_net_container_and_bare_directory(tmp_path: Path) -> None:
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}
+    _save(tmp_path / "ckpt" / "model.pth", {"net": sd, "opt": {"state": {}, "param_groups": []}})
+    report = ckptools.inspect(str(tmp_path / "ckpt")).to_dict()
+    assert report["model_part"]["prefix"] == "net."
+    assert report["optimizers"][0]["keyed"] == "empty"
+    out = tmp_path / "hf"
+    ckptools.consolidate(str(tmp_path / "ckpt"), str(out), quiet=True)
+    _assert_equal(_output(out), sd)
+
+
+def test_directory_with_several_torch_save_files_is_refused_naming_them(tmp_path: Path) -> None:
+    for name in ("a.pt", "b.ckpt"):
+        _save(tmp_path / "ckpt" / name, {"w": torch.ones(2)})
+    with pytest.raises(UnknownFormatError) as info:
+        ckptools.read_manifest(str(tmp_path / "ckpt"))
+    assert "several torch.save files (a.pt, b.ckpt); point at one" in str(info.value)
+
+
+def test_hf_directory_with_safetensors_and_bin_stays_safetensors(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    sd = {"w": torch.ones(2, 2)}
+    (tmp_path / "hf").mkdir()
+    save_file(sd, tmp_path / "hf" / "model.safetensors")
+    _save(tmp_path / "hf" / "pytorch_model.bin", {"w": torch.zeros(2, 2)})
+    assert ckptools.read_manifest(str(tmp_path / "hf")).format == "safetensors"
+
+
+def test_model_file_that_is_a_sparse_tensor_is_refused_by_name(tmp_path: Path) -> None:
+    path = _save(tmp_path / "sparse.pt", {"model": {"emb": torch.eye(3).to_sparse()}})
+    with pytest.raises(UnsupportedCheckpointError, match=r"'model\.emb' is a sparse_coo"):
+        ckptools.consolidate(str(path), str(tmp_path / "out"), quiet=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_tensor_reaching_past_its_record_is_one_error_and_one_verify_finding(
+    tmp_path: Path,
+) -> None:
+    import zipfile
+
+    good = _save(tmp_path / "good.pt", {"model": {"w": torch.arange(64.0)[16:]}})
+    bad = tmp_path / "bad.pt"
+    # the same archive with the storage record cut to 32 of its 64 floats: the view at offset
+    # 16 (48 elements) now reaches past it
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info.filename, data[:128] if info.filename.endswith("data/0") else data)
+    with pytest.raises(CorruptCheckpointError) as info:
+        ckptools.read_manifest(str(bad))
+    message = str(info.value)
+    assert (
+        "'model.w'" in message and "reaches past its storage record data/0 (128 bytes)" in message
+    )
+    report = ckptools.verify(str(bad))
+    assert not report.ok and len(report.findings) == 1
+    assert "reaches past its storage record" in report.findings[0].message
+
+
+def test_links_out_of_the_directory_are_never_followed(tmp_path: Path) -> None:
+    from ckptools.errors import OutsideCheckpointError
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"global_step": 99}')
+    ckpt = tmp_path / "checkpoint-5"
+    _save(ckpt / "pytorch_model.bin", {"w": torch.ones(2)})
+    (ckpt / "trainer_state.json").symlink_to(secret)
+    report = ckptools.inspect(str(ckpt)).to_dict()
+    assert report["layout"] == "trainer" and report["step"] is None  # not read from outside
+    _save(tmp_path / "elsewhere.pt", {"state": {}, "param_groups": []})
+    (ckpt / "optimizer.pt").symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(OutsideCheckpointError):
+        ckptools.read_manifest(str(ckpt))
