@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from ckptools import collective, tunables
 from ckptools.collective import Ranks
+from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, Part
 from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.dcp_writer import write_dcp
@@ -317,10 +318,19 @@ def shard(
         src, out, options, ("safetensors", "torch_save"), "is already sharded; use `ckpt reshard`"
     )
     path = tuple(p for p in prefix.split(".") if p)
-    names = {f"{prefix}{fqn}": fqn for fqn in manifest.tensors}
-    paths = {f"{prefix}{fqn}": (*path, fqn) for fqn in manifest.tensors}
+    # a torch.save training checkpoint: its model part only (`ckpt reshard` keeps the rest)
+    model = model_keys(manifest) if manifest.format == "torch_save" else None
+    stored = {fqn: fqn for fqn in manifest.tensors} if model is None else dict(model)
+    names = {f"{prefix}{own}": fqn for own, fqn in stored.items()}
+    paths = {f"{prefix}{own}": (*path, own) for own in stored}
     plan = plan_dcp(manifest, options.world_size, names, paths, objects=[])
     notes = list(manifest.notes)
+    left = len(manifest.tensors) - len(stored)
+    if left:
+        notes.append(
+            f"{left} tensor(s) outside the model (optimizer state...) were not carried over; "
+            "`ckpt reshard` keeps them"
+        )
     if manifest.objects:
         notes.append(
             f"{len(manifest.objects)} non-tensor value(s) of the source were not carried over "

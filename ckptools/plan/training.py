@@ -29,6 +29,7 @@ from typing import Any
 from ckptools.core.keys import find_model_part, key_path, model_keys, own_names
 from ckptools.core.manifest import Manifest
 from ckptools.errors import UnsupportedCheckpointError, UsageError
+from ckptools.layouts.optimizer_state import optimizer_states
 
 MODEL = "model"
 OPTIM = "optim"
@@ -67,16 +68,9 @@ class TrainingLayout:
 
 
 def find_optimizers(manifest: Manifest) -> list[tuple[str, ...]]:
-    """Key paths of the optimizer state dicts in ``manifest``: the sub-trees that hold a
-    ``param_groups`` beside a ``state`` (or an empty state: an optimizer before its first step)."""
-    found: dict[tuple[str, ...], None] = {}
-    for fqn in [*manifest.objects, *manifest.tensors]:
-        path = key_path(manifest, fqn)
-        for i, part in enumerate(path):
-            if part == "param_groups":
-                found[path[:i]] = None
-                break
-    return list(found)
+    """Key paths of the optimizer state dicts in ``manifest``
+    (:func:`ckptools.layouts.optimizer_state.optimizer_states` finds them)."""
+    return [tuple(o.key.split(".")) if o.key else () for o in optimizer_states(manifest)]
 
 
 def read_optimizer(manifest: Manifest, path: tuple[str, ...]) -> OptimizerState:

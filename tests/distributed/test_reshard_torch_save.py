@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptools.cli.main import cli
+from tests.conftest import Produced
 from tests.support.dist import run_ranks
 from tests.support.producers import DEFAULT_CONFIG, TinyLlama
-from tests.support.reference import assert_bitwise_equal
+from tests.support.reference import assert_bitwise_equal, load_reference
 
 pytestmark = pytest.mark.distributed
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -201,4 +203,89 @@ def test_drop_optimizer_writes_the_model_alone(tmp_path: Path) -> None:
     assert any("--drop-optimizer" in n for n in report["notes"]), report
     whole = _dcp_to_torch_save(out, tmp_path)
     assert set(whole) == {"model", "step"}, set(whole)
+    assert_bitwise_equal(whole["model"], torch.load(ref, weights_only=True)["model"], "model")
+
+
+# --- files written by the producers of tests/support/producers.py (FSDP1 tutorial, accelerate)
+
+
+def _producer_resume(rank: int, world_size: int, ckpt: str, out: str) -> None:
+    """An FSDP2 job with the producers' model, AdamW and scheduler (``initial_lr`` in the
+    groups): dcp.load + set_state_dict, then the full state gathered (rank 0 saves it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.support.producers import _make_optimizer
+
+    model = TinyLlama(DEFAULT_CONFIG)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, _ = _make_optimizer(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    full_model = get_model_state_dict(model, options=_FULL)
+    full_optim = get_optimizer_state_dict(model, opt, options=_FULL)
+    if rank == 0:
+        torch.save({"model": full_model, "optim": full_optim}, out)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_accelerate_full_state_dict_resumes(
+    produced: Callable[..., Produced], tmp_path: Path, world_size: int
+) -> None:
+    # accelerate's FULL_STATE_DICT save: pytorch_model_fsdp.bin + an FQN-keyed optimizer.bin
+    p = produced("accelerate_full")
+    before = {f.name: _digest(f) for f in p.path.iterdir() if f.is_file()}
+    out = tmp_path / "dcp"
+    result = _reshard(p.path, out, world_size)
+    assert result.exit_code == 0, result.output
+    assert {f.name: _digest(f) for f in p.path.iterdir() if f.is_file()} == before
+    gathered = tmp_path / "gathered.pt"
+    run_ranks(_producer_resume, world_size, str(out), str(gathered), timeout=180)
+    full = torch.load(gathered, weights_only=True)
+    ref = load_reference(p.ref_path)
+    assert_bitwise_equal(full["model"], ref["model"], "model")
+    assert_bitwise_equal(full["optim"]["state"], ref["optim"]["state"], "optim.state")
+    assert full["optim"]["param_groups"] == ref["optim"]["param_groups"]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_tutorial_optimizer_is_named_not_resumed(
+    produced: Callable[..., Produced], tmp_path: Path, use_orig_params: bool
+) -> None:
+    # optimizer.state_dict() of an FSDP1 model is rank 0's own shard, whatever the model's
+    # FULL_STATE_DICT gathered: refused with the numbers; --drop-optimizer keeps the model
+    p = produced("fsdp1_full", use_orig_params=use_orig_params)
+    result = _reshard(p.path, tmp_path / "refused", 2)
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "FSDP1 flat-parameter shard" in lines[0] and "--drop-optimizer" in lines[0], lines
+    model = TinyLlama(DEFAULT_CONFIG)
+    n_params = sum(1 for _ in model.parameters())
+    n_elems = sum(p.numel() for p in model.parameters())
+    assert f"the model has {n_params} parameters / {n_elems:,} elements" in lines[0], lines
+    if not use_orig_params:
+        assert "holds 3 flat entries" in lines[0], lines  # one per FlatParameter
+    out = tmp_path / "model-only"
+    result = _reshard(p.path, out, 2, "--drop-optimizer")
+    assert result.exit_code == 0, result.output
+    whole = _dcp_to_torch_save(out, tmp_path)
+    assert_bitwise_equal(whole["model"], load_reference(p.ref_path)["model"], "model")
+    assert whole["step"] == 2 and "optim" not in whole
+
+
+def test_shard_takes_the_model_part_alone(tmp_path: Path) -> None:
+    # `ckpt shard` of a training file: the model's own FQNs (DDP's module. stripped) under model.
+    src, ref = _written(tmp_path, groups=1, named=False)
+    out = tmp_path / "sharded"
+    args = ["shard", str(src), str(out), "--world-size", "2", "--json", "-q"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert any("`ckpt reshard` keeps them" in n for n in json.loads(result.output)["notes"])
+    whole = _dcp_to_torch_save(out, tmp_path)
+    assert set(whole) == {"model"}
     assert_bitwise_equal(whole["model"], torch.load(ref, weights_only=True)["model"], "model")
