@@ -2,7 +2,10 @@
 
 ``reshard`` rewrites a DCP checkpoint (and the DCP directories inside accelerate / Trainer /
 Lightning / torchtitan layouts) as if FSDP2 ``fully_shard`` on N ranks had saved it: model,
-optimizer state and every other entry, in one process, with bounded memory. ``shard`` is the way
+optimizer state and every other entry, in one process, with bounded memory. A training
+checkpoint that is not DCP (``torch.save`` files) becomes the DCP that ``get_state_dict`` +
+``dcp.save`` would have written, model and optimizer keyed by FQN
+(:mod:`ckptools.plan.training`). ``shard`` is the way
 back from a published model: a safetensors directory or ``torch.save`` file becomes a DCP
 checkpoint whose keys sit under ``--prefix`` (``model.``, what ``dcp.save({"model": ...})``
 writes), so training starts from it without any rank loading the whole model.
@@ -22,12 +25,13 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckptools import collective, tunables
 from ckptools.collective import Ranks
+from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, Part
 from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.dcp_writer import write_dcp
@@ -46,6 +50,7 @@ from ckptools.io.staging import (
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import require_plain
 from ckptools.plan.dcp import DcpPlan, file_name, plan_dcp
+from ckptools.plan.training import training_layout
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 
 RankState = Literal["keep", "drop"]
@@ -65,6 +70,9 @@ class ReshardOptions:
     Attributes:
         world_size: ranks of the target layout.
         rank_state: ``"keep"`` or ``"drop"`` per-rank state that cannot be split (reshard).
+        param_order: the parameters' FQNs in the order the optimizer was given them, for an
+            integer-keyed optimizer state that does not say (reshard of a non-DCP source).
+        drop_optimizer: leave a non-DCP source's optimizer state out (reshard).
         prefix: the key prefix of every tensor (shard).
         overwrite: replace an existing OUT.
         dry_run: plan only; write nothing.
@@ -81,6 +89,8 @@ class ReshardOptions:
 
     world_size: int
     rank_state: RankState = "keep"
+    param_order: tuple[str, ...] | None = None
+    drop_optimizer: bool = False
     prefix: str = "model."
     overwrite: bool = False
     dry_run: bool = False
@@ -149,16 +159,25 @@ def reshard(
     quiet: bool = False,
     format: str | None = None,
     distributed: bool = True,
+    param_order: Sequence[str] | None = None,
+    drop_optimizer: bool = False,
     storage_options: storage.StorageOptions | None = None,
 ) -> ReshardResult:
-    """Rewrite the DCP checkpoint ``src`` into ``out`` laid out for ``world_size`` FSDP2 ranks.
+    """Rewrite the training checkpoint ``src`` into ``out`` as a DCP checkpoint laid out for
+    ``world_size`` FSDP2 ranks.
 
     Args:
         src: a DCP directory, or the outer directory of accelerate / Trainer / Lightning /
-            torchtitan layouts (each DCP directory inside is resharded, other files copied).
+            torchtitan layouts (each DCP directory inside is resharded, other files copied); or
+            a training checkpoint saved with ``torch.save`` (model and optimizer state dicts),
+            written as ``get_state_dict`` + ``dcp.save`` lay them out
+            (:mod:`ckptools.plan.training`).
         out: the new checkpoint directory (refused if it exists, unless ``overwrite``).
         world_size: ranks of the target layout.
         rank_state: ``"keep"`` or ``"drop"`` per-rank state that cannot be split (see module).
+        param_order: for a ``torch.save`` optimizer keyed by integer ids that neither names its
+            parameters nor has one group matching the model's: their FQNs, in optimizer order.
+        drop_optimizer: write the model (and other values) without the optimizer state.
         dry_run: plan only; write nothing.
         distributed: under torchrun, or called by every rank of an initialised process group,
             split the output files over the ranks (:func:`_write`; every rank must call it);
@@ -173,11 +192,15 @@ def reshard(
     options = ReshardOptions(
         world_size=world_size, rank_state=rank_state, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
+        param_order=None if param_order is None else tuple(param_order),
+        drop_optimizer=drop_optimizer,
     )  # fmt: skip
     manifest = _read_source(
-        src, out, options, ("dcp",), "is not sharded; use `ckpt shard` to make a DCP checkpoint "
-        "from it",
+        src, out, options, ("dcp", "torch_save"), "is not a training checkpoint; use `ckpt "
+        "shard` to make a DCP checkpoint from it",
     )  # fmt: skip
+    if manifest.format != "dcp":
+        return _reshard_training_state(src, out, manifest, options, started)
     plans, rank_items = _plan_parts(manifest, options)
     copied = []
     for name in manifest.aux_files:
@@ -204,6 +227,27 @@ def reshard(
         checksums=CHECKSUM_FILE in manifest.aux_files,
     )  # fmt: skip
     return run.execute({"rank_state": options.rank_state, "copied": run.copied})
+
+
+def _reshard_training_state(
+    src: str, out: str, manifest: Manifest, options: ReshardOptions, started: float
+) -> ReshardResult:
+    """:func:`reshard` of a source that is not DCP: one DCP named as ``get_state_dict`` +
+    ``dcp.save`` name it, from :func:`ckptools.plan.training.training_layout`."""
+    layout = training_layout(
+        manifest, param_order=options.param_order, drop_optimizer=options.drop_optimizer
+    )
+    plan = plan_dcp(
+        manifest, options.world_size, layout.names, layout.paths, objects=[], values=layout.values
+    )
+    run = _Run(
+        kind="reshard", src=src, out=out, options=options, parts={"": (manifest, plan)},
+        source=manifest, source_root=manifest.data_dir(),
+        notes=[*manifest.notes, *layout.notes], started=started,
+    )  # fmt: skip
+    return run.execute(
+        {"param_order": list(options.param_order or ()), "drop_optimizer": options.drop_optimizer}
+    )
 
 
 def _read_source(
@@ -274,10 +318,19 @@ def shard(
         src, out, options, ("safetensors", "torch_save"), "is already sharded; use `ckpt reshard`"
     )
     path = tuple(p for p in prefix.split(".") if p)
-    names = {f"{prefix}{fqn}": fqn for fqn in manifest.tensors}
-    paths = {f"{prefix}{fqn}": (*path, fqn) for fqn in manifest.tensors}
+    # a torch.save training checkpoint: its model part only (`ckpt reshard` keeps the rest)
+    model = model_keys(manifest) if manifest.format == "torch_save" else None
+    stored = {fqn: fqn for fqn in manifest.tensors} if model is None else dict(model)
+    names = {f"{prefix}{own}": fqn for own, fqn in stored.items()}
+    paths = {f"{prefix}{own}": (*path, own) for own in stored}
     plan = plan_dcp(manifest, options.world_size, names, paths, objects=[])
     notes = list(manifest.notes)
+    left = len(manifest.tensors) - len(stored)
+    if left:
+        notes.append(
+            f"{left} tensor(s) outside the model (optimizer state...) were not carried over; "
+            "`ckpt reshard` keeps them"
+        )
     if manifest.objects:
         notes.append(
             f"{len(manifest.objects)} non-tensor value(s) of the source were not carried over "

@@ -42,12 +42,28 @@ def _common(f: shared.F) -> shared.F:
     help="Per-rank state that cannot be split (RNG files, per-rank dataloader entries): carry "
     "it over unchanged, or leave it out. Either way it is reported.",
 )
-def reshard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any) -> None:
-    """Rewrite the DCP checkpoint SRC as if FSDP2 on --world-size ranks had saved it.
+@click.option(
+    "--param-order",
+    type=click.File("r"),
+    default=None,
+    help="For a torch.save optimizer keyed by integer ids that does not say which parameter "
+    "each is: a file of the parameters' FQNs, one per line, in the order the optimizer got them.",
+)
+@click.option(
+    "--drop-optimizer",
+    is_flag=True,
+    help="Leave a torch.save source's optimizer state out (e.g. one rank's FSDP1 flat shard).",
+)
+def reshard_command(
+    src: str, out: str, quiet: bool, as_json: bool, param_order: Any, **options: Any
+) -> None:
+    """Rewrite the training checkpoint SRC as if FSDP2 on --world-size ranks had saved it.
 
     Model, optimizer state and every other entry; each tensor split on dim 0 as fully_shard
     splits it, rank r's pieces in __r_0.distcp, so each rank loads exactly its own file. SRC may
-    be the outer directory of accelerate / Trainer / Lightning / torchtitan checkpoints.
+    be the outer directory of accelerate / Trainer / Lightning / torchtitan checkpoints, or a
+    torch.save training checkpoint (model and optimizer state dicts): its optimizer state is
+    keyed by FQN as get_state_dict keys it, so an FSDP2 job resumes with set_state_dict.
 
     \b
     Examples:
@@ -57,7 +73,11 @@ def reshard_command(src: str, out: str, quiet: bool, as_json: bool, **options: A
     """
     from ckptools.reshard import reshard
 
-    emit(reshard(src, out, quiet=quiet or as_json, **options), as_json, _render)
+    order = None
+    if param_order is not None:
+        order = [line.strip() for line in param_order if line.strip()]
+    result = reshard(src, out, quiet=quiet or as_json, param_order=order, **options)
+    emit(result, as_json, _render)
 
 
 @click.command("shard")

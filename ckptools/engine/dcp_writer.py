@@ -194,6 +194,9 @@ def _write_tensor(
 
 
 def _copy_object(fd: int, item: ObjectItem, reader: Reader) -> None:
+    if item.data is not None:
+        pwrite_all(fd, item.data, item.offset)
+        return
     done = 0
     while done < item.length:
         n = min(BLOCK_BYTES, item.length - done)

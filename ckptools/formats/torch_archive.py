@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 import struct
 import zlib
 from collections.abc import Mapping
@@ -391,53 +392,108 @@ class TensorArchiveLayout:
             if entry[0].endswith(b"/data/0"):
                 entries[i] = (entry[0], crc, entry[2], entry[3], entry[4])
         entries.append((version_name, version_crc, 2, version_offset, _FLAG_UTF8))
-        cdir_start = len(self.head) + self.nbytes + len(out)
-        cdir = bytearray()
-        for name, ecrc, size, offset, flags in entries:
-            big = size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
-            extra = b""
-            if big:
-                extra = struct.pack("<HHQQQ", 0x0001, 24, size, size, offset)
-            cdir += struct.pack(
-                "<4sHHHHHHIIIHHHHHII",
-                _CDIR,
-                45 if big else 20,
-                45 if big else 20,
-                flags,
-                0,
-                0,
-                0,
-                ecrc,
-                _ZIP64_LIMIT if big else size,
-                _ZIP64_LIMIT if big else size,
-                len(name),
-                len(extra),
-                0,
-                0,
-                0,
-                0,
-                _ZIP64_LIMIT if big else offset,
-            )
-            cdir += name + extra
-        out += cdir
-        eocd64_offset = cdir_start + len(cdir)
-        n = len(entries)
-        out += struct.pack(
-            "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(cdir), cdir_start
-        )
-        out += struct.pack("<4sIQI", _EOCD64_LOCATOR, 0, eocd64_offset, 1)
-        out += struct.pack(
-            "<4sHHHHIIH",
-            _EOCD,
-            0,
-            0,
-            min(n, 0xFFFF),
-            min(n, 0xFFFF),
-            min(len(cdir), _ZIP64_LIMIT),
-            min(cdir_start, _ZIP64_LIMIT),
-            0,
-        )
+        out += _directory(entries, len(self.head) + self.nbytes + len(out))
         return bytes(out)
+
+
+def _directory(entries: list[tuple[bytes, int, int, int, int]], cdir_start: int) -> bytes:
+    """The central directory of ``entries`` (name, crc, size, header offset, flags) starting at
+    ``cdir_start``, and the zip64 and plain end records after it."""
+    cdir = bytearray()
+    for name, ecrc, size, offset, flags in entries:
+        big = size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
+        extra = b""
+        if big:
+            extra = struct.pack("<HHQQQ", 0x0001, 24, size, size, offset)
+        cdir += struct.pack(
+            "<4sHHHHHHIIIHHHHHII",
+            _CDIR,
+            45 if big else 20,
+            45 if big else 20,
+            flags,
+            0,
+            0,
+            0,
+            ecrc,
+            _ZIP64_LIMIT if big else size,
+            _ZIP64_LIMIT if big else size,
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            _ZIP64_LIMIT if big else offset,
+        )
+        cdir += name + extra
+    out = bytearray(cdir)
+    eocd64_offset = cdir_start + len(cdir)
+    n = len(entries)
+    out += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(cdir), cdir_start)
+    out += struct.pack("<4sIQI", _EOCD64_LOCATOR, 0, eocd64_offset, 1)
+    out += struct.pack(
+        "<4sHHHHIIH",
+        _EOCD,
+        0,
+        0,
+        min(n, 0xFFFF),
+        min(n, 0xFFFF),
+        min(len(cdir), _ZIP64_LIMIT),
+        min(cdir_start, _ZIP64_LIMIT),
+        0,
+    )
+    return bytes(out)
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    if type(value) in _PLAIN_LEAVES:
+        return True
+    if depth > 32:
+        return False
+    if type(value) in (list, tuple):
+        return all(_is_plain(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def object_archive(value: Any) -> bytes:
+    """``torch.save(value)`` of a plain value, made without torch: how DCP stores a non-tensor
+    entry (an optimizer's ``lr``, ``betas``, a group's ``params`` FQNs...).
+
+    ``value`` is None, a bool, number, string or bytes, or a list, tuple or dict of them (exactly
+    these types: what the pickle names is what ``torch.load(weights_only=True)`` accepts).
+
+    Raises:
+        TypeError: ``value`` is not plain.
+
+    Example:
+        >>> object_archive(0.001)[:4]
+        b'PK\x03\x04'
+    """
+    if not _is_plain(value):
+        raise TypeError(f"not a plain value: {type(value).__name__}")
+    records = [
+        ("data.pkl", pickle.dumps(value, protocol=2)),
+        (".format_version", b"1"),
+        (".storage_alignment", str(_STORAGE_ALIGNMENT).encode()),
+        ("byteorder", b"little"),
+        ("version", b"3\n"),
+    ]
+    out = bytearray()
+    entries: list[tuple[bytes, int, int, int, int]] = []
+    for rel, data in records:
+        name = f"{_ARCHIVE_PREFIX}/{rel}".encode()
+        crc = zlib.crc32(data)
+        offset = len(out)
+        extra = _padding_extra(offset + 30 + len(name))
+        out += _local_header(name, crc, len(data), _FLAG_UTF8, extra) + data
+        entries.append((name, crc, len(data), offset, _FLAG_UTF8))
+    out += _directory(entries, len(out))
+    return bytes(out)
 
 
 @functools.lru_cache(maxsize=4096)

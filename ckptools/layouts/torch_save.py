@@ -173,6 +173,7 @@ def read_torch_save_file(
                     path=path,
                     fqn=fqn,
                 )
+            whole = leaf.is_contiguous and start == 0 and span == storage_bytes
             chunk = Chunk(
                 offsets=(0,) * len(leaf.shape),
                 sizes=leaf.shape,
@@ -181,6 +182,9 @@ def read_torch_save_file(
                 length=span,
                 encoding="raw",
                 strides=None if leaf.is_contiguous else leaf.strides,
+                # a tensor that is its whole storage record: the record's zip CRC is its bytes'
+                # (consolidate and reshard check it while copying)
+                crc32=archive.record(f"data/{key}").crc32 if whole else None,
             )
             tensors.append(TensorEntry(fqn, leaf.dtype, leaf.shape, (chunk,)))
         else:

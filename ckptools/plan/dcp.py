@@ -23,7 +23,7 @@ from typing import Any
 
 from ckptools.core.geometry import fsdp2_rows, intersect
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
-from ckptools.errors import UsageError
+from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.formats import torch_archive
 from ckptools.plan.safetensors import unique_chunks
 
@@ -46,7 +46,9 @@ class TensorItem:
 
 @dataclass(frozen=True, slots=True)
 class ObjectItem:
-    """A non-tensor entry copied byte for byte from ``source`` into rank ``rank``'s file."""
+    """A non-tensor entry of rank ``rank``'s file: copied byte for byte from ``source_file``
+    (a DCP source's item), or, when ``data`` is set, those bytes (a value the source held
+    decoded, e.g. a ``torch.save`` optimizer's ``lr``, stored as ``torch.save`` of it)."""
 
     fqn: str
     rank: int
@@ -54,6 +56,7 @@ class ObjectItem:
     length: int
     source_file: str
     source_offset: int
+    data: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ def plan_dcp(
     paths: Mapping[str, tuple[str, ...]] | None = None,
     *,
     objects: Sequence[str] | None = None,
+    values: Mapping[str, Any] | None = None,
 ) -> DcpPlan:
     """Plan a DCP checkpoint for ``world_size`` ranks holding ``manifest``'s entries.
 
@@ -118,6 +122,8 @@ def plan_dcp(
         names: output FQN → source FQN for the tensors to write (default: all, same names).
         paths: output FQN → key path for ``planner_data`` (default: the source's paths).
         objects: source object FQNs to carry over (default: all).
+        values: output FQN → plain value to store as a non-tensor entry (its key path from
+            ``paths``), for values a source held decoded rather than as DCP items.
 
     Example:
         >>> plan = plan_dcp(manifest, 8)                        # doctest: +SKIP
@@ -143,6 +149,18 @@ def plan_dcp(
                        entry.offset)
         )  # fmt: skip
         out_paths[fqn] = manifest.paths.get(fqn, (fqn,))
+    for fqn, value in (values or {}).items():
+        try:
+            data = torch_archive.object_archive(value)
+        except TypeError as e:
+            raise UnsupportedCheckpointError(
+                f"{manifest.root}: {fqn!r} cannot be stored in DCP ({e})", fqn=fqn
+            ) from e
+        rank = packer.least_loaded()
+        object_items.append(
+            ObjectItem(fqn, rank, packer.take(rank, len(data)), len(data), "", 0, data)
+        )
+        out_paths[fqn] = (paths or {}).get(fqn) or (fqn,)
 
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for out_fqn, src_fqn in names.items():

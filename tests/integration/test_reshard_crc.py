@@ -290,3 +290,25 @@ def test_rank_files_are_durable_before_metadata_and_fsync_errors_surface(
     with pytest.raises(OSError, match="Input/output error"):
         ckptools.reshard(str(p.path), str(tmp_path / "out2"), world_size=5, quiet=True)
     assert not list(tmp_path.glob("out2*"))
+
+
+@pytest.mark.parametrize("verb", ["consolidate", "reshard"])
+def test_damaged_torch_save_record_stops_the_copy(
+    produced: Callable[..., Produced], tmp_path: Path, verb: str
+) -> None:
+    # a torch.save file's tensor that is its whole storage record carries the record's zip CRC
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(produced("torch_save").path, src / "model.pt")
+    manifest = ckptools.read_manifest(str(src / "model.pt"))
+    tensor = max(manifest.tensors.values(), key=lambda t: t.nbytes)
+    chunk = tensor.chunks[0]
+    assert chunk.crc32 is not None
+    flip_bit(src / "model.pt", chunk.offset + chunk.length // 2, 2)
+    before = _tree_digest(src)
+    extra = ["--world-size", "2"] if verb == "reshard" else []
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli_main, [verb, str(src / "model.pt"), str(out), *extra, "-q"])
+    assert result.exit_code == 1, result.output
+    assert "CRC-32" in result.output and repr(tensor.fqn) in result.output, result.output
+    assert not out.exists() and _tree_digest(src) == before
