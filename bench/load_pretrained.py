@@ -6,12 +6,15 @@ then starts ``--world`` real ranks (``torch.multiprocessing`` + gloo). For ``--r
 
 * rank 0 runs ``cat`` of every ``*.safetensors`` file to ``/dev/null`` (the floor: every byte
   read once, from the page cache, by one process) while the others wait at a barrier;
+* rank 0 reads every file into freshly allocated memory (the floor for any loader whose
+  destination is new memory: the kernel zeroes each page on first touch);
 * every rank builds the model on the meta device, ``fully_shard``\\s each decoder layer and the
   root, allocates its shard with ``to_empty(device="cpu")`` (pages not touched yet), resets its
   peak resident set (``/proc/self/clear_refs``) and, between two barriers, calls
   ``ckptools.load_pretrained``. The wall time is the slowest rank's; each rank reports its peak
   resident set over the call minus its resident set before it, and its shard's bytes (the
-  pages the load touches for the first time count here: the extra is shard + overhead).
+  pages the load touches for the first time count here: the extra is shard + overhead); then
+  it loads again into the same model, whose pages are now touched (ckptools' own cost).
 
 The page cache is warm (files were just written; the machine gives no way to drop it), so this
 measures the CPU cost of moving bytes, which is what ranks sharing a node pay.
@@ -72,6 +75,27 @@ def _status(field: str) -> int:
     raise RuntimeError(field)
 
 
+def _read_into_fresh_memory(files: list[str]) -> float:
+    """Seconds for one process to read every file into newly allocated memory (torch.empty, then
+    one ``preadv`` per file): what any loader pays whose destination pages are touched for the
+    first time (the kernel zeroes each page before the copy)."""
+    import torch
+
+    t = time.perf_counter()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            dst = torch.empty(size, dtype=torch.uint8)
+            got = 0
+            while got < size:
+                got += os.preadv(fd, [memoryview(dst.numpy())[got:]], got)
+            del dst
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t
+
+
 def _worker(rank: int, world: int, src: str, shape: Any, port: int, repeat: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -87,11 +111,12 @@ def _worker(rank: int, world: int, src: str, shape: Any, port: int, repeat: int,
     files = sorted(glob.glob(os.path.join(src, "*.safetensors")))
     rounds: list[dict[str, Any]] = []
     for _ in range(repeat):
-        cat_s = 0.0
+        cat_s = fresh_s = 0.0
         if rank == 0:
             t = time.perf_counter()
             subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
             cat_s = time.perf_counter() - t
+            fresh_s = _read_into_fresh_memory(files)
         with torch.device("meta"):
             model = LlamaForCausalLM(_config(shape))
         for layer in model.model.layers:
@@ -108,9 +133,16 @@ def _worker(rank: int, world: int, src: str, shape: Any, port: int, repeat: int,
         dist.barrier()
         load_s = time.perf_counter() - t
         assert tuple(result) == ([], []), result
+        extra = _status("VmHWM") - before
+        dist.barrier()
+        t = time.perf_counter()
+        ckptools.load_pretrained(model, src)  # again: the parameters' pages are touched now
+        dist.barrier()
+        again_s = time.perf_counter() - t
         rounds.append(
-            {"cat_s": cat_s, "load_s": load_s, "extra": _status("VmHWM") - before, "shard": shard}
-        )
+            {"cat_s": cat_s, "fresh_s": fresh_s, "load_s": load_s, "again_s": again_s,
+             "extra": extra, "shard": shard}
+        )  # fmt: skip
         del model
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rounds)
@@ -159,7 +191,9 @@ def main() -> None:
 def _report(per_rank: list[list[dict[str, Any]]], nbytes: int, args: Any) -> str:
     mib = 2**20
     cat = statistics.median(r["cat_s"] for r in per_rank[0])
+    fresh = statistics.median(r["fresh_s"] for r in per_rank[0])
     load = statistics.median(r["load_s"] for r in per_rank[0])  # the same on every rank
+    again = statistics.median(r["again_s"] for r in per_rank[0])
     lines = [
         f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} CPUs), "
         f"load average {os.getloadavg()[0]:.1f}; {nbytes / 1e9:.2f} GB of safetensors, "
@@ -168,7 +202,9 @@ def _report(per_rank: list[list[dict[str, Any]]], nbytes: int, args: Any) -> str
         "| what | wall s | x cat |",
         "| --- | ---: | ---: |",
         f"| cat of the files | {cat:.2f} | 1.00 |",
-        f"| load_pretrained, {args.world} ranks | {load:.2f} | {load / cat:.2f} |",
+        f"| one process reads the files into fresh memory | {fresh:.2f} | {fresh / cat:.2f} |",
+        f"| load_pretrained, {args.world} ranks, fresh model | {load:.2f} | {load / cat:.2f} |",
+        f"| load_pretrained again, same model (pages touched) | {again:.2f} | {again / cat:.2f} |",
         "",
         "| rank | shard MiB | peak extra MiB (max over rounds) | extra - shard MiB |",
         "| ---: | ---: | ---: | ---: |",
@@ -181,7 +217,9 @@ def _report(per_rank: list[list[dict[str, Any]]], nbytes: int, args: Any) -> str
         )
     lines.append("")
     lines.append("rounds (load s): " + ", ".join(f"{r['load_s']:.2f}" for r in per_rank[0]))
+    lines.append("rounds (again s): " + ", ".join(f"{r['again_s']:.2f}" for r in per_rank[0]))
     lines.append("rounds (cat s): " + ", ".join(f"{r['cat_s']:.2f}" for r in per_rank[0]))
+    lines.append("rounds (fresh s): " + ", ".join(f"{r['fresh_s']:.2f}" for r in per_rank[0]))
     return "\n".join(lines)
 
 

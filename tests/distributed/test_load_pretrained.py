@@ -343,7 +343,7 @@ def test_fsspec_url_and_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def _peak_extra(
-    rank: int, world_size: int, published: str, big: dict[str, int]
+    rank: int, world_size: int, published: str, big: dict[str, Any]
 ) -> tuple[int, int, int]:
     """Extra peak resident memory of the call on this rank (Linux ``VmHWM`` reset just before),
     this rank's shard bytes, and the full model's bytes."""
@@ -367,6 +367,7 @@ def _status(field: str) -> int:
     raise AssertionError(field)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_peak_memory_per_rank_is_far_below_the_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -383,3 +384,106 @@ def test_peak_memory_per_rank_is_far_below_the_model(
             assert full > 60 * 2**20 and shard < full
             # one 4 MiB buffer when casting, none otherwise, plus the interpreter's noise
             assert extra < 12 * 2**20, (dtype, extra, shard, full)
+
+
+class _Fused:
+    """A conversion as issue 17's mapping will plug in: the published ``gate.weight`` and
+    ``up.weight`` [I, H] are the in-memory ``gate_up.weight`` [2I, H], as two byte runs."""
+
+    def __init__(self, gap: int = 0) -> None:
+        self.gap = gap  # rows left uncovered: a broken conversion
+
+    def __call__(self, manifest: Any) -> Any:
+        from dataclasses import replace
+
+        from ckptools.core.manifest import TensorEntry
+
+        gate, up = manifest.tensors["gate.weight"], manifest.tensors["up.weight"]
+        rows, cols = gate.shape
+        chunks = (
+            replace(gate.chunks[0], offsets=(0, 0)),
+            replace(up.chunks[0], offsets=(rows + self.gap, 0)),
+        )
+        fused = TensorEntry("gate_up.weight", gate.dtype, (2 * rows + self.gap, cols), chunks)
+        rest = {k: v for k, v in manifest.tensors.items() if k not in ("gate.weight", "up.weight")}
+        return replace(manifest, tensors={"gate_up.weight": fused, **rest})
+
+
+def _fused_model(gap: int = 0) -> Any:
+    """A gated MLP holding its gate and up projections as one [2I, H] weight."""
+    import torch
+    import torch.nn.functional as F
+
+    class FusedMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up = torch.nn.Linear(6, 10 + gap, bias=False)
+            self.down = torch.nn.Linear(5, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            out: torch.Tensor = self.down(F.silu(gate) * up)
+            return out
+
+    torch.manual_seed(1)
+    return FusedMLP()
+
+
+def _publish_unfused(root: Path) -> tuple[str, dict[str, Any]]:
+    """The published form, written by the safetensors library."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    tensors = {
+        "gate.weight": torch.randn(5, 6), "up.weight": torch.randn(5, 6),
+        "down.weight": torch.randn(6, 5), "down.bias": torch.randn(6),
+    }  # fmt: skip
+    out = root / "unfused"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return str(out), tensors
+
+
+def _load_fused(rank: int, world_size: int, published: str) -> tuple[list[int], int]:
+    """FSDP2 over ``world_size`` ranks: rows 0-9 split 4/4/2 at 3 ranks, across the two runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import ckptools
+
+    model = _fused_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    counts: list[int] = []
+    _counting(counts)
+    assert tuple(ckptools.load_pretrained(model, published, conversion=_Fused())) == ([], [])
+    return list(_full_state(model)["gate_up.weight"].flatten().tolist()), sum(counts)
+
+
+def test_conversion_fills_a_fused_tensor_from_two_published_ones(tmp_path: Path) -> None:
+    import torch
+
+    import ckptools
+    from ckptools.errors import UsageError
+
+    published, tensors = _publish_unfused(tmp_path)
+    fused = torch.cat([tensors["gate.weight"], tensors["up.weight"]])
+    model = _fused_model()
+    assert tuple(ckptools.load_pretrained(model, published, conversion=_Fused())) == ([], [])
+    assert torch.equal(model.gate_up.weight, fused)
+    assert torch.equal(model.down.bias, tensors["down.bias"])
+    with pytest.raises(UsageError, match=r"pieces of 'gate_up\.weight' do not tile its shape"):
+        ckptools.load_pretrained(_fused_model(gap=1), published, conversion=_Fused(gap=1))
+
+
+@pytest.mark.slow
+def test_conversion_into_fsdp2_boxes_across_the_runs(tmp_path: Path) -> None:
+    import torch
+
+    published, tensors = _publish_unfused(tmp_path)
+    fused = torch.cat([tensors["gate.weight"], tensors["up.weight"]])
+    results = run_ranks(_load_fused, 3, published, timeout=120.0)
+    for values, _ in results:
+        assert torch.equal(torch.tensor(values).reshape(10, 6), fused)
+    # each rank read its own rows only: 4, 4 and 2 rows of gate_up plus its share of down
+    assert sum(r[1] for r in results) == sum(t.nbytes for t in tensors.values())
