@@ -184,7 +184,6 @@ def _check(results: list[list[tuple[str, list[str], Any, int]]], totals: list[in
             assert sum(reads) == total and max(reads) < total, (name, reads, total)
 
 
-@pytest.mark.slow
 def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(tmp_path: Path) -> None:
     dirs = {k: _publish(tmp_path, k) for k in ("llama", "llama-tied", "bert")}
     cases = [
@@ -476,7 +475,6 @@ def test_conversion_fills_a_fused_tensor_from_two_published_ones(tmp_path: Path)
         ckptools.load_pretrained(_fused_model(gap=1), published, conversion=_Fused(gap=1))
 
 
-@pytest.mark.slow
 def test_conversion_into_fsdp2_boxes_across_the_runs(tmp_path: Path) -> None:
     import torch
 
