@@ -184,8 +184,13 @@ def _check(results: list[list[tuple[str, list[str], Any, int]]], totals: list[in
             assert sum(reads) == total and max(reads) < total, (name, reads, total)
 
 
-def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(tmp_path: Path) -> None:
+def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dirs = {k: _publish(tmp_path, k) for k in ("llama", "llama-tied", "bert")}
+    # the ranks inherit an offline Hub cache holding the tied model (rank 0 resolves it first)
+    monkeypatch.setenv("HF_HUB_CACHE", _hub_cache(tmp_path, dirs["llama-tied"]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cases = [
         ("llama", "fsdp2", dirs["llama"], False),
         ("llama-tied", "fsdp2", dirs["llama-tied"], False),
@@ -193,9 +198,10 @@ def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(tmp_path: Path) -> None:
         ("llama-tied", "fsdp2", dirs["llama-tied"], True),
         ("llama", "fsdp1", dirs["llama"], False),
         ("llama-tied", "fsdp1", dirs["llama-tied"], False),
+        ("llama-tied", "fsdp2", "tiny-org/tiny-llama", False),
     ]
     results = run_ranks(_load_cases, 2, cases, timeout=280.0)
-    _check(results, [_tensor_bytes(c[2]) for c in cases])
+    _check(results, [_tensor_bytes(dirs[c[0]]) for c in cases])
 
 
 @pytest.mark.slow
@@ -324,13 +330,7 @@ def test_fsspec_url_and_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert tuple(ckptools.load_pretrained(model, "memory://lp-model")) == ([], [])
     assert _differences("llama-tied", published, model.state_dict()) == []
 
-    cache = tmp_path / "hub"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / commit
-    shutil.copytree(published, snapshot)
-    (snapshot.parent.parent / "refs").mkdir()
-    (snapshot.parent.parent / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", _hub_cache(tmp_path, published))
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     model = _build("llama-tied", "plain", 1)
     assert tuple(ckptools.load_pretrained(model, "tiny-org/tiny-llama")) == ([], [])
@@ -339,6 +339,18 @@ def test_fsspec_url_and_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         ckptools.load_pretrained(model, "tiny-org/absent")
     with pytest.raises(UsageError, match="revision= applies to a Hub repo id"):
         ckptools.load_pretrained(model, published, revision="main")
+
+
+def _hub_cache(root: Path, published: str) -> str:
+    """A huggingface_hub cache holding ``published`` as ``tiny-org/tiny-llama`` at ``main``
+    (the layout ``snapshot_download`` itself reads: ``refs/main`` names the snapshot)."""
+    cache = root / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / commit
+    shutil.copytree(published, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    return str(cache)
 
 
 def _peak_extra(
