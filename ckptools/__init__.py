@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ckptools.inspection import InspectReport, inspect
     from ckptools.layouts import read_manifest
     from ckptools.reshard import ReshardResult, reshard, shard
+    from ckptools.training.load_pretrained import load_pretrained
     from ckptools.training.manager import CheckpointManager
     from ckptools.training.pretrained import save_pretrained
     from ckptools.training.roundtrip import verify_roundtrip
@@ -44,6 +45,7 @@ __all__ = [
     "diff",
     "inspect",
     "load",
+    "load_pretrained",
     "push_to_hub",
     "read_manifest",
     "read_object",
@@ -76,6 +78,7 @@ _LAZY = {
     "shard": "reshard",
     "CheckpointManager": "training.manager",
     "save_pretrained": "training.pretrained",
+    "load_pretrained": "training.load_pretrained",
     "load": "training.state",
     "save": "training.state",
     "VerifyReport": "verify",

@@ -21,6 +21,7 @@ __all__ = [
     "COMPILED_SEGMENT",
     "TORCH_VERSION",
     "fsdp1_class",
+    "fsdp1_shared_params",
     "fsdp2_class",
     "fsspec_reader",
     "fsspec_writer",
@@ -127,3 +128,21 @@ def fsspec_reader(path: str, **storage_options: Any) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(path, **storage_options)
+
+
+def fsdp1_shared_params(model: nn.Module) -> list[tuple[str, str]]:
+    """``(name, primary name)`` of each parameter that FSDP1 (without ``use_orig_params``) keeps
+    once in a flat parameter under several names (tied weights), from the flat parameters'
+    private ``_shared_param_infos``; names still hold FSDP1's ``_fsdp_wrapped_module`` segments."""
+    fsdp1 = fsdp1_class()
+    out: list[tuple[str, str]] = []
+    for prefix, module in model.named_modules():
+        if not isinstance(module, fsdp1):
+            continue
+        flat = getattr(getattr(module, "_handle", None), "flat_param", None)
+        base = f"{prefix}.{_FSDP1_SEGMENT}." if prefix else f"{_FSDP1_SEGMENT}."
+        for info in getattr(flat, "_shared_param_infos", None) or ():
+            shared = f"{info.module_name}.{info.param_name}".lstrip(".")
+            primary = f"{info.prim_module_name}.{info.prim_param_name}".lstrip(".")
+            out.append((base + shared, base + primary))
+    return out
