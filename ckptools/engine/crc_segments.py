@@ -30,7 +30,7 @@ from ckptools.core.crc32 import crc32, crc32_combine
 from ckptools.core.manifest import Chunk
 from ckptools.engine.reader import SourceCache
 from ckptools.engine.runtime import BLOCK_BYTES, Scratch, kernel_copy, pwrite_all
-from ckptools.errors import CkptError, CorruptCheckpointError
+from ckptools.errors import CorruptCheckpointError, PieceAbortedError
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader
 from ckptools.plan.dcp import ObjectItem, TensorItem
@@ -118,7 +118,7 @@ class SplitCrcs:
         with self._cond:
             self._cond.wait_for(lambda: self._failed or all(k in self._done for k in keys))
             if self._failed:
-                raise CkptError("another piece of the reshard failed (see its error)")
+                raise PieceAbortedError("another piece of the reshard failed (see its error)")
             parts = [self._done[k] for k in keys]
         crc = 0
         for part_crc, length in parts:

@@ -34,7 +34,7 @@ from ckptools.core.manifest import Chunk, Manifest
 from ckptools.engine.reader import resolve_chunk
 from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, kernel_copy, pwrite_all, run_all
 from ckptools.errors import CorruptCheckpointError
-from ckptools.io import storage
+from ckptools.io import space, storage
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader, open_reader
 from ckptools.plan.safetensors import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
@@ -221,7 +221,8 @@ def create_files(
     for f in plan.files if files is None else files:
         fd = os.open(os.path.join(out_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, f.size)
+            with space.translated(os.path.join(out_dir, f.name)):  # EFBIG: a file-size limit
+                os.ftruncate(fd, f.size)
             pwrite_all(fd, memoryview(f.header), 0)
         finally:
             os.close(fd)

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from ckptools.errors import UsageError
-from ckptools.io import durable, resume, storage
+from ckptools.io import durable, resume, space, storage
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,7 @@ class LocalStaging:
 
     def commit(self, tmp: str, out: str, *, overwrite: bool, name: str | None = None) -> bool:
         self._unlock(tmp)
+        space.release(tmp)
         old = None
         if os.path.lexists(out):
             if not overwrite:
@@ -223,6 +224,7 @@ class LocalStaging:
 
     def discard(self, tmp: str, *, keep: bool = False) -> None:
         self._unlock(tmp)
+        space.release(tmp)
         if not keep:
             _remove_local(tmp)
 
@@ -368,6 +370,19 @@ def make_tmp_dir(out: str) -> str:
     return tmp
 
 
+def reserve(tmp: str, nbytes: int) -> None:
+    """The run writing into the staging location ``tmp`` writes ``nbytes`` in all: refused now,
+    before a byte is written, when the output's filesystem has less free than the part not yet
+    there, and remembered for the error should the disk fill up anyway
+    (:func:`ckptools.io.space.reserve`). Nothing to check on an object store.
+
+    Raises:
+        DiskFullError: not enough free space (``CKPTOOLS_SPACE_CHECK=0`` skips the check).
+    """
+    if not storage.is_url(tmp):
+        space.reserve(tmp, nbytes)
+
+
 def _has_journal(staging: str) -> bool:
     try:
         return any(n.startswith(resume.JOURNAL_PREFIX) for n in storage.listdir(staging))
@@ -413,11 +428,12 @@ def copy_into(src: str, dst: str) -> None:
     """Copy the file ``src`` (local or URL) to ``dst`` (local or URL), durably."""
     if not storage.is_url(dst):
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        if storage.is_url(src):
-            storage.get_file(src, dst)
-        else:
-            shutil.copy2(src, dst)
-        durable.fsync_file(dst)
+        with space.translated(dst):
+            if storage.is_url(src):
+                storage.get_file(src, dst)
+            else:
+                shutil.copy2(src, dst)
+            durable.fsync_file(dst)
         return
     if not storage.is_url(src):
         storage.put_file(src, dst)
