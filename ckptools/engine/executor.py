@@ -314,7 +314,7 @@ def execute(
                 run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
             else:
                 # journaled: each file fsynced (and reported) as soon as it is complete
-                syncer = FileSyncer(on_file_done, close=False)
+                syncer = FileSyncer(on_file_done, close=False, stop=copier.stop)
                 try:
                     copy = _FileCompletion(tasks, fds, syncer).wrap(copy)
                     run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)

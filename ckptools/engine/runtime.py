@@ -122,6 +122,11 @@ class FileSyncer(Generic[K]):
     flush a file it just finished. At most ``max_pending`` files wait (each keeps a descriptor
     open; :meth:`submit` blocks beyond that). :meth:`drain` waits for all and raises the first
     error; call it before anything (a marker) relies on the files being durable.
+
+    ``stop``: the writers' stop flag. A file whose sync runs once it is set is fsynced and
+    closed but not reported: a writer told to stop returns early from the piece it was copying,
+    so the file counted complete may lack that piece's bytes, and a journal must never record
+    it (a resumed run would keep it). A complete file not reported is only written again.
     """
 
     def __init__(
@@ -130,8 +135,10 @@ class FileSyncer(Generic[K]):
         *,
         close: bool = True,
         max_pending: int = SYNCS_PENDING,
+        stop: threading.Event | None = None,
     ) -> None:
         self._on_done = on_done
+        self._stop = stop
         self._close = close
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
         self._slots = threading.Semaphore(max_pending)
@@ -154,7 +161,7 @@ class FileSyncer(Generic[K]):
             finally:
                 if self._close:
                     os.close(fd)
-            if self._on_done is not None:
+            if self._on_done is not None and not (self._stop is not None and self._stop.is_set()):
                 self._on_done(key)
         finally:
             self._slots.release()

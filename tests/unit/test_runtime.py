@@ -154,3 +154,22 @@ def test_a_full_disk_in_a_write_names_the_file_and_the_space(
         f"{human_size(e.free_bytes)} free on {e.mount}"
     )
     assert e.mount is not None and os.path.ismount(e.mount)
+
+
+def test_a_file_finished_after_the_stop_is_synced_but_not_reported(tmp_path: Path) -> None:
+    """A piece told to stop returns early, so the file it completes may lack its bytes: it
+    must never reach the journal (a resumed run would keep it)."""
+    stop = threading.Event()
+    reported: list[str] = []
+    syncer: runtime.FileSyncer[str] = runtime.FileSyncer(reported.append, stop=stop)
+    fds = [os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT) for name in ("a", "b")]
+    syncer.submit("a", fds[0])
+    syncer.drain()
+    stop.set()
+    syncer.submit("b", fds[1])
+    syncer.drain()
+    syncer.shutdown()
+    assert reported == ["a"]
+    for fd in fds:  # closed by the syncer, reported or not
+        with pytest.raises(OSError):
+            os.fstat(fd)
