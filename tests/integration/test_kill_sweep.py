@@ -33,6 +33,7 @@ import pytest
 from ckptools.io import resume
 from tests.conftest import Produced
 from tests.support.producers import ModelConfig
+from tests.support.s3 import download
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the tiny Llama scaled up so that writing, not starting, takes most of a run
@@ -180,3 +181,38 @@ def test_killed_at_random_points_then_finished(name: str, src: Produced, tmp_pat
     assert mid_write >= 1 or sweep.sig == signal.SIGINT
     assert finished_early < sweep.kills // 2
     assert _hashes(src.path) == before
+
+
+def test_a_spool_left_by_kill_9_is_removed_by_the_next_run(
+    src: Produced, tmp_path: Path, s3_bucket: str
+) -> None:
+    """A reshard into an object store writes each rank file into a local spool first; a run
+    SIGKILLed while spooling leaves that directory (with whole output files in it), and the
+    next run into the same place removes it, then finishes the output."""
+    sweep = SWEEPS["reshard"]
+    clean = tmp_path / "clean"
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    _run(sweep, src.path, clean, spool)
+    out = f"{s3_bucket}/out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptools", "reshard", str(src.path), out, "-q", *sweep.args],
+        cwd=ROOT, env=_env(sweep, spool), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".distcp") for p in spool.rglob("*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "never spooled"
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    left = sorted(p.name for p in spool.iterdir())
+    assert any(name.endswith(".owner") for name in left) and len(left) == 2, left
+
+    subprocess.run(
+        [sys.executable, "-m", "ckptools", "reshard", str(src.path), out, "-q", *sweep.args],
+        cwd=ROOT, env=_env(sweep, spool), check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert list(spool.iterdir()) == []
+    got = tmp_path / "got"
+    download(out, str(got))
+    _assert_same_output(clean, got)
