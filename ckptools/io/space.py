@@ -160,15 +160,43 @@ def disk_full(e: OSError, path: str | None) -> DiskFullError:
     )  # fmt: skip
 
 
+def disk_full_cause(e: BaseException) -> OSError | None:
+    """The disk-full ``OSError`` behind ``e``, where a library wrapped it: ``e`` itself, its
+    ``__cause__``/``__context__`` chain, or the per-rank failures a torch
+    ``CheckpointException`` carries (``failures``: rank -> exception, or (exception,
+    traceback)); None when there is none."""
+    seen: set[int] = set()
+    todo: list[object] = [e]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, tuple) and item:
+            item = item[0]
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno in DISK_FULL_ERRNOS:
+            return item
+        todo += [item.__cause__, item.__context__]
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            todo += list(failures.values())
+    return None
+
+
 @contextlib.contextmanager
 def translated(path: str | None) -> Iterator[None]:
-    """Inside, a disk-full ``OSError`` becomes :func:`disk_full`'s error about ``path``."""
+    """Inside, a disk-full ``OSError`` becomes :func:`disk_full`'s error about ``path``, also
+    where a library wrapped it (:func:`disk_full_cause`: torch's ``CheckpointException``, which
+    derives from ``BaseException``). An interrupt passes unchanged."""
     try:
         yield
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full(e, path) from e
-        raise
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit, DiskFullError)):
+            raise
+        cause = disk_full_cause(e)
+        if cause is None:
+            raise
+        raise disk_full(cause, path) from e
 
 
 def path_of_fd(fd: int) -> str | None:

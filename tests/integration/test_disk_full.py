@@ -211,3 +211,35 @@ def test_too_little_free_space_is_refused_before_a_byte_is_written(
     monkeypatch.setenv("CKPTOOLS_SPACE_CHECK", "0")
     run(src, out)
     assert out.is_dir() and disk.calls > 0
+
+
+_MANAGER_SAVE = """
+import sys
+import torch
+import ckptools
+from ckptools.errors import DiskFullError
+mgr = ckptools.CheckpointManager(sys.argv[1])
+try:
+    mgr.save(1, torch.nn.Linear(64, 64))
+except DiskFullError as e:
+    print(f"{e.path}|{e}")
+"""
+
+
+def test_the_training_managers_save_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
+    """torch's own writer fails under the manager: its ``CheckpointException`` (a traceback per
+    rank) becomes the one-line error naming the step's temporary directory."""
+    root = tmp_path / "ckpts"
+    proc = subprocess.run(
+        [sys.executable, "-c", _MANAGER_SAVE, str(root)], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+        preexec_fn=_limit_file_size,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    path, message = proc.stdout.strip().split("|")
+    assert re.fullmatch(rf"{re.escape(str(root))}/\.tmp-step-1-[0-9a-f]+", path), path
+    assert re.fullmatch(
+        rf"{re.escape(path)}: file too large for this filesystem or this process's file size "
+        r"limit \(ulimit -f\): [\d.]+ [KMGT]?B free on /\S*",
+        message,
+    ), message
