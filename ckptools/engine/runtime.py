@@ -54,10 +54,11 @@ def run_all(
     """Run ``task`` on every item, ``workers`` threads taking them in order from one FIFO queue.
 
     On the first error (or Ctrl-C) ``on_error`` tells the running tasks to stop, the queued ones
-    are cancelled, and once the running ones have returned the first real error is raised: the
-    earliest to happen that is not a :class:`~ckptools.errors.PieceAbortedError` (a piece that
-    gave up because another failed), whichever thread finished first. A disk-full ``OSError``
-    that names its file is raised as :class:`~ckptools.errors.DiskFullError`.
+    are cancelled, and once the running ones have returned the first real error is raised: of
+    the failures in the order their pieces ended, the first that is not a
+    :class:`~ckptools.errors.PieceAbortedError` (a piece that gave up because another failed,
+    which may end before the piece that failed has finished cleaning up). A disk-full
+    ``OSError`` that names its file is raised as :class:`~ckptools.errors.DiskFullError`.
     """
     if workers <= 1:
         for item in items:
