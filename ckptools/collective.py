@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from ckptools.errors import CkptError, UsageError
+from ckptools.errors import CkptError, PieceAbortedError, UsageError
 
 T = TypeVar("T")
 S = TypeVar("S")
 
-# What travels for a failed step: (rank, exception class name, message, was a UsageError).
-_Failure = tuple[int, str, str, bool]
+# What travels for a failed step: (rank, exception class name, message, was a UsageError, gave
+# up because another piece failed, when it failed: seconds since the epoch).
+_Failure = tuple[int, str, str, bool, bool, float]
 
 
 def _rank_and_world() -> tuple[int, int] | None:
@@ -179,7 +181,8 @@ class Ranks:
 
         The all-gather is also the barrier that ends a step: when it returns, every rank has
         finished ``fn``. When any rank failed, every rank raises: the failed ones their own
-        exception, the others a :class:`~ckptools.errors.CkptError` naming the first failed rank.
+        exception, the others a :class:`~ckptools.errors.CkptError` naming the rank whose error
+        came first (a real error before one that only gave up because another piece failed).
         """
         if self.world_size == 1:
             return [fn()]
@@ -221,11 +224,15 @@ class Ranks:
 
 
 def _describe(e: BaseException, rank: int = 0) -> _Failure:
-    return (rank, type(e).__name__, str(e), isinstance(e, UsageError))
+    aborted = isinstance(e, PieceAbortedError)
+    return (rank, type(e).__name__, str(e), isinstance(e, UsageError), aborted, time.time())
 
 
 def _raise_for(failures: list[_Failure], what: str) -> None:
-    rank, name, message, usage = failures[0]
+    """Raise the error of the failure that came first (real errors before those that gave up
+    because of another), naming its rank, on a rank that did not fail itself."""
+    first = min(failures, key=lambda f: (f[4], f[5], f[0]))
+    rank, name, message, usage = first[:4]
     more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
     text = f"{what} failed on another rank (rank {rank}{more}): {name}: {message}"
     raise UsageError(text) if usage else CkptError(text)

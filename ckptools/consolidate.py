@@ -40,6 +40,7 @@ from ckptools.io.staging import (
     discard,
     fsync_dir,
     make_tmp_dir,
+    reserve,
     resumable_staging,
     write_file_synced,
 )
@@ -596,6 +597,7 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
     )  # fmt: skip
     tmp = resumable_staging(run.out, identity)
     try:
+        reserve(tmp, plan.bytes_to_write)  # before a byte is written: enough free space?
         journal = Journal.open(tmp, identity)
         sizes = {f.name: f.size for f in plan.files}
         kept = {f.name for f in plan.files if journal.is_done(f.name)}
@@ -638,6 +640,7 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
         check_writable(out, options.overwrite, src=run.src, inside_src=True)
         made = make_tmp_dir(out)
         try:
+            reserve(made, plan.bytes_to_write)
             create_files(plan, made)
         except BaseException:
             discard(made)

@@ -139,3 +139,39 @@ class HubConnectionError(HubError, ConnectionError):
 
 class HubFileTooLargeError(HubError, ValueError):
     """A file is over the Hub's per-file limit; nothing was uploaded."""
+
+
+class DiskFullError(CkptError, OSError):
+    """The output's filesystem is full (or a quota or file-size limit was reached) while writing,
+    or holds too little space for the whole output before anything was written (the check
+    before writing; ``CKPTOOLS_SPACE_CHECK=0`` skips it). The staging location is removed.
+
+    Attributes:
+        errno: ``ENOSPC``, ``EDQUOT`` or ``EFBIG`` as the system said it (``ENOSPC`` for the
+            check before writing).
+        needed_bytes: what the run still had to write, when known.
+        free_bytes: what the filesystem offered this user at the time, when known.
+        mount: the mount point of the output's filesystem, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errno: int,
+        path: str | None = None,
+        needed_bytes: int | None = None,
+        free_bytes: int | None = None,
+        mount: str | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.errno = errno
+        self.filename = path
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+        self.mount = mount
+
+
+class PieceAbortedError(CkptError):
+    """A piece of work stopped because another piece of the same run failed first. Never the
+    error a run reports: the pool that ran the pieces raises the first real one instead."""

@@ -45,6 +45,7 @@ from ckptools.io.staging import (
     copy_into,
     discard,
     fsync_dir,
+    reserve,
     resumable_staging,
 )
 from ckptools.layouts import read_manifest
@@ -427,6 +428,7 @@ def _write(ranks: Ranks, run: _Run, identity: str) -> tuple[int, int]:
         check_writable(out, options.overwrite, src=run.src)
         tmp = resumable_staging(out, identity)
         try:
+            reserve(tmp, sum(sum(plan.file_sizes) for _, plan in parts.values()))
             for name in run.copied:
                 copy_into(storage.join(run.source_root, name), storage.join(tmp, name))
             for sub in parts:

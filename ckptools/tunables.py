@@ -146,3 +146,25 @@ def max_world_size() -> int:
         UsageError: the variable is not a positive integer.
     """
     return env_int(MAX_WORLD_SIZE_ENV, DEFAULT_MAX_WORLD_SIZE)
+
+
+#: ``0`` skips the free-space check before a conversion writes (see space_check)
+SPACE_CHECK_ENV = "CKPTOOLS_SPACE_CHECK"
+_FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+
+
+def space_check() -> bool:
+    """Whether writers compare the output's size with the free space before writing a byte:
+    ``CKPTOOLS_SPACE_CHECK`` (``0``/``1``), on by default. Off is for filesystems whose
+    ``statvfs`` reports less than they will take (some network, FUSE and compressing ones).
+
+    Raises:
+        UsageError: the variable is set to anything but a yes/no word.
+    """
+    raw = os.environ.get(SPACE_CHECK_ENV, "").strip().lower()
+    if not raw:
+        return True
+    if raw not in _FLAG_WORDS:
+        raise UsageError(f"{SPACE_CHECK_ENV}={raw!r}: expected 0 or 1")
+    return _FLAG_WORDS[raw]

@@ -13,7 +13,7 @@ from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_USAGE
 from ckptools.errors import CkptError, UsageError
 
 _ENVIRONMENT_ERRNOS = {
-    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+    errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
     errno.ENOTDIR, errno.EEXIST, errno.EISDIR,
 }  # fmt: skip
 

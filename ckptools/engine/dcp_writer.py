@@ -336,11 +336,10 @@ def write_dcp(
 
         def run(index: int, item: TensorItem | ObjectItem) -> None:
             fd = files.acquire(item.rank)
-            try:
-                if isinstance(item, ObjectItem):
-                    _copy_object(fd, item, reader)
-                    bar.update(item.length)
-                    return
+            if isinstance(item, ObjectItem):
+                _copy_object(fd, item, reader)
+                bar.update(item.length)
+            else:
                 scratch = getattr(local, "scratch", None)
                 if scratch is None:
                     scratch = local.scratch = Scratch()
@@ -348,8 +347,10 @@ def write_dcp(
                     fd, item, cache, reader, bar, scratch, writeback, checks, sources,
                     segments.get(index),
                 )  # fmt: skip
-            finally:
-                files.release(item.rank)
+            # Only an item written whole counts toward its file's completion: a file whose
+            # item failed or was interrupted is never synced and journaled as done (a resumed
+            # run would keep it); its descriptor is closed when the files are.
+            files.release(item.rank)
 
         # One queue in file order; on the first error or Ctrl-C the rest are cancelled.
         run_all(lambda task: run(*task), list(enumerate(tasks)), workers, lambda: None)

@@ -40,7 +40,7 @@ from ckptools.core.manifest import Chunk, Manifest
 from ckptools.engine import checked_copy
 from ckptools.engine.reader import resolve_chunk
 from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, pwrite_all, run_all
-from ckptools.io import storage
+from ckptools.io import space, storage
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader, open_reader
 from ckptools.plan.safetensors import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
@@ -251,7 +251,8 @@ def create_files(
     for f in plan.files if files is None else files:
         fd = os.open(os.path.join(out_dir, f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, f.size)
+            with space.translated(os.path.join(out_dir, f.name)):  # EFBIG: a file-size limit
+                os.ftruncate(fd, f.size)
             pwrite_all(fd, memoryview(f.header), 0)
         finally:
             os.close(fd)
@@ -343,7 +344,7 @@ def execute(
                 run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
             else:
                 # journaled: each file fsynced (and reported) as soon as it is complete
-                syncer = FileSyncer(on_file_done, close=False)
+                syncer = FileSyncer(on_file_done, close=False, stop=copier.stop)
                 try:
                     copy = _FileCompletion(tasks, fds, syncer).wrap(copy)
                     run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)

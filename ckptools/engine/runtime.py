@@ -2,12 +2,16 @@
 thread, and the two ways bytes move.
 
 * :func:`run_all`: ``workers`` threads take tasks in order from one FIFO queue; the first error
-  (or Ctrl-C) stops the rest.
+  (or Ctrl-C) stops the rest, and is the one raised.
 * :class:`FileSyncer`: one thread fsyncs finished output files while the copy threads go on.
 * :func:`kernel_copy`: ``os.copy_file_range`` between files, no user-space buffer at all.
 * :func:`pwrite_all`: a positional write that finishes a short write, so threads never contend
   on a file position.
 * :class:`Scratch`: one reusable block buffer per writing thread.
+
+A write that finds the disk full (``ENOSPC``, ``EDQUOT``, ``EFBIG``) raises
+:class:`~ckptools.errors.DiskFullError` naming the file (found from its descriptor), the bytes the
+run still needed and those free (:mod:`ckptools.io.space`), instead of a bare ``OSError``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
+
+from ckptools.errors import PieceAbortedError
+from ckptools.io import space
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -47,26 +54,67 @@ def run_all(
     """Run ``task`` on every item, ``workers`` threads taking them in order from one FIFO queue.
 
     On the first error (or Ctrl-C) ``on_error`` tells the running tasks to stop, the queued ones
-    are cancelled, and the error is re-raised once the running ones have returned.
+    are cancelled, and once the running ones have returned the first real error is raised: of
+    the failures in the order their pieces ended, the first that is not a
+    :class:`~ckptools.errors.PieceAbortedError` (a piece that gave up because another failed,
+    which may end before the piece that failed has finished cleaning up). A disk-full
+    ``OSError`` that names its file is raised as :class:`~ckptools.errors.DiskFullError`.
     """
     if workers <= 1:
         for item in items:
-            task(item)
+            _run_one(task, item)
         return
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def guarded(item: T) -> None:
+        try:
+            _run_one(task, item)
+        except BaseException as e:
+            with lock:  # in the order they happened, not the order the pool reports them
+                failures.append(e)
+            raise
+
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-copy")
     futures: list[Future[Any]] = []
     try:
-        futures = [pool.submit(task, item) for item in items]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for fut in done:
-            fut.result()  # re-raises the first failure
-    except BaseException:
-        on_error()
-        for fut in futures:
-            fut.cancel()
+        futures = [pool.submit(guarded, item) for item in items]
+        wait(futures, return_when=FIRST_EXCEPTION)
+    except BaseException:  # Ctrl-C (or a failed submit): the interrupt is what is raised
+        _stop(pool, futures, on_error)
         raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    if failures:
+        _stop(pool, futures, on_error)
+        with lock:
+            first = next((e for e in failures if not isinstance(e, PieceAbortedError)), None)
+            raise first if first is not None else failures[0]
+    pool.shutdown(wait=True)
+
+
+def _run_one(task: Callable[[T], None], item: T) -> None:
+    try:
+        task(item)
+    except OSError as e:
+        if space.is_disk_full(e) and e.filename is not None:
+            raise space.disk_full(e, None) from e
+        raise
+
+
+def _stop(
+    pool: ThreadPoolExecutor, futures: list[Future[Any]], on_error: Callable[[], None]
+) -> None:
+    """Tell the running tasks to stop, cancel the queued ones, wait for the running ones."""
+    on_error()
+    for fut in futures:
+        fut.cancel()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _disk_full(e: OSError, fd: int) -> NoReturn:
+    """Re-raise ``e``, written to ``fd``, as the disk-full error naming its file, if it is one."""
+    if space.is_disk_full(e):
+        raise space.disk_full(e, space.path_of_fd(fd)) from e
+    raise e
 
 
 class FileSyncer(Generic[K]):
@@ -75,6 +123,11 @@ class FileSyncer(Generic[K]):
     flush a file it just finished. At most ``max_pending`` files wait (each keeps a descriptor
     open; :meth:`submit` blocks beyond that). :meth:`drain` waits for all and raises the first
     error; call it before anything (a marker) relies on the files being durable.
+
+    ``stop``: the writers' stop flag. A file whose sync runs once it is set is fsynced and
+    closed but not reported: a writer told to stop returns early from the piece it was copying,
+    so the file counted complete may lack that piece's bytes, and a journal must never record
+    it (a resumed run would keep it). A complete file not reported is only written again.
     """
 
     def __init__(
@@ -83,8 +136,10 @@ class FileSyncer(Generic[K]):
         *,
         close: bool = True,
         max_pending: int = SYNCS_PENDING,
+        stop: threading.Event | None = None,
     ) -> None:
         self._on_done = on_done
+        self._stop = stop
         self._close = close
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
         self._slots = threading.Semaphore(max_pending)
@@ -101,11 +156,13 @@ class FileSyncer(Generic[K]):
     def _sync(self, key: K, fd: int) -> None:
         try:
             try:
-                os.fsync(fd)
+                os.fsync(fd)  # where a network filesystem may first say the disk is full
+            except OSError as e:
+                _disk_full(e, fd)
             finally:
                 if self._close:
                     os.close(fd)
-            if self._on_done is not None:
+            if self._on_done is not None and not (self._stop is not None and self._stop.is_set()):
                 self._on_done(key)
         finally:
             self._slots.release()
@@ -149,7 +206,7 @@ def kernel_copy(
             if e.errno in _NO_COPY_RANGE and done == 0:
                 log.debug("copy_file_range unavailable (%s); using pread/pwrite", e)
                 return False
-            raise
+            _disk_full(e, dst_fd)
         if n == 0:
             raise EOFError(src_off + done)
         done += n
@@ -158,12 +215,19 @@ def kernel_copy(
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    """Write all of ``data`` at ``offset`` (``os.pwrite`` may write less than asked).
+
+    Raises:
+        DiskFullError: the disk, a quota or the file-size limit is full (names the file).
+    """
     view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
+    try:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view = view[n:]
+            offset += n
+    except OSError as e:
+        _disk_full(e, fd)
 
 
 class Scratch:

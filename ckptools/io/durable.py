@@ -14,6 +14,8 @@ import errno
 import os
 import secrets
 
+from ckptools.io import space
+
 #: errnos of filesystems that cannot fsync a directory (some network and FUSE filesystems):
 #: their directory entries are as durable as they will get, so refusing to commit would not help.
 _DIR_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
@@ -54,8 +56,9 @@ def fsync_tree(directory: str) -> None:
 
 def write_synced(path: str, data: bytes, *, exclusive: bool = False) -> None:
     """Write ``data`` to ``path`` and fsync it before returning. ``exclusive``: the file must
-    not exist yet (a writer's own index or marker: an existing one is a bug, not a replace)."""
-    with open(path, "xb" if exclusive else "wb") as f:
+    not exist yet (a writer's own index or marker: an existing one is a bug, not a replace).
+    A full disk raises :class:`~ckptools.errors.DiskFullError` naming ``path``."""
+    with space.translated(path), open(path, "xb" if exclusive else "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from ckptools.errors import UsageError
-from ckptools.io import durable, resume, storage
+from ckptools.io import durable, resume, space, storage
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,7 @@ class LocalStaging:
 
     def commit(self, tmp: str, out: str, *, overwrite: bool, name: str | None = None) -> bool:
         self._unlock(tmp)
+        space.release(tmp)
         old = None
         if os.path.lexists(out):
             if not overwrite:
@@ -223,6 +224,7 @@ class LocalStaging:
 
     def discard(self, tmp: str, *, keep: bool = False) -> None:
         self._unlock(tmp)
+        space.release(tmp)
         if not keep:
             _remove_local(tmp)
 
@@ -368,6 +370,19 @@ def make_tmp_dir(out: str) -> str:
     return tmp
 
 
+def reserve(tmp: str, nbytes: int) -> None:
+    """The run writing into the staging location ``tmp`` writes ``nbytes`` in all: refused now,
+    before a byte is written, when the output's filesystem has less free than the part not yet
+    there, and remembered for the error should the disk fill up anyway
+    (:func:`ckptools.io.space.reserve`). Nothing to check on an object store.
+
+    Raises:
+        DiskFullError: not enough free space (``CKPTOOLS_SPACE_CHECK=0`` skips the check).
+    """
+    if not storage.is_url(tmp):
+        space.reserve(tmp, nbytes)
+
+
 def _has_journal(staging: str) -> bool:
     try:
         return any(n.startswith(resume.JOURNAL_PREFIX) for n in storage.listdir(staging))
@@ -413,11 +428,12 @@ def copy_into(src: str, dst: str) -> None:
     """Copy the file ``src`` (local or URL) to ``dst`` (local or URL), durably."""
     if not storage.is_url(dst):
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        if storage.is_url(src):
-            storage.get_file(src, dst)
-        else:
-            shutil.copy2(src, dst)
-        durable.fsync_file(dst)
+        with space.translated(dst):
+            if storage.is_url(src):
+                storage.get_file(src, dst)
+            else:
+                shutil.copy2(src, dst)
+            durable.fsync_file(dst)
         return
     if not storage.is_url(src):
         storage.put_file(src, dst)
@@ -430,11 +446,68 @@ def copy_into(src: str, dst: str) -> None:
 
 def make_spool_dir(prefix: str = "ckptools-spool-") -> str:
     """Create a private local directory for files on their way to an object store, in
-    ``CKPTOOLS_SPOOL_DIR`` or the system temporary directory; the caller removes it."""
+    ``CKPTOOLS_SPOOL_DIR`` or the system temporary directory; the caller removes it.
+
+    Beside it, ``<dir>.owner`` names this host and process, so that a later spool in the same
+    place removes what a run killed with kill -9 left (up to a few output files): every spool
+    whose owner was on this host and is no longer running (:func:`_clear_dead_spools`).
+    """
     base = os.environ.get(SPOOL_DIR_ENV) or None
     if base:
         os.makedirs(base, exist_ok=True)
-    return tempfile.mkdtemp(prefix=prefix, dir=base)
+    _clear_dead_spools(base or tempfile.gettempdir(), prefix)
+    path = tempfile.mkdtemp(prefix=prefix, dir=base)
+    owner = {"host": socket.gethostname(), "pid": os.getpid()}
+    durable.write_synced(path + _SPOOL_OWNER, json.dumps(owner).encode())
+    return path
+
+
+def remove_spool_dir(path: str) -> None:
+    """Remove a :func:`make_spool_dir` directory and its owner note."""
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.remove(path + _SPOOL_OWNER)
+
+
+_SPOOL_OWNER = ".owner"
+
+
+def _clear_dead_spools(base: str, prefix: str) -> None:
+    """Remove the ``prefix*`` spools in ``base`` (and their owner notes) whose owner ran on this
+    host and is gone: what runs killed with kill -9 left. A spool without a readable note, or of
+    another host (a shared ``CKPTOOLS_SPOOL_DIR``), or of a live process, is kept."""
+    try:
+        notes = [e for e in os.scandir(base) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    host = socket.gethostname()
+    for entry in notes:
+        if not entry.name.endswith(_SPOOL_OWNER) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            with open(entry.path, "rb") as f:
+                owner = json.loads(f.read(4096))
+            pid = int(owner["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if owner.get("host") != host or pid <= 0 or _alive(pid):
+            continue
+        spool = entry.path[: -len(_SPOOL_OWNER)]
+        log.info("removing %s, left by a run that was killed", spool)
+        if os.path.isdir(spool) and not os.path.islink(spool):
+            shutil.rmtree(spool, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextmanager
@@ -444,7 +517,7 @@ def spool_dir() -> Iterator[str]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_spool_dir(path)
 
 
 class Uploader:

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from ckptools import _compat, collective
 from ckptools.collective import Ranks
 from ckptools.errors import CkptError, UsageError
-from ckptools.io import storage
+from ckptools.io import space, storage
 from ckptools.training import store
 from ckptools.training.retention import RetentionPolicy
 from ckptools.training.state import (
@@ -278,7 +278,7 @@ class CheckpointManager:
         metrics = dict(metrics or {})
         final = store.step_dir(self.root, step)
         if self._executor is None:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), space.translated(tmp):  # a full disk: one line
                 warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
                 dcp_save(
                     state,

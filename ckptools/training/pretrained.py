@@ -244,6 +244,7 @@ def _prepare(
     try:
         names, tie = _prepare_files(model, options.config, tmp, out)
         export = plan_export(manifest, options, tie)
+        staging.reserve(tmp, export.plan.bytes_to_write)
         create_files(export.plan, tmp)
     except BaseException:
         staging.discard(tmp)  # and its lock released
