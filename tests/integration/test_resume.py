@@ -26,6 +26,7 @@ import pytest
 import ckptools
 from ckptools.errors import UsageError
 from ckptools.io import resume
+from ckptools.plan.dcp import plan_dcp
 from tests.conftest import Produced
 from tests.support.reference import assert_checkpoint_matches, load_reference
 from tests.support.s3 import download
@@ -231,3 +232,37 @@ def test_interrupted_s3_reshard_resumes_bit_exact(
     ckptools.reshard(str(src.path), str(clean), world_size=5, quiet=True)
     _same_files(clean, got, names[1:])
     assert_checkpoint_matches(got, load_reference(src.ref_path))
+
+
+def test_ctrl_c_inside_an_item_never_journals_its_file(
+    src: Produced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One worker: the interrupt lands in the middle of the last item of rank file 2 (files 0
+    # and 1 are done and journaled), after its archive head is written. That file must not be synced and journaled as complete, or the
+    # rerun would keep a half-written item.
+    from ckptools.engine import dcp_writer
+
+    real = dcp_writer._write_tensor
+    manifest = ckptools.read_manifest(str(src.path))
+    plan = plan_dcp(manifest, 4)
+    last = max((t for t in plan.tensors if t.rank == 2), key=lambda t: t.offset)
+
+    def interrupted(fd: int, item: Any, *args: Any, **kwargs: Any) -> None:
+        if item.rank == last.rank and item.offset == last.offset:
+            os.pwrite(fd, b"\xff" * 64, item.offset)
+            raise KeyboardInterrupt
+        real(fd, item, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_writer, "_write_tensor", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        ckptools.reshard(str(src.path), str(out), world_size=4, quiet=True, workers=1)
+    (staging,) = tmp_path.glob("out.tmp-*")
+    journal = resume.Journal.open(str(staging), _journal_fingerprint(staging))
+    assert journal.is_done("__1_0.distcp") and not journal.is_done("__2_0.distcp")
+    monkeypatch.undo()
+    ckptools.reshard(str(src.path), str(out), world_size=4, quiet=True)
+    fresh = tmp_path / "fresh"
+    ckptools.reshard(str(src.path), str(fresh), world_size=4, quiet=True)
+    for r in range(4):
+        assert filecmp.cmp(out / f"__{r}_0.distcp", fresh / f"__{r}_0.distcp", shallow=False)
