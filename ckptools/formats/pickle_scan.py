@@ -92,11 +92,11 @@ def _memo_too_big(budget: Budget, index: int) -> DecodingLimitError:
     )
 
 
-def _key_too_big(budget: Budget, nodes: int) -> DecodingLimitError:
+def _key_too_big(budget: Budget) -> DecodingLimitError:
     return DecodingLimitError(
-        f"{budget.source}: refusing to decode: a dict key or set element would hash {nodes} "
-        f"nodes (shared references walked as a tree), more than the "
-        f"{tunables.PICKLE_KEY_NODES} a checkpoint's keys ever need",
+        f"{budget.source}: refusing to decode: a dict key or set element would hash more than "
+        f"{tunables.PICKLE_KEY_NODES} nodes (shared references walked as a tree, or nested that "
+        "deep); a checkpoint's keys need far fewer",
         tunable=None,
         path=budget.source,
     )
@@ -118,7 +118,7 @@ class _Hashing:
     def keys(self, weights: list[int]) -> None:
         for w in weights:
             if w > self.cap:
-                raise _key_too_big(self.budget, w)
+                raise _key_too_big(self.budget)
             self.total += 2 * w
         if self.total > self.budget.objects:
             self.budget.charge(self.budget.objects + 1)  # raises, naming the tunable
@@ -160,8 +160,14 @@ def _scan(data: bytes, budget: Budget) -> None:
             memo[data[i]] = stack[-1]
             i += 1
             continue
-        if 0x85 <= op <= 0x87 or op == 0x74:  # TUPLE1..3, TUPLE: one node plus its items'
-            k = op - 0x84 if op != 0x74 else len(stack) - marks.pop()
+        if op == 0x86 or op == 0x85:  # TUPLE2, TUPLE1: one node plus its items'
+            w = 1 + (pop() + stack[-1] if op == 0x86 else stack[-1])
+            if w > limit:
+                budget.charge(limit + 1)  # raises, naming the tunable
+            stack[-1] = w
+            continue
+        if op == 0x87 or op == 0x74:  # TUPLE3, TUPLE
+            k = 3 if op == 0x87 else len(stack) - marks.pop()
             if k > len(stack):
                 raise _Stop
             w = 1 + sum(stack[len(stack) - k :])
@@ -365,5 +371,5 @@ def key_nodes(value: object, budget: Budget) -> int:
         elif isinstance(v, int):
             nodes += v.bit_length() // 32
         if nodes > cap:
-            raise _key_too_big(budget, nodes)
+            raise _key_too_big(budget)
     return nodes

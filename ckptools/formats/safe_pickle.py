@@ -211,10 +211,18 @@ def _charge_keys(items: Any, budget: _Budget, *, pairs: bool) -> None:
     unpickler's own: a shared tuple as an element would hash as a tree."""
     if isinstance(items, dict):
         return  # its keys were hashed, within bounds, when it was built
-    for item in items:
-        key = item[0] if pairs and type(item) is tuple and item else item
-        if type(key) is tuple or isinstance(key, int | frozenset):
+    # only tuples and ints hash in more than one step; the types are gathered at C speed, so a
+    # memoised list of 100k Nones copied again and again costs no Python loop per copy
+    if pairs:
+        items = [i[0] for i in items if isinstance(i, tuple | list) and i]
+    if not set(map(type, items)) & _WEIGHED_KEY_TYPES:
+        return
+    for key in items:
+        if type(key) is tuple or isinstance(key, int):
             budget.charge(2 * pickle_scan.key_nodes(key, budget))
+
+
+_WEIGHED_KEY_TYPES = {tuple, int, bool}
 
 
 class _OrderedDict(OrderedDict[Any, Any]):
