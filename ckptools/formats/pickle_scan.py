@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 from ckptools import tunables
 from ckptools.errors import CkptError, DecodingLimitError
@@ -373,3 +373,23 @@ def key_nodes(value: object, budget: Budget) -> int:
         if nodes > cap:
             raise _key_too_big(budget)
     return nodes
+
+
+def charge_keys(items: Any, budget: Budget, *, pairs: bool) -> None:
+    """Bound the hashing a set, frozenset or OrderedDict constructor is about to do on the
+    elements of ``items`` (the keys of its pairs), as :func:`scan` bounds the
+    unpickler's own: a shared tuple as an element would hash as a tree."""
+    if isinstance(items, dict):
+        return  # its keys were hashed, within bounds, when it was built
+    # only tuples and ints hash in more than one step; the types are gathered at C speed, so a
+    # memoised list of 100k Nones copied again and again costs no Python loop per copy
+    if pairs:
+        items = [i[0] for i in items if isinstance(i, tuple | list) and i]
+    if not set(map(type, items)) & _WEIGHED_KEY_TYPES:
+        return
+    for key in items:
+        if type(key) is tuple or isinstance(key, int):
+            budget.charge(2 * key_nodes(key, budget))
+
+
+_WEIGHED_KEY_TYPES = {tuple, int, bool}

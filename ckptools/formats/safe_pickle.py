@@ -196,33 +196,13 @@ def _copying(make: Callable[..., Any], what: str) -> Callable[..., Any]:
         elif args and hasattr(args[0], "__len__"):
             budget.charge(len(args[0]))  # the work of the copy, charged before it is done
             if make is not bytearray:  # the elements (pairs' keys) are hashed: bounded first
-                _charge_keys(args[0], budget, pairs=make is _OrderedDict)
+                pickle_scan.charge_keys(args[0], budget, pairs=make is _OrderedDict)
         out = make(*args)
         budget.charge(len(out))
         return out
 
     build.__qualname__ = build.__name__ = what
     return build
-
-
-def _charge_keys(items: Any, budget: _Budget, *, pairs: bool) -> None:
-    """Bound the hashing a set, frozenset or OrderedDict constructor is about to do on the
-    elements of ``items`` (the keys of its pairs), as :mod:`.pickle_scan` bounds the
-    unpickler's own: a shared tuple as an element would hash as a tree."""
-    if isinstance(items, dict):
-        return  # its keys were hashed, within bounds, when it was built
-    # only tuples and ints hash in more than one step; the types are gathered at C speed, so a
-    # memoised list of 100k Nones copied again and again costs no Python loop per copy
-    if pairs:
-        items = [i[0] for i in items if isinstance(i, tuple | list) and i]
-    if not set(map(type, items)) & _WEIGHED_KEY_TYPES:
-        return
-    for key in items:
-        if type(key) is tuple or isinstance(key, int):
-            budget.charge(2 * pickle_scan.key_nodes(key, budget))
-
-
-_WEIGHED_KEY_TYPES = {tuple, int, bool}
 
 
 class _OrderedDict(OrderedDict[Any, Any]):
