@@ -336,7 +336,7 @@ def metadata_damage(draw: st.DrawFn, data: bytes, boundaries: list[int]) -> byte
     return data[:at] + piece + data[after:]
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)  # ~4 s: each example fails or passes fast
 @given(data=st.data())
 def test_fuzz_dcp_metadata(sources: dict[str, Path], data: st.DataObject) -> None:
     import pickletools

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,19 +58,25 @@ def _ckpt(*args: str) -> tuple[int, str, int, float]:
     """(exit code, output without the RSS line, peak RSS in bytes, seconds) of ``ckpt args``."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     t0 = time.monotonic()
-    try:
-        run = subprocess.run(
-            [sys.executable, "-c", _RUNNER, *args],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"ckpt {' '.join(args)} ran past {TIMEOUT_S} s")
+    # its own session, so a command that runs past the limit is killed with its runner (a
+    # hashing loop in C would otherwise outlive the test and hold a core)
+    with subprocess.Popen(
+        [sys.executable, "-c", _RUNNER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    ) as run:
+        try:
+            out, err = run.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+            pytest.fail(f"ckpt {' '.join(args)} ran past {TIMEOUT_S} s")
     seconds = time.monotonic() - t0
-    head, _, rss = run.stderr.rstrip().rpartition("\nRSS ")
-    return run.returncode, (run.stdout + head).strip(), int(rss), seconds
+    head, _, rss = err.rstrip().rpartition("\nRSS ")
+    return run.returncode, (out + head).strip(), int(rss), seconds
 
 
 def _one_line_error(*args: str, exit_code: int = 1) -> str:
