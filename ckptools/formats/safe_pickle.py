@@ -15,8 +15,10 @@ Decoding is bounded (:class:`_Budget`): the C unpickler makes at most one object
 the work past the pickle's own length comes from constructors that copy (charged per object,
 and a size they are asked for may not exceed the bytes of the pickle) and from walks that expand
 shared references into a tree (``torch.save`` values are walked once, counted and depth-capped,
-before anyone else walks them). Limits are tunables (:mod:`ckptools.tunables`) and a breach is a
-one-line :class:`~ckptools.errors.DecodingLimitError` naming the one to raise.
+before anyone else walks them). What the C unpickler does inside ``load()`` (sizing its memo,
+hashing keys) is bounded before it starts by :mod:`ckptools.formats.pickle_scan`. Limits are
+tunables (:mod:`ckptools.tunables`) and a breach is a one-line
+:class:`~ckptools.errors.DecodingLimitError` naming the one to raise.
 """
 
 from __future__ import annotations
