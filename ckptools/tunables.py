@@ -168,3 +168,12 @@ def space_check() -> bool:
     if raw not in _FLAG_WORDS:
         raise UsageError(f"{SPACE_CHECK_ENV}={raw!r}: expected 0 or 1")
     return _FLAG_WORDS[raw]
+
+
+#: Most nodes hashing one dict key or set element from a pickle may visit (a tuple's hash walks
+#: it as a tree, shared references once per path, and recurses in C once per level). A state
+#: dict's keys are strings, ints and short tuples; 10,000 nodes is far above them, and keeps
+#: hashing one key well under a millisecond and its recursion far from the C stack's end (a
+#: key nested a million tuples deep crashes the interpreter). Not settable: no checkpoint needs
+#: more.
+PICKLE_KEY_NODES = 10_000

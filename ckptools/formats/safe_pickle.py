@@ -15,8 +15,10 @@ Decoding is bounded (:class:`_Budget`): the C unpickler makes at most one object
 the work past the pickle's own length comes from constructors that copy (charged per object,
 and a size they are asked for may not exceed the bytes of the pickle) and from walks that expand
 shared references into a tree (``torch.save`` values are walked once, counted and depth-capped,
-before anyone else walks them). Limits are tunables (:mod:`ckptools.tunables`) and a breach is a
-one-line :class:`~ckptools.errors.DecodingLimitError` naming the one to raise.
+before anyone else walks them). What the C unpickler does inside ``load()`` (sizing its memo,
+hashing keys) is bounded before it starts by :mod:`ckptools.formats.pickle_scan`. Limits are
+tunables (:mod:`ckptools.tunables`) and a breach is a one-line
+:class:`~ckptools.errors.DecodingLimitError` naming the one to raise.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from ckptools.errors import (
     DecodingLimitError,
     UnsafeCheckpointError,
 )
-from ckptools.formats import torch_rebuild
+from ckptools.formats import pickle_scan, torch_rebuild
 from ckptools.formats.tensor_refs import DTypeName as DTypeName
 from ckptools.formats.tensor_refs import OtherTensor as OtherTensor
 from ckptools.formats.tensor_refs import StorageRef as StorageRef
 from ckptools.formats.tensor_refs import StorageType as StorageType
 from ckptools.formats.tensor_refs import TensorRef as TensorRef
+
+_UNSET: Any = object()  # an argument the pickle did not pass
 
 
 class Record:
@@ -57,8 +61,11 @@ class Record:
 
     _qualname = "Record"
 
-    def __init__(self, *args: Any) -> None:
-        self._args = args
+    def __init__(self, first: Any = _UNSET, second: Any = _UNSET, third: Any = _UNSET) -> None:
+        # Fixed arity, not *args: a memoised tuple of a million arguments passed to a record
+        # class again and again would be copied per call (and kept); CPython refuses a fourth
+        # positional argument before it builds anything, which ends the load at the first call.
+        self._args = tuple(a for a in (first, second, third) if a is not _UNSET)
 
     def __reduce__(self) -> Any:
         raise TypeError(f"{self._qualname} stand-ins are read-only and cannot be pickled")
@@ -185,18 +192,39 @@ def _copying(make: Callable[..., Any], what: str) -> Callable[..., Any]:
     """An allowlisted constructor that copies its argument, charging what it made: a memoised
     list fed to it again and again would otherwise grow memory with the square of the pickle."""
 
-    def build(*args: Any) -> Any:
+    # Fixed arity (bytearray takes the most: source, encoding, errors), so a memoised tuple of
+    # many arguments fails at once instead of being copied per call.
+    def build(source: Any = _UNSET, encoding: Any = _UNSET, errors: Any = _UNSET) -> Any:
+        args = tuple(a for a in (source, encoding, errors) if a is not _UNSET)
         budget = _budget()
         if args and isinstance(args[0], int) and not isinstance(args[0], bool):
             budget.size(args[0], what)  # bytearray(n): n zero bytes the pickle never held
         elif args and hasattr(args[0], "__len__"):
             budget.charge(len(args[0]))  # the work of the copy, charged before it is done
+            if make is not bytearray:  # the elements (pairs' keys) are hashed: bounded first
+                pickle_scan.charge_keys(args[0], budget, pairs=make is _OrderedDict)
         out = make(*args)
         budget.charge(len(out))
         return out
 
     build.__qualname__ = build.__name__ = what
     return build
+
+
+class _OrderedDict(OrderedDict[Any, Any]):
+    """An ``OrderedDict`` whose pickled state (``torch.save`` keeps a state dict's
+    ``_metadata`` there) is charged: the C default copies it in, so one state memoised and
+    built onto many dicts would cost the square of the pickle."""
+
+    def __setstate__(self, state: Any) -> None:
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        for part in parts:
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                raise CorruptCheckpointError(f"pickled state of an OrderedDict is {short(part)}")
+            _budget().charge(len(part))
+            self.__dict__.update(part)
 
 
 # torch.Size((d0, d1, ...)): the argument is always a tuple, which ``() + t`` returns itself at
@@ -291,6 +319,8 @@ class _NumpyDTypeStandIn(Record):
         # (version, byteorder, subarray, names, fields, elsize, alignment, flags)
         order = state[1] if isinstance(state, tuple) and len(state) > 1 else "|"
         code = self._args[0] if self._args else "?"
+        if not (isinstance(order, str) and isinstance(code, str)):  # str() of a DAG never ends
+            raise CorruptCheckpointError("numpy dtype state holds no type code")
         self.__dict__["code"] = f"{'<' if order == '=' else order}{code}"
 
 
@@ -325,8 +355,14 @@ def _enum_value(value: Any) -> Any:
 
 
 def _path(*parts: Any) -> str:
+    # The one allowlisted callable taking *args (a path has any number of parts): the copy of
+    # the arguments is charged first, so a memoised tuple of many parts passed again and again
+    # ends at the budget; and the joined length is bounded by the pickle's own.
+    budget = _budget()
+    budget.charge(len(parts))
     if not all(isinstance(p, str) for p in parts):
         raise CorruptCheckpointError("a path in the checkpoint is not made of strings")
+    budget.size(sum(map(len, parts)), "a path")
     return "/".join(parts)
 
 
@@ -375,7 +411,7 @@ _DCP_RECORDS = (
 )
 
 _COMMON: dict[str, Any] = {
-    "collections.OrderedDict": _copying(OrderedDict, "OrderedDict"),
+    "collections.OrderedDict": _copying(_OrderedDict, "OrderedDict"),
     "builtins.set": _copying(set, "set"),
     "builtins.complex": complex,
     # torch.Size pickles as torch.Size((d0, d1, ...)). Callers check the elements' types.
@@ -486,6 +522,8 @@ def restricted_loads(
     outer = getattr(_current, "budget", None)
     _current.budget = budget
     try:
+        if not pickle_scan.known_safe(data):
+            pickle_scan.scan(data, budget)
         value = _RestrictedUnpickler(data, allowed, source, persistent_load).load()
         if walk:
             _walk(value, budget)
@@ -510,6 +548,8 @@ def storage_persistent_load(pid: Any) -> StorageRef:
     _, storage_type, key, location, numel = pid
     if not isinstance(storage_type, StorageType):
         raise CorruptCheckpointError(f"unexpected storage type {short(storage_type)}")
+    if not (isinstance(key, str) and isinstance(location, str) and isinstance(numel, int)):
+        raise CorruptCheckpointError(f"unexpected persistent id {short(pid)}")
     return StorageRef(str(key), storage_type.dtype, str(location), int(numel))
 
 

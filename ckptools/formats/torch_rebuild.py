@@ -41,6 +41,8 @@ def _tensor_ref(
 ) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise CorruptCheckpointError("tensor without a storage in pickle")
+    if dtype is not None and not isinstance(dtype, str):  # str() of a shared tuple never ends
+        raise CorruptCheckpointError("tensor dtype in pickle is not a dtype name")
     name = str(dtype) if dtype is not None else storage.dtype
     if name is None:
         raise CorruptCheckpointError("tensor with untyped storage and no dtype")

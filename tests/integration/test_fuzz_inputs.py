@@ -280,3 +280,70 @@ def test_fuzz_distcp_items(sources: dict[str, Path], data: st.DataObject) -> Non
     rel = data.draw(st.sampled_from(sorted(p.name for p in src.iterdir() if p.is_file())))
     raw = (src / rel).read_bytes()
     _run(src, rel, data.draw(byte_damage(raw, 1024)))
+
+
+# --------------------------------------------------------------------------------------------------
+# DCP .metadata: a pickle, damaged at its opcodes
+# --------------------------------------------------------------------------------------------------
+
+
+def _shared_tuple(levels: int) -> bytes:
+    """t = (t, t) nested ``levels`` deep, each level two memo GETs (memo entries 200..)."""
+    out = b")q\xc8"
+    for k in range(200, 200 + levels):
+        out += b"0h" + bytes([k]) + b"h" + bytes([k]) + b"\x86q" + bytes([k + 1])
+    return out
+
+
+def _le(n: int, width: int) -> bytes:
+    return (n % (1 << (8 * width))).to_bytes(width, "little")
+
+
+@st.composite
+def opcode_piece(draw: st.DrawFn) -> bytes:
+    """Opcodes a stranger could splice in: memo stores and reads at any index, lengths and
+    counts far beyond the file, shared tuples hashed, runs of one opcode, or random bytes."""
+    index = draw(st.integers(0, 2**32 - 1) | st.sampled_from([0, 1, 255, 256, 2**16, 10**8]))
+    kind = draw(st.sampled_from(["put", "get", "length", "hash", "run", "bytes"]))
+    if kind == "put":
+        put = draw(st.sampled_from([b"r" + _le(index, 4), b"p%d\n" % index, b"q" + _le(index, 1)]))
+        return b"N" + put + draw(st.sampled_from([b"0", b""]))
+    if kind == "get":
+        return draw(st.sampled_from([b"j" + _le(index, 4), b"h" + _le(index, 1), b"g%d\n" % index]))
+    if kind == "length":
+        op, width = draw(
+            st.sampled_from([(b"X", 4), (b"\x8d", 8), (b"\x95", 8), (b"\x8b", 4), (b"B", 4)])
+        )
+        return op + _le(index * draw(st.sampled_from([1, 2**20])), width)
+    if kind == "hash":
+        container = draw(st.sampled_from([b"}", b"("]))
+        close = b"K\x01s0" if container == b"}" else b"\x91" + b"0"
+        return container + _shared_tuple(draw(st.integers(1, 40))) + close
+    if kind == "run":
+        op = draw(st.sampled_from([b"\x85", b"(", b"N", b"h\x00", b"\x94", b"2", b"0", b"t"]))
+        return op * draw(st.integers(1, 100_000))
+    return draw(st.binary(min_size=1, max_size=16))
+
+
+@st.composite
+def metadata_damage(draw: st.DrawFn, data: bytes, boundaries: list[int]) -> bytes:
+    """``data`` with an opcode piece inserted at an opcode boundary, or one opcode replaced."""
+    at = draw(st.sampled_from(boundaries))
+    piece = draw(opcode_piece())
+    if draw(st.booleans()):
+        return data[:at] + piece + data[at:]
+    after = next((b for b in boundaries if b > at), len(data))
+    return data[:at] + piece + data[after:]
+
+
+@settings(FUZZ, max_examples=100)  # ~4 s: each example fails or passes fast
+@given(data=st.data())
+def test_fuzz_dcp_metadata(sources: dict[str, Path], data: st.DataObject) -> None:
+    import pickletools
+
+    src = sources["dcp"]
+    raw = (src / ".metadata").read_bytes()
+    boundaries = [pos for _, _, pos in pickletools.genops(raw)]
+    damaged = data.draw(metadata_damage(raw, boundaries) | byte_damage(raw, len(raw)))
+    assert len(damaged) < 1 << 20
+    _run(src, ".metadata", damaged)

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,19 +58,25 @@ def _ckpt(*args: str) -> tuple[int, str, int, float]:
     """(exit code, output without the RSS line, peak RSS in bytes, seconds) of ``ckpt args``."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     t0 = time.monotonic()
-    try:
-        run = subprocess.run(
-            [sys.executable, "-c", _RUNNER, *args],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"ckpt {' '.join(args)} ran past {TIMEOUT_S} s")
+    # its own session, so a command that runs past the limit is killed with its runner (a
+    # hashing loop in C would otherwise outlive the test and hold a core)
+    with subprocess.Popen(
+        [sys.executable, "-c", _RUNNER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    ) as run:
+        try:
+            out, err = run.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+            pytest.fail(f"ckpt {' '.join(args)} ran past {TIMEOUT_S} s")
     seconds = time.monotonic() - t0
-    head, _, rss = run.stderr.rstrip().rpartition("\nRSS ")
-    return run.returncode, (run.stdout + head).strip(), int(rss), seconds
+    head, _, rss = err.rstrip().rpartition("\nRSS ")
+    return run.returncode, (out + head).strip(), int(rss), seconds
 
 
 def _one_line_error(*args: str, exit_code: int = 1) -> str:
@@ -293,6 +300,135 @@ def test_bytearray_in_dcp_metadata_is_not_allowed(dcp_ckpt: Path, tmp_path: Path
     (dcp_ckpt / ".metadata").write_bytes(_bytearray_pickle(3 << 30))
     msg = _one_line_error("inspect", str(dcp_ckpt))
     assert ".metadata" in msg and "builtins.bytearray" in msg
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside the C unpickler: memo size, hashing, argument tuples
+# --------------------------------------------------------------------------------------------------
+#
+# Each hostile piece is spliced into a real pickle right after its PROTO opcode, as a statement
+# that leaves the stack as it found it, so everything else the file holds is torch's own.
+
+
+def _splice(pickle_bytes: bytes, piece: bytes) -> bytes:
+    assert pickle_bytes[0] == 0x80  # PROTO n
+    return pickle_bytes[:2] + piece + pickle_bytes[2:]
+
+
+def _memo_piece(index: int, text: bool) -> bytes:
+    """``None`` stored at memo ``index`` (LONG_BINPUT, or the text PUT), then popped."""
+    if text:
+        return b"Np%d\n0" % index
+    return b"Nr" + index.to_bytes(4, "little") + b"0"
+
+
+def _shared_tuple(levels: int, first_memo: int) -> bytes:
+    """Pushes t = (t, t) nested ``levels`` deep from (), each level a memo GET of the one below
+    (memo entries ``first_memo``..): ~8 bytes a level, 2**levels nodes as a tree."""
+    out = b")q" + bytes([first_memo])
+    for k in range(first_memo, first_memo + levels):
+        out += b"0h" + bytes([k]) + b"h" + bytes([k]) + b"\x86q" + bytes([k + 1])
+    return out
+
+
+def _hash_piece(use: str) -> bytes:
+    """A 40-level shared tuple hashed as a dict key, a set element, or two equal keys."""
+    if use == "dict key":
+        return b"}" + _shared_tuple(40, 200) + b"K\x01s0"
+    if use == "frozenset element":  # MARK t FROZENSET (protocol 4)
+        return b"(" + _shared_tuple(40, 200) + b"\x91" + b"0"
+    # two tuples of equal structure built apart (hash equal, so compared as trees)
+    first, second = _shared_tuple(30, 100), _shared_tuple(30, 140)
+    return b"}(" + first + b"K\x01" + second + b"K\x02u0"
+
+
+def _args_piece(global_line: bytes, n_args: int, calls: int, arg: bytes = b"N") -> bytes:
+    """A memoised tuple of ``n_args`` arguments passed to ``global_line``'s callable ``calls``
+    times (REDUCE each, result popped): ``n_args * calls`` copies for a *args callable."""
+    out = b"(" + arg * n_args + b"tq\xf0c" + global_line + b"q\xf1"
+    return out + b"h\xf1h\xf0R0" * calls
+
+
+@pytest.mark.parametrize("text", [False, True], ids=["LONG_BINPUT", "PUT"])
+def test_huge_memo_index_in_dcp_metadata(dcp_ckpt: Path, tmp_path: Path, text: bool) -> None:
+    # 8 bytes that made the unpickler allocate and zero 1.6 GB of memo
+    path = dcp_ckpt / ".metadata"
+    path.write_bytes(_splice(path.read_bytes(), _memo_piece(100_000_000, text)))
+    for msg in _all_verbs(dcp_ckpt, tmp_path):
+        assert ".metadata" in msg and "memo index 100000000" in msg, msg
+
+
+def test_huge_memo_index_in_data_pkl(pt_file: Path, tmp_path: Path) -> None:
+    with zipfile.ZipFile(pt_file) as z:
+        (name,) = (n for n in z.namelist() if n.endswith("/data.pkl"))
+        original = z.read(name)
+    _replace_data_pkl(pt_file, _splice(original, _memo_piece(100_000_000, text=False)))
+    for msg in _all_verbs(pt_file, tmp_path, dcp_only=False):
+        assert pt_file.name in msg and "memo index 100000000" in msg, msg
+
+
+@pytest.mark.parametrize("use", ["dict key", "frozenset element", "equal keys"])
+def test_shared_tuple_hashed_in_dcp_metadata(dcp_ckpt: Path, tmp_path: Path, use: str) -> None:
+    # < 1 KB that hashed 2**40 nodes (or compared two 2**30-node trees): it never ended
+    path = dcp_ckpt / ".metadata"
+    path.write_bytes(_splice(path.read_bytes(), _hash_piece(use)))
+    assert path.stat().st_size < 1 << 20
+    for msg in _all_verbs(dcp_ckpt, tmp_path):
+        assert ".metadata" in msg and "refusing to decode" in msg, msg
+
+
+def test_shared_tuple_key_in_data_pkl(pt_file: Path, tmp_path: Path) -> None:
+    with zipfile.ZipFile(pt_file) as z:
+        (name,) = (n for n in z.namelist() if n.endswith("/data.pkl"))
+        original = z.read(name)
+    _replace_data_pkl(pt_file, _splice(original, _hash_piece("dict key")))
+    for msg in _all_verbs(pt_file, tmp_path, dcp_only=False):
+        assert pt_file.name in msg and tunables.MAX_PICKLE_OBJECTS_ENV in msg, msg
+
+
+def test_deep_key_in_data_pkl(pt_file: Path, tmp_path: Path) -> None:
+    # a key nested 900,000 tuples deep: hashing it recursed past the C stack (a crash)
+    with zipfile.ZipFile(pt_file) as z:
+        (name,) = (n for n in z.namelist() if n.endswith("/data.pkl"))
+        original = z.read(name)
+    piece = b"}N" + b"\x85" * 900_000 + b"K\x01s0"
+    _replace_data_pkl(pt_file, _splice(original, piece))
+    msg = _one_line_error("inspect", str(pt_file))
+    assert pt_file.name in msg and "would hash more than 10000 nodes" in msg, msg
+
+
+def test_big_argument_tuple_to_a_record_class(dcp_ckpt: Path, tmp_path: Path) -> None:
+    # 200k arguments passed 100k times (700 KB): 2e10 copies when the class took *args
+    path = dcp_ckpt / ".metadata"
+    line = b"torch.distributed.checkpoint.metadata\nMetadataIndex\n"
+    path.write_bytes(_splice(path.read_bytes(), _args_piece(line, 200_000, 100_000)))
+    assert path.stat().st_size < 1 << 20
+    for msg in _all_verbs(dcp_ckpt, tmp_path):
+        assert ".metadata" in msg and "200001 were given" in msg, msg
+
+
+def test_big_argument_tuple_to_a_path(dcp_ckpt: Path, tmp_path: Path) -> None:
+    # pathlib takes any number of parts: 100k parts (a memoised string each) joined 100k times
+    path = dcp_ckpt / ".metadata"
+    piece = b"X\x04\x00\x00\x00partq\xef0" + _args_piece(
+        b"pathlib\nPosixPath\n", 100_000, 100_000, b"h\xef"
+    )
+    path.write_bytes(_splice(path.read_bytes(), piece))
+    assert path.stat().st_size < 1 << 20
+    msg = _one_line_error("inspect", str(dcp_ckpt))
+    assert ".metadata" in msg and tunables.MAX_PICKLE_OBJECTS_ENV in msg, msg
+
+
+def test_big_argument_tuple_in_data_pkl(pt_file: Path, tmp_path: Path) -> None:
+    # io.BytesIO's stand-in is a record class: it took (and kept) *args
+    with zipfile.ZipFile(pt_file) as z:
+        (name,) = (n for n in z.namelist() if n.endswith("/data.pkl"))
+        original = z.read(name)
+    piece = _args_piece(b"_io\nBytesIO\n", 200_000, 100_000)
+    _replace_data_pkl(pt_file, _splice(original, piece))
+    assert pt_file.stat().st_size < 1 << 20
+    msg = _one_line_error("inspect", str(pt_file))
+    assert pt_file.name in msg and "200001 were given" in msg, msg
 
 
 # --------------------------------------------------------------------------------------------------

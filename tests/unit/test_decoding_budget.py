@@ -3,15 +3,20 @@ depth capped; the world size a conversion plans for bounded."""
 
 from __future__ import annotations
 
+import io
 import pickle
+import zipfile
 from collections import OrderedDict
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckptools import tunables
 from ckptools.errors import CorruptCheckpointError, DecodingLimitError, UsageError
-from ckptools.formats import safe_pickle
+from ckptools.formats import pickle_scan, safe_pickle
 
 ARCHIVE = safe_pickle.ARCHIVE_GLOBALS
 
@@ -166,3 +171,170 @@ def test_record_state_of_another_form_is_corrupt() -> None:
     data = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadataIndex\n)\x81K\x05b."
     with pytest.raises(CorruptCheckpointError, match="MetadataIndex is a int, not a dict"):
         safe_pickle.restricted_loads(data, safe_pickle.METADATA_GLOBALS, source="m")
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside the C unpickler (formats/pickle_scan.py): memo size, hashing, argument tuples
+# --------------------------------------------------------------------------------------------------
+
+METADATA = safe_pickle.METADATA_GLOBALS
+
+
+def _shared_tuple(levels: int) -> bytes:
+    """Pushes t = (t, t) nested ``levels`` deep from (), each level two memo GETs of the one
+    below: 2**(levels + 1) - 1 nodes when hashed as a tree."""
+    out = b")q\x00"
+    for k in range(levels):
+        out += b"0h" + bytes([k]) + b"h" + bytes([k]) + b"\x86q" + bytes([k + 1])
+    return out
+
+
+def _tree(levels: int) -> tuple[Any, ...]:
+    t: tuple[Any, ...] = ()
+    for _ in range(levels):
+        t = (t, t)
+    return t
+
+
+@pytest.mark.parametrize("piece", [b"Nr\x00\xe1\xf5\x05", b"Np100000000\n"])
+def test_memo_index_is_bounded_by_the_pickle(piece: bytes) -> None:
+    # 8 bytes made the C unpickler allocate and zero 1.6 GB of memo
+    with pytest.raises(DecodingLimitError, match=r"x\.pkl.*memo index 100000000") as e:
+        _loads(b"\x80\x02" + piece + b".")
+    assert e.value.tunable is None and e.value.path == "x.pkl"
+    assert _loads(b"\x80\x02Nr\x05\x00\x00\x00.") is None  # an index within its own length
+
+
+def test_shared_tuple_key_is_refused_before_it_is_hashed() -> None:
+    # 40 levels: 2**41 nodes, beyond the object budget (the C unpickler hashed for ever)
+    with pytest.raises(DecodingLimitError, match=tunables.MAX_PICKLE_OBJECTS_ENV):
+        _loads(b"\x80\x02}" + _shared_tuple(40) + b"K\x01s.")
+    # 14 levels: 32,767 nodes fit the budget but are no key
+    with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes") as e:
+        _loads(b"\x80\x02}" + _shared_tuple(14) + b"K\x01s.")
+    assert e.value.tunable is None
+    assert _loads(b"\x80\x02}" + _shared_tuple(3) + b"K\x01s.") == {_tree(3): 1}
+
+
+def test_keys_hashed_by_constructors_are_weighed() -> None:
+    # the frozenset opcode, set(list) and OrderedDict(pairs) all hash what they are given
+    for data in (
+        b"\x80\x04(" + _shared_tuple(14) + b"\x91.",
+        b"\x80\x02cbuiltins\nset\n]" + _shared_tuple(14) + b"a\x85R.",
+        b"\x80\x02ccollections\nOrderedDict\n]" + _shared_tuple(14) + b"N\x86a\x85R.",
+    ):
+        with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
+            _loads(data)
+    assert _loads(b"\x80\x02cbuiltins\nset\n]" + _shared_tuple(3) + b"a\x85R.") == {_tree(3)}
+
+
+def test_deep_key_is_refused() -> None:
+    # a key a million tuples deep crashed the interpreter (hashing recurses in C)
+    with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
+        _loads(b"\x80\x02}N" + b"\x85" * 20_000 + b"K\x01s.")
+
+
+def test_key_size_limit_boundary() -> None:
+    assert tunables.PICKLE_KEY_NODES == 10_000
+    (key,) = _loads(b"\x80\x02}(" + b"N" * 9_999 + b"tK\x01s.")  # 10,000 nodes
+    assert len(key) == 9_999
+    with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
+        _loads(b"\x80\x02}(" + b"N" * 10_000 + b"tK\x01s.")
+
+
+def test_big_int_keys_are_weighed() -> None:
+    # an int's hash reads all its digits, every time: a 100 KB int is no key
+    big = (1 << 800_000) - 1
+    with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
+        _loads(pickle.dumps({big: 1}, protocol=2))
+    assert _loads(pickle.dumps({2**63: 1, -5: 2}, protocol=2)) == {2**63: 1, -5: 2}
+
+
+@pytest.mark.parametrize(
+    ("global_line", "table"),
+    [
+        (b"torch.distributed.checkpoint.metadata\nMetadataIndex\n", METADATA),
+        (b"builtins\nset\n", ARCHIVE),
+        (b"collections\nOrderedDict\n", ARCHIVE),
+        (b"builtins\nbytearray\n", ARCHIVE),
+    ],
+)
+def test_a_memoised_argument_tuple_fails_at_the_first_call(
+    global_line: bytes, table: dict[str, Any]
+) -> None:
+    # *args would copy the 1000 arguments per call (quadratic for a long run of calls)
+    data = b"\x80\x02(" + b"N" * 1000 + b"tq\x00c" + global_line + b"q\x01"
+    data += b"h\x01h\x00R0" * 3 + b"N."
+    with pytest.raises(CorruptCheckpointError, match=r"arguments but 100[01] were given"):
+        safe_pickle.restricted_loads(data, table, source="x.pkl")
+
+
+def test_path_parts_are_charged() -> None:
+    # pathlib takes any number of parts: 10,000 of them (one memoised string) joined 1000 times
+    data = b"\x80\x02X\x01\x00\x00\x00pq\x000(" + b"h\x00" * 10_000 + b"tq\x01"
+    data += b"cpathlib\nPosixPath\nq\x02" + b"h\x02h\x01R0" * 1000 + b"N."
+    with pytest.raises(DecodingLimitError, match=tunables.MAX_PICKLE_OBJECTS_ENV):
+        safe_pickle.restricted_loads(data, METADATA, source="m")
+    path = pickle.dumps(PurePosixPath("ckpt/step-1/__0_0.distcp"), protocol=2)
+    assert safe_pickle.restricted_loads(path, METADATA, source="m") == "ckpt/step-1/__0_0.distcp"
+
+
+def test_ordered_dict_state_is_charged() -> None:
+    # one state of 1000 keys memoised and built onto 2000 OrderedDicts: 2M copies from 19 KB
+    keys = b"".join(b"X\x04\x00\x00\x00%04dN" % i for i in range(1000))
+    data = b"\x80\x02ccollections\nOrderedDict\nq\x00}q\x01(" + keys + b"u"
+    data += b"h\x00)Rh\x01b0" * 2000 + b"N."
+    with pytest.raises(DecodingLimitError, match=tunables.MAX_PICKLE_OBJECTS_ENV):
+        _loads(data)
+    # a state dict's own state (torch.save keeps ``_metadata`` there) still decodes
+    sd: OrderedDict[str, Any] = OrderedDict(w=1)
+    sd._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    out = _loads(pickle.dumps(sd, protocol=2))
+    assert out == sd and out._metadata == {"": {"version": 1}}
+
+
+def test_pickles_without_sharing_or_hashing_skip_the_scan() -> None:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.arange(12.0).reshape(3, 4)[1:], buf)
+    with zipfile.ZipFile(buf) as z:
+        (name,) = (n for n in z.namelist() if n.endswith("data.pkl"))
+        item = z.read(name)
+    assert pickle_scan.known_safe(item)  # a DCP item's data.pkl: no GET, no dict key
+    shared = [1, 2]
+    for needs in (
+        pickle.dumps({"a": 1}, protocol=2),  # a key is hashed
+        pickle.dumps([shared, shared], protocol=2),  # a memo GET
+        b"\x80\x02Nr\x00\x00\x01\x00.",  # a memo index from 2**16
+        item[:-1],  # no STOP
+    ):
+        assert not pickle_scan.known_safe(needs)
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=3)
+        | st.frozensets(st.integers() | st.text(max_size=3), max_size=3)
+        | st.sets(st.tuples(st.integers(), st.text(max_size=2)), max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=_values, protocol=st.integers(0, 5), share=st.booleans())
+def test_scan_follows_every_pickle_python_writes(value: Any, protocol: int, share: bool) -> None:
+    # the scan's model of the unpickler's stack and memo reaches STOP on whatever pickle writes
+    # (shared references included), and what it lets through decodes as pickle does
+    obj = [value, value] if share else value
+    data = pickle.dumps(obj, protocol=protocol)
+    pickle_scan._scan(data, safe_pickle._Budget("x.pkl", len(data)))
+    assert _loads(data) == pickle.loads(data)

@@ -1,0 +1,395 @@
+"""A pass over a pickle's opcodes that bounds what CPython's C unpickler does inside ``load()``.
+
+Three things happen in the C unpickler before any ckptools code sees the value, so neither the
+allowlist nor the object budget can stop them:
+
+* **Memo size**: ``PUT``/``LONG_BINPUT`` with index ``i`` resizes the memo array to ``2 * i``
+  pointers and zeroes it: 8 bytes of pickle naming index 10**8 take 1.5 GiB.
+* **Hashing**: ``SETITEM(S)``, ``DICT``, ``ADDITEMS`` and ``FROZENSET`` hash their keys, and a
+  tuple's hash walks it as a tree: ``t = (t, t)`` repeated 40 times with memo ``GET`` s (under
+  1 KB) hashes 2**40 nodes, a comparison between two such keys as many; a key nested a million
+  tuples deep overflows the C stack.
+* **Big ints**: an int's hash reads all its digits, every time.
+
+:func:`scan` follows the unpickler's stack with one number per object, the nodes hashing it
+visits (shared references counted once per path; lists, dicts and sets count 1 since hashing
+them fails at once, records 1 since they hash by identity). It refuses a memo index beyond the
+pickle's own length, a hashed key of more than :data:`ckptools.tunables.PICKLE_KEY_NODES` nodes,
+hashing more nodes in all than the object budget, and a tuple larger than the budget, each with
+one line naming the file. It does not judge values (the allowlist and the budget do): a pickle
+it cannot follow (unknown opcode, stack underflow, truncated argument) is left to the
+unpickler, which stops at the same place.
+
+Cost: one Python step per opcode (a 7.7 MiB DCP ``.metadata`` of 3.8M opcodes takes about as
+long as the C unpickler's load). Callers skip it where a C-speed match proves it unneeded
+(:func:`known_safe`: no memo GET, no hashing), as for a DCP item's ``data.pkl``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Protocol
+
+from ckptools import tunables
+from ckptools.errors import CkptError, DecodingLimitError
+
+
+class Budget(Protocol):
+    """What the scan needs of :class:`ckptools.formats.safe_pickle._Budget`."""
+
+    source: str
+    pickle_bytes: int
+
+    @property
+    def objects(self) -> int: ...
+
+    def charge(self, objects: int) -> None: ...
+
+
+# Opcodes that push one object whose hash costs one node (None, bools, small ints, floats,
+# empty containers, extension-registry globals), by the bytes of their argument.
+_PUSH_ARG = [-1] * 256
+for _op, _n in {
+    b"N": 0, b"\x88": 0, b"\x89": 0, b"}": 0, b"]": 0, b")": 0, b"\x8f": 0, b"\x97": 0,
+    b"K": 1, b"M": 2, b"J": 4, b"G": 8, b"\x82": 1, b"\x83": 2, b"\x84": 4,
+}.items():  # fmt: skip
+    _PUSH_ARG[_op[0]] = _n
+# str and bytes (they keep their hash), by the bytes of their length prefix
+_SIZED = {b"\x8c"[0]: 1, b"C"[0]: 1, b"U"[0]: 1, b"X"[0]: 4, b"B"[0]: 4, b"T"[0]: 4,
+          b"\x8d"[0]: 8, b"\x8e"[0]: 8, b"\x96"[0]: 8}  # fmt: skip
+_TEXT_PUSH = {b"F"[0], b"S"[0], b"V"[0], b"P"[0]}  # a line of text, one object
+
+
+class _Stop(Exception):
+    """The pickle stops making sense here; the unpickler will refuse it at the same opcode."""
+
+
+def scan(data: bytes, budget: Budget) -> None:
+    """Follow ``data``'s opcodes as the C unpickler would and refuse, before it runs, a memo
+    index it would have to allocate, or keys whose hashing would not end.
+
+    Raises:
+        DecodingLimitError: a limit would be exceeded (the message names it).
+    """
+    try:
+        _scan(data, budget)
+    except CkptError:
+        raise
+    except (_Stop, IndexError, KeyError, ValueError):
+        # an underflow, a memo entry read before it was written, an argument past the end or
+        # not a number: the unpickler stops at the same opcode with its own error
+        return
+
+
+def _memo_too_big(budget: Budget, index: int) -> DecodingLimitError:
+    return DecodingLimitError(
+        f"{budget.source}: refusing to decode: the pickle ({budget.pickle_bytes} bytes) stores "
+        f"at memo index {index}, which would allocate {16 * index} bytes; a pickle numbers its "
+        "memo from 0, one entry per object it holds",
+        tunable=None,
+        path=budget.source,
+    )
+
+
+def _key_too_big(budget: Budget) -> DecodingLimitError:
+    return DecodingLimitError(
+        f"{budget.source}: refusing to decode: a dict key or set element would hash more than "
+        f"{tunables.PICKLE_KEY_NODES} nodes (shared references walked as a tree, or nested that "
+        "deep); a checkpoint's keys need far fewer",
+        tunable=None,
+        path=budget.source,
+    )
+
+
+def _line(data: bytes, i: int) -> tuple[bytes, int]:
+    end = data.index(b"\n", i)
+    return data[i:end], end + 1
+
+
+class _Hashing:
+    """Nodes hashed so far: each key's hash, and one comparison with an equal key."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.cap = tunables.PICKLE_KEY_NODES
+        self.total = 0
+
+    def keys(self, weights: list[int]) -> None:
+        for w in weights:
+            if w > self.cap:
+                raise _key_too_big(self.budget)
+            self.total += 2 * w
+        if self.total > self.budget.objects:
+            self.budget.charge(self.budget.objects + 1)  # raises, naming the tunable
+
+
+def _scan(data: bytes, budget: Budget) -> None:
+    # One branch per opcode, the frequent first (a DCP .metadata: MEMOIZE, GETs, small ints,
+    # MARK, TUPLE2, TUPLE1, REDUCE, NEWOBJ, BUILD, SETITEMS); ``continue`` keeps each short.
+    stack: list[int] = []  # per object on the unpickler's stack: nodes hashing it visits
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    hashing = _Hashing(budget)
+    limit = budget.objects
+    push, pop, push_arg = stack.append, stack.pop, _PUSH_ARG
+    i = 0
+    while True:
+        op = data[i]
+        i += 1
+        if op == 0x94:  # MEMOIZE: the next index, as the unpickler counts its entries
+            memo[len(memo)] = stack[-1]
+            continue
+        n = push_arg[op]
+        if n >= 0:
+            push(1)
+            i += n
+            continue
+        if op == 0x68:  # BINGET
+            push(memo[data[i]])
+            i += 1
+            continue
+        if op == 0x6A:  # LONG_BINGET
+            push(memo[int.from_bytes(data[i : i + 4], "little")])
+            i += 4
+            continue
+        if op == 0x28:  # MARK
+            marks.append(len(stack))
+            continue
+        if op == 0x71:  # BINPUT (protocols 2 and 3; an index below 256 allocates nothing)
+            memo[data[i]] = stack[-1]
+            i += 1
+            continue
+        if op == 0x86 or op == 0x85:  # TUPLE2, TUPLE1: one node plus its items'
+            w = 1 + (pop() + stack[-1] if op == 0x86 else stack[-1])
+            if w > limit:
+                budget.charge(limit + 1)  # raises, naming the tunable
+            stack[-1] = w
+            continue
+        if op == 0x87 or op == 0x74:  # TUPLE3, TUPLE
+            k = 3 if op == 0x87 else len(stack) - marks.pop()
+            if k > len(stack):
+                raise _Stop
+            w = 1 + sum(stack[len(stack) - k :])
+            del stack[len(stack) - k :]
+            if w > limit:
+                budget.charge(limit + 1)  # raises, naming the tunable
+            push(w)
+            continue
+        if op == 0x52:  # REDUCE: a callable may return its argument (torch.Size does)
+            w = pop()
+            stack[-1] = w
+            continue
+        if op == 0x81 or op == 0x93:  # NEWOBJ (an instance hashes by identity), STACK_GLOBAL
+            pop()
+            stack[-1] = 1
+            continue
+        if op == 0x62 or op == 0x61:  # BUILD, APPEND
+            pop()
+            stack[-1]
+            continue
+        if op == 0x75 or op == 0x64 or op == 0x90 or op == 0x91:
+            # SETITEMS, DICT (keys at even offsets), ADDITEMS, FROZENSET: hashed
+            at = marks.pop()
+            hashing.keys(stack[at::2] if op == 0x75 or op == 0x64 else stack[at:])
+            del stack[at:]
+            if op == 0x64 or op == 0x91:
+                push(1)  # unhashable, or (a frozenset) keeping its hash
+            continue
+        if op in _SIZED:
+            k = _SIZED[op]
+            if i + k > len(data):
+                raise _Stop
+            i += k + int.from_bytes(data[i : i + k], "little")
+            push(1)
+            continue
+        if op == 0x2E:  # STOP
+            return
+        i = _rare(op, data, i, stack, marks, memo, hashing)
+
+
+def _rare(
+    op: int,
+    data: bytes,
+    i: int,
+    stack: list[int],
+    marks: list[int],
+    memo: dict[int, int],
+    hashing: _Hashing,
+) -> int:
+    """The opcodes a checkpoint's pickles seldom use; returns the offset of the next one."""
+    budget = hashing.budget
+    push, pop = stack.append, stack.pop
+    if op == 0x73:  # SETITEM
+        pop()
+        hashing.keys([pop()])
+        stack[-1]
+        return i
+    if op == 0x71 or op == 0x72 or op == 0x70:  # BINPUT, LONG_BINPUT, PUT
+        if op == 0x71:
+            idx = data[i]
+            i += 1
+        elif op == 0x72:
+            if i + 4 > len(data):
+                raise _Stop
+            idx = int.from_bytes(data[i : i + 4], "little")
+            i += 4
+        else:
+            text, i = _line(data, i)
+            idx = int(text)
+        if idx > len(data):  # the C memo would be resized to 2 * idx pointers
+            raise _memo_too_big(budget, idx)
+        if idx < 0:
+            raise _Stop
+        memo[idx] = stack[-1]
+        return i
+    if op == 0x65 or op == 0x31:  # APPENDS, POP_MARK
+        del stack[marks.pop() :]
+        return i
+    if op == 0x6C:  # LIST
+        del stack[marks.pop() :]
+        push(1)
+        return i
+    if op == 0x95 or op == 0x80:  # FRAME, PROTO
+        i += 8 if op == 0x95 else 1
+        return i
+    if op == 0x30:  # POP: the mark, when one is on top (as the unpickler does)
+        if marks and marks[-1] == len(stack):
+            marks.pop()
+        else:
+            pop()
+        return i
+    if op == 0x32:  # DUP
+        push(stack[-1])
+        return i
+    if op == 0x67:  # GET
+        text, i = _line(data, i)
+        push(memo[int(text)])
+        return i
+    if op == 0x8A or op == 0x8B or op == 0x49 or op == 0x4C:  # LONG1, LONG4, INT, LONG
+        if op == 0x8A or op == 0x8B:
+            k = 1 if op == 0x8A else 4
+            if i + k > len(data):
+                raise _Stop
+            size = int.from_bytes(data[i : i + k], "little")
+            i += k + size
+        else:
+            text, i = _line(data, i)
+            size = len(text)
+        push(1 + size // 4)  # an int's hash reads every digit, every time
+        return i
+    if op in _TEXT_PUSH:
+        _, i = _line(data, i)
+        push(1)
+        return i
+    if op == 0x51:  # BINPERSID: a storage reference of strings and ints
+        stack[-1] = 1
+        return i
+    if op == 0x92:  # NEWOBJ_EX
+        del stack[-2:]
+        stack[-1] = 1
+        return i
+    if op == 0x63 or op == 0x69:  # GLOBAL, INST: module and name lines
+        _, i = _line(data, i)
+        _, i = _line(data, i)
+        if op == 0x63:
+            push(1)
+            return i
+    if op == 0x6F or op == 0x69:  # OBJ, INST: a call, bounded by its arguments
+        at = marks.pop()
+        w = 1 + sum(stack[at:])
+        del stack[at:]
+        push(min(w, budget.objects + 1))
+        return i
+    if op == 0x98:  # READONLY_BUFFER
+        stack[-1]
+        return i
+    raise _Stop  # not an opcode: the unpickler refuses it here
+
+
+# --------------------------------------------------------------------------------------------------
+# When the scan is needed
+# --------------------------------------------------------------------------------------------------
+#
+# Most pickles a checkpoint holds need no scan: a ``torch.save`` of one tensor (a DCP item's
+# ``data.pkl``, hundreds of thousands per reshard) has no memo GET, so nothing in it is shared,
+# and no dict or set, so nothing is hashed. One regular expression proves that at C speed: it
+# matches a pickle made only of opcodes that can neither share, hash, nor grow the memo past
+# 2**16, with their arguments skipped exactly (strings up to 255 bytes; a longer one, or any
+# other opcode, sends the pickle to :func:`scan`).
+
+
+def _sized(ops: bytes, prefix: int) -> bytes:
+    """One of ``ops`` followed by a ``prefix``-byte length and that many bytes (< 256)."""
+    lengths = b"|".join(re.escape(n.to_bytes(prefix, "little")) + b".{%d}" % n for n in range(256))
+    return b"[" + re.escape(ops) + b"](?:" + lengths + b")"
+
+
+# Each alternative starts with its own opcode bytes, so the match splits the pickle into the
+# same opcodes the unpickler reads. Left out: memo GETs and DUP (sharing), DICT, SETITEM(S),
+# ADDITEMS and FROZENSET (hashing), PUT and LONG_BINPUT from 2**16 (memo size), INST, big ints
+# and text arguments (rare, and scanned).
+_UNSHARED_TOKENS = b"|".join(
+    [
+        rb"[N\x88\x89\)\]\}\x8f\x85\x86\x87t(Rb\x81\x9301Qaelo\x92\x94\x97\x98]",
+        rb"[Kq\x82\x80].",
+        rb"[M\x83]..",
+        rb"[J\x84].{4}",
+        rb"r..\x00\x00",
+        rb"[G\x95].{8}",
+        _sized(b"\x8cCU\x8a", 1),
+        _sized(b"XBT", 4),
+        rb"c[^\n]{1,512}\n[^\n]{1,512}\n",
+    ]
+)
+
+
+@functools.cache
+def _unshared() -> re.Pattern[bytes]:
+    # compiled on first use (tens of ms): `ckpt --help` never needs it
+    return re.compile(b"(?:" + _UNSHARED_TOKENS + rb")*+\.", re.DOTALL)
+
+
+def known_safe(data: bytes) -> bool:
+    """Whether ``data`` provably needs no :func:`scan`: a C-speed match (~1 µs for a DCP
+    item's ``data.pkl``) shows it shares nothing through the memo and hashes nothing."""
+    return _unshared().fullmatch(data) is not None
+
+
+def key_nodes(value: object, budget: Budget) -> int:
+    """Nodes that hashing ``value`` visits (tuples as trees, an int per 4 bytes of digits), for
+    a constructor about to hash it; refuses, as :func:`scan` does, more than
+    :data:`~ckptools.tunables.PICKLE_KEY_NODES`."""
+    cap = tunables.PICKLE_KEY_NODES
+    nodes = 0
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        nodes += 1
+        if type(v) is tuple:
+            todo.extend(v)
+        elif isinstance(v, int):
+            nodes += v.bit_length() // 32
+        if nodes > cap:
+            raise _key_too_big(budget)
+    return nodes
+
+
+def charge_keys(items: Any, budget: Budget, *, pairs: bool) -> None:
+    """Bound the hashing a set, frozenset or OrderedDict constructor is about to do on the
+    elements of ``items`` (the keys of its pairs), as :func:`scan` bounds the
+    unpickler's own: a shared tuple as an element would hash as a tree."""
+    if isinstance(items, dict):
+        return  # its keys were hashed, within bounds, when it was built
+    # only tuples and ints hash in more than one step; the types are gathered at C speed, so a
+    # memoised list of 100k Nones copied again and again costs no Python loop per copy
+    if pairs:
+        items = [i[0] for i in items if isinstance(i, tuple | list) and i]
+    if not set(map(type, items)) & _WEIGHED_KEY_TYPES:
+        return
+    for key in items:
+        if type(key) is tuple or isinstance(key, int):
+            budget.charge(2 * key_nodes(key, budget))
+
+
+_WEIGHED_KEY_TYPES = {tuple, int, bool}
