@@ -238,8 +238,8 @@ def test_ctrl_c_inside_an_item_never_journals_its_file(
     src: Produced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One worker: the interrupt lands in the middle of the last item of rank file 2 (files 0
-    # and 1 are done and journaled), after its archive head is written. That file must not be synced and journaled as complete, or the
-    # rerun would keep a half-written item.
+    # and 1 are done and journaled), after its archive head is written. That file must not be
+    # synced and journaled as complete, or the rerun would keep a half-written item.
     from ckptools.engine import dcp_writer
 
     real = dcp_writer._write_tensor
