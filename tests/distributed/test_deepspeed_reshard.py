@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,38 @@ def test_inspect_and_consolidate_keep_to_the_model(
     result = ckptools.consolidate(path, str(tmp_path / "hf"), quiet=True)
     assert result.to_dict()["tensors"] == len(model)
     assert ckptools.verify(path, quiet=True).ok
+
+
+def test_step_saved_as_a_number_is_written_as_a_tensor(
+    zero: Callable[[int], str], tmp_path: Path
+) -> None:
+    """An optimizer that keeps ``step`` as a number (older torch; re-saved here by hand) still
+    gives ``dcp.load`` the 0-dim float32 tensor torch's AdamW expects, for every parameter."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import ckptools
+
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(zero(2), path)
+    for r in range(2):
+        rank_file = os.path.join(path, TAG, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        sd = torch.load(rank_file, weights_only=False)
+        state = sd["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        assert isinstance(state[0]["step"], torch.Tensor)
+        state[0]["step"] = 7
+        torch.save(sd, rank_file)
+    out = tmp_path / "dcp"
+    ckptools.reshard(path, str(out), world_size=2, quiet=True)
+    flat = tmp_path / "flat.pt"
+    dcp_to_torch_save(str(out), str(flat))
+    optim = torch.load(flat, weights_only=True)["optim"]
+    assert set(optim["state"]) == {
+        "embed.weight",
+        "mid.weight",
+        "mid.bias",
+        "norm.weight",
+        "norm.bias",
+    }
+    for name, entry in optim["state"].items():
+        assert _same_bits(entry["step"], torch.tensor(7.0)), name
