@@ -33,25 +33,37 @@ pytestmark = [
 ]
 
 STAGES = (1, 2, 3)
-#: one DeepSpeed launch (~20 s) and one FSDP2 job per case: all but one case are slow
+#: (source world, stage, dtype, target world): one DeepSpeed launch per source world (~20 s at
+#: 2, ~40 s at 3) and one FSDP2 job per case; all but one case are slow
 CASES = [
-    pytest.param(s, w, id=f"zero{s}-to-{w}", marks=[] if (s, w) == (2, 3) else [pytest.mark.slow])
+    pytest.param(
+        sw,
+        s,
+        d,
+        tw,
+        id=f"w{sw}-zero{s}-{d}-to-{tw}",
+        marks=[] if (sw, s, d, tw) == (2, 2, "fp32", 3) else [pytest.mark.slow],
+    )
+    for sw, dtypes, targets in ((2, ("fp32",), (2, 3)), (3, ("fp32", "bf16"), (2,)))
     for s in STAGES
-    for w in (2, 3)
+    for d in dtypes
+    for tw in targets
 ]
 
 
 @pytest.fixture(scope="module")
-def zero(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
-    """``zero(stage)``: the run directory of that fp32 checkpoint at world size 2, made once."""
-    made: list[str] = []
+def zero(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """``zero(stage, world=2, dtype="fp32")``: the run directory of that checkpoint, made once
+    per world size (fp32 at 2 ranks; fp32 and bf16 at 3)."""
+    made: dict[int, str] = {}
 
-    def get(stage: int) -> str:
-        if not made:
-            out = str(tmp_path_factory.mktemp("deepspeed-reshard"))
-            produce_zero(out, 2, [(s, "fp32") for s in STAGES])
-            made.append(out)
-        return case_dir(made[0], stage, "fp32")
+    def get(stage: int, world: int = 2, dtype: str = "fp32") -> str:
+        if world not in made:
+            out = str(tmp_path_factory.mktemp(f"deepspeed-reshard-w{world}"))
+            dts = ("fp32",) if world == 2 else ("fp32", "bf16")
+            produce_zero(out, world, [(s, d) for s in STAGES for d in dts])
+            made[world] = out
+        return case_dir(made[world], stage, dtype)
 
     return get
 
@@ -109,9 +121,14 @@ def _digests(path: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize(("stage", "world_size"), CASES)
+@pytest.mark.parametrize(("source_world", "stage", "dtype", "world_size"), CASES)
 def test_zero_checkpoint_resumes_in_fsdp2(
-    zero: Callable[[int], str], tmp_path: Path, stage: int, world_size: int
+    zero: Callable[..., str],
+    tmp_path: Path,
+    source_world: int,
+    stage: int,
+    dtype: str,
+    world_size: int,
 ) -> None:
     import torch
     from click.testing import CliRunner
@@ -119,7 +136,7 @@ def test_zero_checkpoint_resumes_in_fsdp2(
     from ckptools.cli.main import cli
     from tests.support.dist import run_ranks
 
-    path = zero(stage)
+    path = zero(stage, source_world, dtype)
     before = _digests(path)
     out = tmp_path / "dcp"
     args = ["reshard", path, str(out), "--world-size", str(world_size), "--json", "-q"]
@@ -150,7 +167,9 @@ def test_zero_checkpoint_resumes_in_fsdp2(
     ref = torch.load(os.path.join(path, "zero_to_fp32.pt"), weights_only=True)
     module = _module(path, stage)
     for name in ("frozen.weight", "frozen.bias", "scale"):
-        assert _same_bits(model[name], ref[name] if name in ref else module[name]), name
+        want = ref[name] if name in ref else module[name]
+        # saved in 16 bits by a bf16 run: loaded into the fp32 model, an exact widening
+        assert _same_bits(model[name], want.to(model[name].dtype)), name
     (group,) = got["optim"]["param_groups"]
     assert group["params"] == list(live)
     assert (group["lr"], group["weight_decay"], tuple(group["betas"])) == (1e-2, 0.1, (0.9, 0.999))
@@ -167,7 +186,7 @@ def _module(path: str, stage: int) -> dict[str, Any]:
 
 
 def test_inspect_and_consolidate_keep_to_the_model(
-    zero: Callable[[int], str], tmp_path: Path
+    zero: Callable[..., str], tmp_path: Path
 ) -> None:
     """The optimizer named in the manifest stays out of what exports the model."""
     import ckptools
@@ -185,7 +204,7 @@ def test_inspect_and_consolidate_keep_to_the_model(
 
 
 def test_step_saved_as_a_number_is_written_as_a_tensor(
-    zero: Callable[[int], str], tmp_path: Path
+    zero: Callable[..., str], tmp_path: Path
 ) -> None:
     """An optimizer that keeps ``step`` as a number (older torch; re-saved here by hand) still
     gives ``dcp.load`` the 0-dim float32 tensor torch's AdamW expects, for every parameter."""
