@@ -42,6 +42,13 @@ class TensorValue:
                 f"not {len(self.data)}"
             )
 
+    def __repr__(self) -> str:
+        # what inspect shows: the number for a scalar, never a dump of the bytes
+        code = _SCALAR_CODES.get(self.dtype)
+        if not self.shape and code is not None:
+            return f"tensor({struct.unpack(code, self.data)[0]}, dtype={self.dtype})"
+        return f"tensor(dtype={self.dtype}, shape={list(self.shape)}, {len(self.data)} bytes)"
+
     @classmethod
     def scalar(cls, value: float, dtype: str = "float32") -> TensorValue:
         """A 0-dim tensor holding ``value`` (a step counter saved as a number)."""

@@ -19,6 +19,8 @@ from ckptools.plan.dcp import plan_dcp
 def test_scalar_bytes_and_size_check() -> None:
     assert TensorValue.scalar(2).data == struct.pack("<f", 2.0)
     assert TensorValue.scalar(7, "int64").data == struct.pack("<q", 7)
+    assert repr(TensorValue.scalar(7)) == "tensor(7.0, dtype=float32)"  # what inspect shows
+    assert repr(TensorValue("int32", (2,), b"\0" * 8)) == "tensor(dtype=int32, shape=[2], 8 bytes)"
     with pytest.raises(ValueError, match="takes 8 bytes, not 4"):
         TensorValue("float32", (2,), b"\0" * 4)
     with pytest.raises(ValueError, match="bfloat16"):
