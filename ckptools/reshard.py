@@ -3,8 +3,8 @@
 ``reshard`` rewrites a DCP checkpoint (and the DCP directories inside accelerate / Trainer /
 Lightning / torchtitan layouts) as if FSDP2 ``fully_shard`` on N ranks had saved it: model,
 optimizer state and every other entry, in one process, with bounded memory. A training
-checkpoint that is not DCP (``torch.save`` files) becomes the DCP that ``get_state_dict`` +
-``dcp.save`` would have written, model and optimizer keyed by FQN
+checkpoint that is not DCP (``torch.save`` files, DeepSpeed ZeRO checkpoints) becomes the DCP
+that ``get_state_dict`` + ``dcp.save`` would have written, model and optimizer keyed by FQN
 (:mod:`ckptools.plan.training`). ``shard`` is the way
 back from a published model: a safetensors directory or ``torch.save`` file becomes a DCP
 checkpoint whose keys sit under ``--prefix`` (``model.``, what ``dcp.save({"model": ...})``
@@ -170,9 +170,10 @@ def reshard(
     Args:
         src: a DCP directory, or the outer directory of accelerate / Trainer / Lightning /
             torchtitan layouts (each DCP directory inside is resharded, other files copied); or
-            a training checkpoint saved with ``torch.save`` (model and optimizer state dicts),
-            written as ``get_state_dict`` + ``dcp.save`` lay them out
-            (:mod:`ckptools.plan.training`).
+            a training checkpoint saved with ``torch.save`` (model and optimizer state dicts)
+            or a DeepSpeed ZeRO checkpoint (fp32 masters and Adam moments; what FSDP2 has no
+            place for, its loss scaler and LR scheduler, is named in the notes), written as
+            ``get_state_dict`` + ``dcp.save`` lay them out (:mod:`ckptools.plan.training`).
         out: the new checkpoint directory (refused if it exists, unless ``overwrite``).
         world_size: ranks of the target layout.
         rank_state: ``"keep"`` or ``"drop"`` per-rank state that cannot be split (see module).
@@ -197,8 +198,8 @@ def reshard(
         drop_optimizer=drop_optimizer,
     )  # fmt: skip
     manifest = _read_source(
-        src, out, options, ("dcp", "torch_save"), "is not a training checkpoint; use `ckpt "
-        "shard` to make a DCP checkpoint from it",
+        src, out, options, ("dcp", "torch_save", "deepspeed"), "is not a training checkpoint; "
+        "use `ckpt shard` to make a DCP checkpoint from it",
     )  # fmt: skip
     if manifest.format != "dcp":
         return _reshard_training_state(src, out, manifest, options, started)

@@ -9,6 +9,8 @@ kernel instead (:mod:`ckptools.engine.crc_segments`). Every source record's stor
 checked on the way: from the CRCs of the bytes copied, or, for a record that a piece reads only
 part of (a dim-1 split), over the whole record in place before its first read
 (:class:`_SourceChecks`).
+A tensor the source held as a value (:class:`ckptools.core.tensor_value.TensorValue`, an
+optimizer's ``step`` saved as a number) is written from the bytes its plan item carries.
 Objects (non-tensor entries) are copied byte for byte, never unpickled. ``.metadata`` is written
 last, with torch's own metadata classes, so torch's ``dcp.load`` reads the result at N ranks
 with each rank reading only its own file.
@@ -163,6 +165,12 @@ def _write_tensor(
     pwrite_all(fd, layout.head, item.offset)
     itemsize = dtypes.dtype(item.dtype).itemsize
     pos = item.offset + layout.data_offset
+    if item.data is not None:
+        # a value the source held decoded (small: the plan holds its bytes)
+        pwrite_all(fd, item.data, pos)
+        pwrite_all(fd, layout.tail(crc32(item.data, 0)), pos + layout.nbytes)
+        progress.update(len(item.data))
+        return
     if segments is not None:
         crc = copy_segments(fd, pos, segments, item.source_fqn, reader, progress, scratch, checks)
         pwrite_all(fd, layout.tail(crc), pos + layout.nbytes)

@@ -15,17 +15,18 @@ shared parameters (``shared_params``: alias -> source) as a second entry on the 
 chunks. Stages 1/2 with frozen parameters DeepSpeed did not list (its bf16 stage 1) take them
 from the 16-bit module, which holds them whole; ``zero_to_fp32`` leaves them out.
 
-**The optimizer** (for a later reshard) is a side table in ``details["deepspeed"]``
-(:class:`ZeroState`): ``exp_avg``/``exp_avg_sq`` as entries with the master's shape and chunks
-(the moments are partitioned exactly as the masters), each group's ``step`` counter, torch's
-``param_groups`` and what does not carry over (the loss scaler, a DeepSpeed LR scheduler).
+**The optimizer** is read into a side table in ``details["deepspeed"]`` (:class:`ZeroState`):
+``exp_avg``/``exp_avg_sq`` as entries with the master's shape and chunks (the moments are
+partitioned exactly as the masters), each group's ``step`` counter, torch's ``param_groups``
+and what does not carry over (the loss scaler, a DeepSpeed LR scheduler); and named in the
+manifest as a torch optimizer ``state_dict()`` keyed by FQN under ``optimizer``
+(:mod:`ckptools.layouts.deepspeed_optimizer`), which is how ``reshard`` finds it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools.core import dtypes
@@ -41,6 +42,7 @@ from ckptools.io import storage
 from ckptools.io.storage import open_reader
 from ckptools.layouts import deepspeed_files as dsf
 from ckptools.layouts.base import Layout, register
+from ckptools.layouts.deepspeed_optimizer import ZeroState, optimizer_tree
 from ckptools.layouts.deepspeed_partitions import (
     RankFlat,
     Segment,
@@ -51,33 +53,6 @@ from ckptools.layouts.deepspeed_partitions import (
 
 #: at most this many ranks are described one by one in the manifest's notes
 _NOTED_RANKS = 16
-
-
-@dataclass(frozen=True)
-class ZeroState:
-    """What a ZeRO checkpoint holds beyond the model, for conversions that carry the optimizer.
-
-    Attributes:
-        stage: 1, 2 or 3.
-        tag: the tag directory read (None when the path was the tag directory itself).
-        exp_avg, exp_avg_sq: FQN -> entry of the Adam moment, with the parameter's shape and
-            chunks in the rank files (empty when the optimizer keeps none).
-        step: flat group index -> rank 0's step counter (a 0-dim tensor entry, or the number
-            an older torch saved).
-        group_of: FQN -> its optimizer param group.
-        param_groups: the client optimizer's param groups (hyperparameters, plain values).
-        not_carried: what a conversion cannot carry over, said plainly.
-    """
-
-    stage: int
-    tag: str | None
-    ds_version: str | None
-    exp_avg: Mapping[str, TensorEntry] = field(default_factory=dict)
-    exp_avg_sq: Mapping[str, TensorEntry] = field(default_factory=dict)
-    step: Mapping[int, TensorEntry | float] = field(default_factory=dict)
-    group_of: Mapping[str, int] = field(default_factory=dict)
-    param_groups: tuple[Any, ...] = ()
-    not_carried: tuple[str, ...] = ()
 
 
 class _Reading:
@@ -468,14 +443,16 @@ def read_deepspeed(path: str) -> Manifest:
             not_carried=_not_carried(first, models[0]),
         )
         _describe(rd, state, files, models[0], tensors, world)
+    optimizer, objects, paths = optimizer_tree(path, state)
     return Manifest(
         root=path,
         format="deepspeed",
         layout="deepspeed",
-        tensors=tensors,
-        objects={},
+        tensors={**tensors, **optimizer},
+        objects=objects,
         files=rd.files,
         world_size=world,
+        paths=paths,
         markers=(dsf.LATEST,) if tag is not None else (),
         marker_digests={dsf.LATEST: dsf.content_digest(latest, rd.opened)} if tag else {},
         notes=tuple(rd.notes),

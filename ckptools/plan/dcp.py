@@ -23,6 +23,7 @@ from typing import Any
 
 from ckptools.core.geometry import fsdp2_rows, intersect
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.core.tensor_value import TensorValue
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.formats import torch_archive
 from ckptools.plan.safetensors import unique_chunks
@@ -30,7 +31,8 @@ from ckptools.plan.safetensors import unique_chunks
 
 @dataclass(frozen=True, slots=True)
 class TensorItem:
-    """One output chunk: a box of ``fqn`` stored as a torch.save archive at ``offset``."""
+    """One output chunk: a box of ``fqn`` stored as a torch.save archive at ``offset``; its
+    bytes come from ``sources``, or are ``data`` (a :class:`TensorValue`, stored whole)."""
 
     fqn: str
     dtype: str
@@ -42,6 +44,7 @@ class TensorItem:
     length: int
     sources: tuple[Chunk, ...]  # source chunks that intersect the box
     source_fqn: str  # FQN of the source tensor (names may differ: shard adds a prefix)
+    data: bytes | None = None  # the box's bytes, for a value the source holds decoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +126,9 @@ def plan_dcp(
         paths: output FQN → key path for ``planner_data`` (default: the source's paths).
         objects: source object FQNs to carry over (default: all).
         values: output FQN → plain value to store as a non-tensor entry (its key path from
-            ``paths``), for values a source held decoded rather than as DCP items.
+            ``paths``), for values a source held decoded rather than as DCP items; a
+            :class:`ckptools.core.tensor_value.TensorValue` is stored as a tensor (one chunk,
+            on the least-loaded rank, as DCP stores a replicated tensor).
 
     Example:
         >>> plan = plan_dcp(manifest, 8)                        # doctest: +SKIP
@@ -149,7 +154,13 @@ def plan_dcp(
                        entry.offset)
         )  # fmt: skip
         out_paths[fqn] = manifest.paths.get(fqn, (fqn,))
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for fqn, value in (values or {}).items():
+        out_paths[fqn] = (paths or {}).get(fqn) or (fqn,)
+        if isinstance(value, TensorValue):
+            shapes[fqn] = (value.dtype, value.shape)
+            _plan_value_tensor(packer, fqn, value)
+            continue
         try:
             data = torch_archive.object_archive(value)
         except TypeError as e:
@@ -160,9 +171,6 @@ def plan_dcp(
         object_items.append(
             ObjectItem(fqn, rank, packer.take(rank, len(data)), len(data), "", 0, data)
         )
-        out_paths[fqn] = (paths or {}).get(fqn) or (fqn,)
-
-    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     for out_fqn, src_fqn in names.items():
         tensor = manifest.tensors[src_fqn]
         shapes[out_fqn] = (tensor.dtype, tensor.shape)
@@ -207,6 +215,18 @@ class _Sources:
         lo = bisect.bisect_left(self.starts, offsets[0] - self.max_rows)
         hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
         return tuple(c for c in self.chunks[lo:hi] if intersect(c.offsets, c.sizes, offsets, sizes))
+
+
+def _plan_value_tensor(packer: _Packer, fqn: str, value: TensorValue) -> None:
+    rank = packer.least_loaded()
+    length = torch_archive.tensor_archive_layout(value.dtype, value.shape).length
+    zeros = (0,) * len(value.shape)
+    packer.items.append(
+        TensorItem(
+            fqn, value.dtype, value.shape, zeros, value.shape, rank, packer.take(rank, length),
+            length, (), fqn, value.data,
+        )
+    )  # fmt: skip
 
 
 def _plan_tensor(

@@ -6,11 +6,14 @@ the client optimizer, ``DS_ACCELERATOR=cpu``), trains two steps and calls
 ``engine.save_checkpoint(out/<name>)`` for every requested (stage, dtype), all in one launch so
 that DeepSpeed's import (seconds on a busy machine) is paid once per world size.
 
-Beside each checkpoint the ranks leave two truths, both DeepSpeed's own (never ckptools'):
+Beside each checkpoint the ranks leave truths, all DeepSpeed's own (never ckptools'):
 ``live.pt`` holds ``{fqn: safe_get_full_fp32_param(p)}`` for every trainable parameter (a
-collective under ZeRO-3, so every rank calls it), and ``zero_to_fp32.pt`` what DeepSpeed's
-converter ``get_fp32_state_dict_from_zero_checkpoint`` makes of the saved checkpoint (run by
-rank 0 once every rank has saved), so the test process never imports DeepSpeed.
+collective, so every rank calls it), ``live_optim.pt`` the live optimizer
+(``{"moments": {fqn: {"exp_avg", "exp_avg_sq"}}, "steps": [each flat partition's step]}``,
+from ``safe_get_full_optimizer_state`` and the client AdamW's own state), and
+``zero_to_fp32.pt`` what DeepSpeed's converter ``get_fp32_state_dict_from_zero_checkpoint``
+makes of the saved checkpoint (run by rank 0 once every rank has saved), so the test process
+never imports DeepSpeed.
 
 The model is chosen to exercise what ZeRO's flattening makes hard: 37x12 tied embedding and
 head (one storage, two names), parameter sizes that are not multiples of 2 or 3 (partitions end
@@ -29,10 +32,12 @@ from typing import Any
 
 from tests.support.dist import run_ranks
 
-__all__ = ["TAG", "case_dir", "deepspeed_available", "produce_zero"]
+__all__ = ["MOMENTS", "TAG", "case_dir", "deepspeed_available", "produce_zero"]
 
 #: the tag every producer saves under (DeepSpeed writes it to ``latest``)
 TAG = "global_step2"
+#: the Adam moments ``live_optim.pt`` holds per parameter
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def deepspeed_available() -> bool:
@@ -75,7 +80,7 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     model = _model()
@@ -97,14 +102,20 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
         engine.step()
     target = case_dir(out, stage, dtype)
     engine.save_checkpoint(target, tag=TAG)
-    live = {}
+    live, moments = {}, {}
     for name, p in engine.module.named_parameters():
         if p.requires_grad:
             full = safe_get_full_fp32_param(p)
             live[name] = full.detach().clone().cpu()
+            moments[name] = {
+                k: safe_get_full_optimizer_state(p, k).detach().clone().cpu() for k in MOMENTS
+            }
+    # the client AdamW's own counters (its state holds ZeRO's flat partitions; one group here)
+    steps = [st["step"].clone() for st in engine.optimizer.optimizer.state.values()]
     dist.barrier()  # every rank's files are written before the converter reads them
     if rank == 0:
         torch.save(live, os.path.join(target, "live.pt"))
+        torch.save({"moments": moments, "steps": steps}, os.path.join(target, "live_optim.pt"))
         converted = get_fp32_state_dict_from_zero_checkpoint(target)
         # clones: tied names share a tensor, which torch.save would keep shared
         reference = {k: v.contiguous().clone() for k, v in converted.items()}
