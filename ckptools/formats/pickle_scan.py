@@ -96,10 +96,20 @@ def _key_too_big(budget: Budget) -> DecodingLimitError:
     return DecodingLimitError(
         f"{budget.source}: refusing to decode: a dict key or set element would hash more than "
         f"{tunables.PICKLE_KEY_NODES} nodes (shared references walked as a tree, or nested that "
-        "deep); a checkpoint's keys need far fewer",
+        "deep) or holds an integer of 2**61 - 1 or more (such keys can be made to share one "
+        "hash, which makes decoding quadratic); a checkpoint's keys are names and small ids",
         tunable=None,
         path=budget.source,
     )
+
+
+#: ints at least this large hash modulo it (``sys.hash_info.modulus``): ``k`` and
+#: ``k + n * (2**61 - 1)`` share a hash, so a dict of many such keys costs the unpickler time
+#: quadratic in their number
+_HASH_MODULUS = 2**61 - 1
+#: the weight :func:`_scan` gives such an int: more than any key may have, so using one as a key
+#: (or inside one) is refused, while holding it as a value costs no more than a 40 KB int
+_BIG_INT = tunables.PICKLE_KEY_NODES + 1
 
 
 def _line(data: bytes, i: int) -> tuple[bytes, int]:
@@ -272,11 +282,19 @@ def _rare(
             if i + k > len(data):
                 raise _Stop
             size = int.from_bytes(data[i : i + k], "little")
+            big = size > 8 or (
+                size > 0
+                and abs(int.from_bytes(data[i + k : i + k + size], "little", signed=True))
+                >= _HASH_MODULUS
+            )
             i += k + size
         else:
             text, i = _line(data, i)
             size = len(text)
-        push(1 + size // 4)  # an int's hash reads every digit, every time
+            digits = text.rstrip(b"L").lstrip(b"+-")
+            big = len(digits) > 19 or (digits.isdigit() and int(digits) >= _HASH_MODULUS)
+        # an int's hash reads every digit, every time; a huge one may collide with others
+        push(_BIG_INT if big else 1 + size // 4)
         return i
     if op in _TEXT_PUSH:
         _, i = _line(data, i)
@@ -369,6 +387,8 @@ def key_nodes(value: object, budget: Budget) -> int:
         if type(v) is tuple:
             todo.extend(v)
         elif isinstance(v, int):
+            if abs(v) >= _HASH_MODULUS:
+                raise _key_too_big(budget)
             nodes += v.bit_length() // 32
         if nodes > cap:
             raise _key_too_big(budget)
