@@ -284,7 +284,7 @@ def shard(
     path = tuple(p for p in prefix.split(".") if p)
     source, tensors, keymap = manifest, {f: f for f in manifest.tensors}, None
     if not keep_stored_names:
-        source, tensors, keymap = to_memory_names(manifest, _shard_config(src, config))
+        source, tensors, keymap = to_memory_names(manifest, tensors, _shard_config(src, config))
     names = {f"{prefix}{name}": fqn for name, fqn in tensors.items()}
     paths = {f"{prefix}{name}": (*path, name) for name in tensors}
     plan = plan_dcp(source, options.world_size, names, paths, objects=[])

@@ -69,19 +69,18 @@ def to_disk_names(
 
 
 def to_memory_names(
-    manifest: Manifest, config: Mapping[str, Any] | None
+    manifest: Manifest, names: dict[str, str], config: Mapping[str, Any] | None
 ) -> tuple[Manifest, dict[str, str], KeyMap | None]:
-    """``manifest``'s tensors (on-disk names) in the layout transformers holds in memory.
+    """``names`` (on-disk name → stored FQN) in the layout transformers holds in memory.
 
     Returns the manifest with fused entries added (:func:`merge_source`), in-memory name →
-    FQN in it, and the conversion applied; without one, every tensor under its own name.
+    FQN in it, and the conversion applied; without a conversion the inputs come back unchanged.
     """
-    same = {f: f for f in manifest.tensors}
     rules = rules_for(config)
     if rules is None:
-        return manifest, same, None
-    keymap = rules.to_memory({f: t.shape for f, t in manifest.tensors.items()})
+        return manifest, names, None
+    keymap = rules.to_memory({n: manifest.tensors[f].shape for n, f in names.items()})
     if not keymap.converted:
-        return manifest, same, None
-    derived, out = merge_source(manifest, same, keymap)
+        return manifest, names, None
+    derived, out = merge_source(manifest, names, keymap)
     return derived, out, keymap

@@ -469,10 +469,11 @@ def merge_entries(
                     strides=None if r.strides is None else _insert(r.strides, p.stack_dim, 0),
                 )
             )
-        out[p.memory] = p.memory
+        # a stored tensor of the same name (never the case for a real model) is not replaced
+        out[p.memory] = p.memory if p.memory not in manifest.tensors else f"{p.memory}/fused"
     tensors = dict(manifest.tensors)
     for memory, chunks in added.items():
-        tensors[memory] = TensorEntry(
-            memory, dtype[memory][0], keymap.memory_shapes[memory], tuple(chunks)
-        )
+        key = out[memory]
+        shape = keymap.memory_shapes[memory]
+        tensors[key] = TensorEntry(key, dtype[memory][0], shape, tuple(chunks))
     return replace(manifest, tensors=tensors), out

@@ -4,7 +4,8 @@ transformers 5 holds each MoE layer's experts fused in memory and writes them pe
 DCP holds the fused form. Each case trains one step at world size 2 or 3, saves the DCP, and has
 rank 0 write the model's own ``save_pretrained`` directory (the truth). Then: ``consolidate``
 writes exactly ``save_pretrained``'s tensors (names, dtypes, bytes) and ``from_pretrained`` of it
-gives the same logits; ``--keep-in-memory-names`` writes the fused form; ``shard`` of the
+gives the same logits; ``--keep-in-memory-names`` writes the fused form; ``diff`` calls the DCP
+and the directory identical in either form and names the mapping; ``shard`` of the
 per-expert directory gives a DCP that an FSDP2 job of the model loads bit-exactly.
 """
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ckptools
+from ckptools.cli.main import cli
 from ckptools.plan.conversions import rules_for
 from tests.support.dist import run_ranks
 
@@ -137,6 +140,19 @@ def test_fsdp2_moe_dcp_consolidates_to_save_pretrained_and_shards_back(
         {k: tuple(v.shape) for k, v in in_memory.items()}
     )
     assert sorted(p.disk for p in keymap.pieces) == sorted(truth)
+
+    for kept in (False, True):
+        report = ckptools.diff(str(dcp_dir), str(hf_dir), keep_in_memory_names=kept)
+        assert report.identical, [t.describe() for t in report.differences]
+        assert len(report.tensors) == len(in_memory if kept else truth)
+        assert any(f"transformers {arch}" in n for n in report.notes)
+    assert ckptools.diff(str(fused), str(out)).identical
+    other = tmp_path / "other"
+    _model(arch, seed=5).save_pretrained(str(other))
+    differs = ckptools.diff(str(dcp_dir), str(other)).differences
+    assert {t.name for t in differs} >= {k for k in truth if ".experts.0." in k}
+    runner = CliRunner().invoke(cli, ["diff", str(dcp_dir), str(hf_dir), "--json"])
+    assert runner.exit_code == 0, runner.output
 
     sharded = tmp_path / "sharded"
     ckptools.shard(str(hf_dir), str(sharded), world_size=world_size, quiet=True)
