@@ -70,7 +70,7 @@ class Piece:
     @property
     def whole(self) -> bool:
         """The on-disk tensor is the in-memory tensor, only (perhaps) renamed."""
-        return self.stack_dim is None and not any(self.offsets)
+        return self.rule in ("", "rename")
 
 
 @dataclass(frozen=True)
@@ -279,8 +279,9 @@ class Rules:
 def _refuse(f: _Fusion, name: str) -> None:
     if f.refusal is not None:
         raise UnsupportedCheckpointError(
-            f"{name!r}: transformers converts it with rule {f.name!r} ({f.refusal}), which is "
-            "not a re-arrangement of bytes; pass --keep-in-memory-names to keep the stored form"
+            f"{name!r}: transformers converts it with rule {f.name!r} ({f.refusal}); ckptools "
+            "turns only MergeModulelist [+ Concatenate] into byte runs; keep the stored form "
+            "(--keep-in-memory-names, or --keep-stored-names for shard)"
         )
 
 
