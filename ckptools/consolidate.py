@@ -95,9 +95,8 @@ class ExportOptions:
         strip_prefix: remove this prefix from output names.
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing output directory.
-        keep_in_memory_names: write tensors as the model holds them in memory (fused experts)
-            instead of the on-disk format ``save_pretrained`` writes
-            (:mod:`ckptools.plan.conversions`).
+        keep_in_memory_names: write the in-memory form (e.g. fused experts), not the on-disk
+            format of :mod:`ckptools.plan.conversions`.
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
@@ -416,6 +415,8 @@ def plan_export(
     options: ExportOptions,
     tie: bool | None,
     config: Mapping[str, Any] | None = None,
+    *,
+    boxes_only: bool = False,
 ) -> Export:
     """Choose the tensors to write and plan the files: the one front half of :func:`consolidate`
     and :func:`ckptools.save_pretrained`, so that both write the same directory.
@@ -427,12 +428,12 @@ def plan_export(
             embedding is left out, as transformers re-ties it to the input embedding on load.
         config: the model's ``config.json``: names are converted to the on-disk format
             (:func:`ckptools.engine.converted.to_disk_names`) unless
-            ``options.keep_in_memory_names``; needs a manifest read from files.
+            ``options.keep_in_memory_names``; ``boxes_only`` for a manifest without bytes.
     """
     names = select_tensors(manifest, options.select, options.strip_prefix)
     keymap = None
     if config is not None and not options.keep_in_memory_names:
-        manifest, names, keymap = to_disk_names(manifest, names, config)
+        manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only)
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:
@@ -576,8 +577,7 @@ class _Run:
         )  # fmt: skip
 
     @property
-    def source(self) -> Manifest:
-        """The manifest the plan's FQNs are in."""
+    def source(self) -> Manifest:  # the manifest the plan's FQNs are in
         return self.export.manifest or self.manifest
 
     @property

@@ -50,13 +50,19 @@ def merge_source(
 
 
 def to_disk_names(
-    manifest: Manifest, names: dict[str, str], config: Mapping[str, Any] | None
+    manifest: Manifest,
+    names: dict[str, str],
+    config: Mapping[str, Any] | None,
+    *,
+    boxes_only: bool = False,
 ) -> tuple[Manifest, dict[str, str], KeyMap | None]:
     """``names`` (in-memory name → stored FQN) in the on-disk format ``save_pretrained`` writes.
 
     The installed transformers' conversion mapping for ``config``
     (:func:`~ckptools.plan.conversions.rules_for`) becomes byte boxes of the stored chunks
     (:func:`split_source`). Without a conversion the inputs come back unchanged.
+    ``boxes_only``: the manifest holds boxes, not bytes (``save_pretrained``'s, whose chunks are
+    local shards); nothing is read.
     """
     rules = rules_for(config)
     if rules is None:
@@ -64,7 +70,10 @@ def to_disk_names(
     keymap = rules.to_disk({n: manifest.tensors[f].shape for n, f in names.items()})
     if not keymap.converted:
         return manifest, names, None
-    derived, out = split_source(manifest, names, keymap)
+    if boxes_only:
+        derived, out, _ = split_entries(manifest, names, keymap, lambda e, c: c)
+    else:
+        derived, out = split_source(manifest, names, keymap)
     return derived, out, keymap
 
 

@@ -376,6 +376,11 @@ def _sub_chunk(raw: Chunk, chunk: Chunk, piece: Piece, itemsize: int) -> Chunk:
     )
 
 
+def split_fqn(fqn: str, disk: str) -> str:
+    """The FQN :func:`split_entries` gives the on-disk tensor ``disk`` cut from stored ``fqn``."""
+    return f"{fqn}/{disk}"
+
+
 def split_entries(
     manifest: Manifest,
     names: Mapping[str, str],
@@ -406,13 +411,15 @@ def split_entries(
             if p.whole:
                 out[p.disk] = fqn
                 continue
-            new_fqn = f"{fqn}/{p.disk}"
+            new_fqn = split_fqn(fqn, p.disk)
             chunks = []
             for c in unique_chunks(entry):
                 if not intersect(c.offsets, c.sizes, p.offsets, p.sizes):
                     continue
                 r = raw(entry, c)
                 sub = _sub_chunk(r, c, p, entry.itemsize)
+                if not r.file:  # boxes only (save_pretrained's manifest): no bytes to point at
+                    sub = replace(sub, offset=0, length=0, strides=None)
                 if r.crc32 is not None and sub.crc32 is None:
                     unchecked[(r.file, r.offset)] = r
                 chunks.append(sub)

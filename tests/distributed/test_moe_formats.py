@@ -2,7 +2,8 @@
 
 transformers 5 holds each MoE layer's experts fused in memory and writes them per expert; an FSDP2
 DCP holds the fused form. Each case trains one step at world size 2 or 3, saves the DCP, and has
-rank 0 write the model's own ``save_pretrained`` directory (the truth). Then: ``consolidate``
+rank 0 write the model's own ``save_pretrained`` directory (the truth), and every rank
+``ckptools.save_pretrained`` from its shards (equal to the truth). Then: ``consolidate``
 writes exactly ``save_pretrained``'s tensors (names, dtypes, bytes) and ``from_pretrained`` of it
 gives the same logits; ``--keep-in-memory-names`` writes the fused form; ``diff`` calls the DCP
 and the directory identical in either form and names the mapping; ``shard`` of the
@@ -62,14 +63,18 @@ def _fsdp2(model: Any, world_size: int) -> Any:
     return model
 
 
-def _train_save(rank: int, world_size: int, arch: str, dcp_dir: str, hf_dir: str) -> None:
-    """Every rank: one AdamW step of the FSDP2 model, ``dcp.save``; rank 0 then writes the
-    trained weights with the model's own ``save_pretrained``."""
+def _train_save(
+    rank: int, world_size: int, arch: str, dcp_dir: str, hf_dir: str, ours: str
+) -> None:
+    """Every rank: one AdamW step of the FSDP2 model, ``dcp.save``, ``ckptools.save_pretrained``
+    into ``ours``; rank 0 then writes the trained weights with the model's own
+    ``save_pretrained`` into ``hf_dir``."""
     model = _fsdp2(_model(arch, seed=0), world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(_TOKENS, labels=_TOKENS).loss.backward()
     opt.step()
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=dcp_dir)
+    ckptools.save_pretrained(model, ours)
     full = get_model_state_dict(model, options=_FULL)
     if rank == 0:
         plain = _model(arch, seed=1)
@@ -119,8 +124,10 @@ def test_fsdp2_moe_dcp_consolidates_to_save_pretrained_and_shards_back(
     tmp_path: Path, arch: str, world_size: int
 ) -> None:
     dcp_dir, hf_dir = tmp_path / "dcp", tmp_path / "hf"
-    run_ranks(_train_save, world_size, arch, str(dcp_dir), str(hf_dir), timeout=300)
+    ours = tmp_path / "ours"
+    run_ranks(_train_save, world_size, arch, str(dcp_dir), str(hf_dir), str(ours), timeout=300)
     truth = _tensors(hf_dir)
+    _assert_same(_tensors(ours), truth)  # ckptools.save_pretrained from the shards
     experts = 4 * 2 * 3  # 4 experts x 2 layers x (gate, up, down)
     assert sum(".experts." in k for k in truth) == experts  # save_pretrained's own per-expert form
 
