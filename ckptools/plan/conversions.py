@@ -34,9 +34,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptools.core.geometry import intersect
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.plan.dcp import ChunkIndex
 from ckptools.plan.safetensors import unique_chunks
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -407,15 +407,15 @@ def split_entries(
     unchecked: dict[tuple[str, int], Chunk] = {}
     for memory, fqn in names.items():
         entry = manifest.tensors[fqn]
+        sources: ChunkIndex | None = None  # built once per stored tensor: linear in its chunks
         for p in by_memory.get(memory, ()):
             if p.whole:
                 out[p.disk] = fqn
                 continue
             new_fqn = split_fqn(fqn, p.disk)
             chunks = []
-            for c in unique_chunks(entry):
-                if not intersect(c.offsets, c.sizes, p.offsets, p.sizes):
-                    continue
+            sources = sources or ChunkIndex(entry)
+            for c in sources.meeting(p.offsets, p.sizes):
                 r = raw(entry, c)
                 sub = _sub_chunk(r, c, p, entry.itemsize)
                 if not r.file:  # boxes only (save_pretrained's manifest): no bytes to point at

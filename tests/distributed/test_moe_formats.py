@@ -12,6 +12,7 @@ per-expert directory gives a DCP that an FSDP2 job of the model loads bit-exactl
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ from ckptools.cli.main import cli
 from ckptools.plan.conversions import rules_for
 from tests.support.dist import run_ranks
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _TOKENS = torch.arange(16).reshape(2, 8) % 61
 
@@ -118,6 +118,8 @@ def _logits(path: Path) -> torch.Tensor:
         return model(_TOKENS).logits  # type: ignore[no-any-return]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow  # ~45-85 s each on 2 shared cores: two spawns, transformers in every rank
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_fsdp2_moe_dcp_consolidates_to_save_pretrained_and_shards_back(
@@ -167,11 +169,27 @@ def test_fsdp2_moe_dcp_consolidates_to_save_pretrained_and_shards_back(
     _assert_same(loaded, in_memory)
 
 
-def test_shard_keep_stored_names_is_not_loadable_as_fused(tmp_path: Path) -> None:
-    """Without a config (or with --keep-stored-names) shard keeps the per-expert names."""
+def test_shard_cli_takes_the_config_of_a_bare_file_or_keeps_stored_names(tmp_path: Path) -> None:
+    """``ckpt shard FILE --config PATH`` fuses the experts (the config is not beside a bare
+    file's directory here); ``--keep-stored-names`` keeps the per-expert tensors."""
     hf = tmp_path / "hf"
     _model("qwen3_moe", seed=0).save_pretrained(str(hf))
-    kept = ckptools.shard(str(hf), str(tmp_path / "kept"), world_size=2, keep_stored_names=True)
-    fused = ckptools.shard(str(hf), str(tmp_path / "fused"), world_size=2)
-    assert kept.to_dict()["parts"][""]["tensors"] == len(_tensors(hf))
-    assert fused.to_dict()["parts"][""]["tensors"] == len(_tensors(hf)) - 4 * 2 * 3 + 2 * 2
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    os.replace(hf / "model.safetensors", bare / "model.safetensors")
+    stored = len(_tensors(bare))
+    runner = CliRunner()
+
+    def shard(*args: str) -> dict[str, Any]:
+        out = str(tmp_path / f"out{len(os.listdir(tmp_path))}")
+        argv = ["shard", str(bare / "model.safetensors"), out, "--world-size", "2", "--json"]
+        result = runner.invoke(cli, [*argv, *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)  # type: ignore[no-any-return]
+
+    fused = shard("--config", str(hf / "config.json"))
+    assert fused["parts"][""]["tensors"] == stored - 4 * 2 * 3 + 2 * 2
+    assert any("in-memory layout of transformers qwen3_moe" in n for n in fused["notes"])
+    kept = shard("--config", str(hf / "config.json"), "--keep-stored-names")
+    assert kept["parts"][""]["tensors"] == stored
+    assert shard()["parts"][""]["tensors"] == stored  # no config: names as stored
