@@ -34,9 +34,8 @@ def split_source(
             manifest, names, keymap, lambda e, c: cache.raw(e.fqn, c)
         )
         buffer = memoryview(bytearray(BLOCK_BYTES))
-        for raw in split:
-            crc = checked_copy.record_crc(reader, raw, buffer)
-            checked_copy.check(reader, raw, f"{raw.file}@{raw.offset}", crc)
+        for fqn, raw in split:
+            checked_copy.check(reader, raw, fqn, checked_copy.record_crc(reader, raw, buffer))
     return derived, out
 
 

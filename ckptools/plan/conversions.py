@@ -386,7 +386,7 @@ def split_entries(
     names: Mapping[str, str],
     keymap: KeyMap,
     raw: Callable[[TensorEntry, Chunk], Chunk],
-) -> tuple[Manifest, dict[str, str], list[Chunk]]:
+) -> tuple[Manifest, dict[str, str], list[tuple[str, Chunk]]]:
     """The on-disk tensors of ``names`` (in-memory name → stored FQN) as manifest entries.
 
     A piece that is a whole tensor keeps its stored entry under its on-disk name; a piece that
@@ -396,15 +396,15 @@ def split_entries(
 
     Returns:
         The manifest with those entries added, on-disk name → FQN in it (in ``names``' order),
-        and the resolved stored chunks whose records no new chunk covers whole (their CRC-32 is
-        for the caller to check).
+        and ``(stored FQN, resolved chunk)`` of the records no new chunk covers whole (their
+        CRC-32 is for the caller to check).
     """
     by_memory: dict[str, list[Piece]] = {}
     for p in keymap.pieces:
         by_memory.setdefault(p.memory, []).append(p)
     added: dict[str, TensorEntry] = {}
     out: dict[str, str] = {}
-    unchecked: dict[tuple[str, int], Chunk] = {}
+    unchecked: dict[tuple[str, int], tuple[str, Chunk]] = {}
     for memory, fqn in names.items():
         entry = manifest.tensors[fqn]
         sources: ChunkIndex | None = None  # built once per stored tensor: linear in its chunks
@@ -421,7 +421,7 @@ def split_entries(
                 if not r.file:  # boxes only (save_pretrained's manifest): no bytes to point at
                     sub = replace(sub, offset=0, length=0, strides=None)
                 if r.crc32 is not None and sub.crc32 is None:
-                    unchecked[(r.file, r.offset)] = r
+                    unchecked[(r.file, r.offset)] = (fqn, r)
                 chunks.append(sub)
             added[new_fqn] = TensorEntry(new_fqn, entry.dtype, p.disk_shape, tuple(chunks))
             out[p.disk] = new_fqn

@@ -133,3 +133,47 @@ def test_split_boxes_of_any_chunking_copy_the_right_bytes(
         for h, half in enumerate(("gate_proj", "up_proj")):
             key = f"model.layers.0.mlp.experts.{e}.{half}.weight"
             np.testing.assert_array_equal(got[key], fused[e, 3 * h : 3 * h + 3])
+
+
+def test_without_transformers_names_stay_as_stored(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert rules_for({"model_type": "qwen3_moe"}) is None
+
+
+def _dcp_of_fused_model(tmp_path: Path) -> tuple[Path, Path, Any]:
+    """A one-process ``dcp.save`` of a Qwen3-MoE state dict (fused experts), its config beside."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model("qwen3_moe")
+    src = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(src))
+    hf = tmp_path / "hf"
+    model.save_pretrained(str(hf))
+    return src, hf, model
+
+
+def test_a_damaged_record_split_over_experts_is_caught(tmp_path: Path) -> None:
+    """Each expert's gate and up halves are cut from one stored record; a flipped byte in it
+    fails the record's CRC-32 although no output tensor copies the record whole."""
+    from ckptools import consolidate, read_manifest
+    from ckptools.engine.reader import resolve_chunk
+    from ckptools.errors import CorruptCheckpointError
+    from ckptools.io.storage import open_reader
+
+    src, hf, _ = _dcp_of_fused_model(tmp_path)
+    consolidate(str(src), str(tmp_path / "good"), config=str(hf), quiet=True)
+    fqn = "model.model.layers.1.mlp.experts.gate_up_proj"
+    entry = read_manifest(str(src)).tensors[fqn]
+    with open_reader(str(src)) as reader:
+        raw = resolve_chunk(reader, entry, entry.chunks[0])
+    assert raw.crc32 is not None
+    with open(src / raw.file, "r+b") as f:
+        f.seek(raw.offset + raw.length - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(CorruptCheckpointError, match="CRC"):
+        consolidate(str(src), str(tmp_path / "bad"), config=str(hf), quiet=True)
+    assert not (tmp_path / "bad").exists()
