@@ -395,8 +395,6 @@ class Export:
 
     Attributes:
         names: output name → stored FQN of the tensors written.
-        manifest: the manifest the plan's FQNs are in (the source's, plus converted entries).
-        keymap: the on-disk conversion applied (:mod:`ckptools.plan.conversions`), if any.
         dropped: ``(dropped, kept)`` tied weights left out (the config ties them).
         candidates: ``(output, input)`` embedding pairs a model may tie (:func:`tied_candidates`).
         plan: the files and their tensors.
@@ -406,8 +404,8 @@ class Export:
     dropped: tuple[tuple[str, str], ...]
     candidates: tuple[tuple[str, str], ...]
     plan: ConsolidationPlan
-    manifest: Manifest | None = None  # what the plan's FQNs name, when a conversion added entries
-    keymap: KeyMap | None = None  # the conversion applied, if any
+    manifest: Manifest | None = None  # the plan's FQNs' manifest when a conversion added entries
+    keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
 
 
 def plan_export(
@@ -433,7 +431,9 @@ def plan_export(
     names = select_tensors(manifest, options.select, options.strip_prefix)
     keymap = None
     if config is not None and not options.keep_in_memory_names:
-        manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only)
+        check = not (isinstance(options, ConsolidateOptions) and options.dry_run)
+        manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
+                                                check=check)  # fmt: skip
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:

@@ -367,8 +367,10 @@ def _converted(
     of the transformers conversion ``cfg`` names, and a note naming the mapping applied."""
     from ckptools.engine.converted import to_disk_names, to_memory_names
 
-    convert = to_memory_names if in_memory else to_disk_names
-    manifest, out, keymap = convert(manifest, names, cfg)
+    if in_memory:
+        manifest, out, keymap = to_memory_names(manifest, names, cfg)
+    else:  # the values are compared next: no separate CRC pass
+        manifest, out, keymap = to_disk_names(manifest, names, cfg, check=False)
     kind = "in-memory layout" if in_memory else "on-disk format"
     if keymap is None:
         return manifest, names, None

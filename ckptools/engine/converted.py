@@ -21,9 +21,10 @@ from ckptools.plan.conversions import KeyMap, merge_entries, rules_for, split_en
 
 
 def split_source(
-    manifest: Manifest, names: Mapping[str, str], keymap: KeyMap
+    manifest: Manifest, names: Mapping[str, str], keymap: KeyMap, *, check: bool = True
 ) -> tuple[Manifest, dict[str, str]]:
-    """:func:`~ckptools.plan.conversions.split_entries` over ``manifest``'s files.
+    """:func:`~ckptools.plan.conversions.split_entries` over ``manifest``'s files; ``check``:
+    CRC-check the split records now (not for a dry run, or a diff, which promises no CRCs).
 
     Raises:
         CorruptCheckpointError: a split record's bytes do not match its stored CRC-32.
@@ -34,7 +35,7 @@ def split_source(
             manifest, names, keymap, lambda e, c: cache.raw(e.fqn, c)
         )
         buffer = memoryview(bytearray(BLOCK_BYTES))
-        for fqn, raw in split:
+        for fqn, raw in split if check else ():
             checked_copy.check(reader, raw, fqn, checked_copy.record_crc(reader, raw, buffer))
     return derived, out
 
@@ -54,6 +55,7 @@ def to_disk_names(
     config: Mapping[str, Any] | None,
     *,
     boxes_only: bool = False,
+    check: bool = True,
 ) -> tuple[Manifest, dict[str, str], KeyMap | None]:
     """``names`` (in-memory name → stored FQN) in the on-disk format ``save_pretrained`` writes.
 
@@ -61,7 +63,7 @@ def to_disk_names(
     (:func:`~ckptools.plan.conversions.rules_for`) becomes byte boxes of the stored chunks
     (:func:`split_source`). Without a conversion the inputs come back unchanged.
     ``boxes_only``: the manifest holds boxes, not bytes (``save_pretrained``'s, whose chunks are
-    local shards); nothing is read.
+    local shards); nothing is read. ``check``: see :func:`split_source`.
     """
     rules = rules_for(config)
     if rules is None:
@@ -72,7 +74,7 @@ def to_disk_names(
     if boxes_only:
         derived, out, _ = split_entries(manifest, names, keymap, lambda e, c: c)
     else:
-        derived, out = split_source(manifest, names, keymap)
+        derived, out = split_source(manifest, names, keymap, check=check)
     return derived, out, keymap
 
 

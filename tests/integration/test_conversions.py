@@ -174,6 +174,16 @@ def test_a_damaged_record_split_over_experts_is_caught(tmp_path: Path) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
-    with pytest.raises(CorruptCheckpointError, match="CRC"):
+    with pytest.raises(CorruptCheckpointError, match=f"CRC-32.*{fqn}|{fqn}.*CRC-32"):
         consolidate(str(src), str(tmp_path / "bad"), config=str(hf), quiet=True)
     assert not (tmp_path / "bad").exists()
+    # a dry run plans without reading tensor bytes
+    plan = consolidate(str(src), str(tmp_path / "bad"), config=str(hf), dry_run=True)
+    assert plan.tensors == len(_tensors_of(hf))
+
+
+def _tensors_of(directory: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return list(f.keys())
