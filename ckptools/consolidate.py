@@ -26,6 +26,7 @@ from ckptools.collective import Ranks
 from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import parse_size
+from ckptools.engine.converted import to_disk_names
 from ckptools.engine.executor import (
     create_files,
     execute,
@@ -45,6 +46,7 @@ from ckptools.io.staging import (
     write_file_synced,
 )
 from ckptools.layouts import read_manifest
+from ckptools.plan.conversions import KeyMap
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class ExportOptions:
         strip_prefix: remove this prefix from output names.
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing output directory.
+        keep_in_memory_names: write the in-memory form (e.g. fused experts), not the on-disk
+            format of :mod:`ckptools.plan.conversions`.
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
@@ -106,6 +110,7 @@ class ExportOptions:
     strip_prefix: str | None = None
     config: str | None = None
     overwrite: bool = False
+    keep_in_memory_names: bool = False
     max_shard_bytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -317,18 +322,28 @@ def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
     return []
 
 
-def tie_setting(files: list[tuple[str, str]]) -> bool | None:
+def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """The ``config.json`` among ``files`` (:func:`find_model_files`), read, or None."""
     for path, name in files:
         if name == "config.json":
             try:
                 cfg = json.loads(storage.read_bytes(path))
             except (OSError, ValueError) as e:
                 raise UsageError(f"{path}: cannot read the model config: {e}") from e
-            value = cfg.get("tie_word_embeddings")
-            if value is None and isinstance(cfg.get("text_config"), dict):
-                value = cfg["text_config"].get("tie_word_embeddings")
-            return None if value is None else bool(value)
+            if not isinstance(cfg, dict):
+                raise UsageError(f"{path}: the model config is not a JSON object")
+            return cfg
     return None
+
+
+def tie_setting(files: list[tuple[str, str]]) -> bool | None:
+    cfg = model_config(files)
+    if cfg is None:
+        return None
+    value = cfg.get("tie_word_embeddings")
+    if value is None and isinstance(cfg.get("text_config"), dict):
+        value = cfg["text_config"].get("tie_word_embeddings")
+    return None if value is None else bool(value)
 
 
 def tied_candidates(names: Mapping[str, str], manifest: Manifest) -> list[tuple[str, str]]:
@@ -390,9 +405,18 @@ class Export:
     dropped: tuple[tuple[str, str], ...]
     candidates: tuple[tuple[str, str], ...]
     plan: ConsolidationPlan
+    manifest: Manifest | None = None  # the plan's FQNs' manifest when a conversion added entries
+    keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
 
 
-def plan_export(manifest: Manifest, options: ExportOptions, tie: bool | None) -> Export:
+def plan_export(
+    manifest: Manifest,
+    options: ExportOptions,
+    tie: bool | None,
+    config: Mapping[str, Any] | None = None,
+    *,
+    boxes_only: bool = False,
+) -> Export:
     """Choose the tensors to write and plan the files: the one front half of :func:`consolidate`
     and :func:`ckptools.save_pretrained`, so that both write the same directory.
 
@@ -401,8 +425,16 @@ def plan_export(manifest: Manifest, options: ExportOptions, tie: bool | None) ->
         options: selection, shard size and dtype.
         tie: the config's ``tie_word_embeddings`` (:func:`tie_setting`); when true the output
             embedding is left out, as transformers re-ties it to the input embedding on load.
+        config: the model's ``config.json``: names are converted to the on-disk format
+            (:func:`ckptools.engine.converted.to_disk_names`) unless
+            ``options.keep_in_memory_names``; ``boxes_only`` for a manifest without bytes.
     """
     names = select_tensors(manifest, options.select, options.strip_prefix)
+    keymap = None
+    if config is not None and not options.keep_in_memory_names:
+        check = not (isinstance(options, ConsolidateOptions) and options.dry_run)
+        manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
+                                                check=check)  # fmt: skip
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:
@@ -413,7 +445,10 @@ def plan_export(manifest: Manifest, options: ExportOptions, tie: bool | None) ->
     plan = plan_consolidation(
         manifest, names, max_shard_size=options.max_shard_bytes, dtype=options.dtype
     )
-    return Export(names=names, dropped=tuple(dropped), candidates=candidates, plan=plan)
+    return Export(
+        names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
+        manifest=manifest, keymap=keymap,
+    )  # fmt: skip
 
 
 def write_index(directory: str, plan: ConsolidationPlan) -> None:
@@ -443,6 +478,7 @@ def consolidate(
     format: str | None = None,
     quiet: bool = False,
     distributed: bool = True,
+    keep_in_memory_names: bool = False,
     storage_options: storage.StorageOptions | None = None,
 ) -> ConsolidateResult:
     """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
@@ -471,6 +507,7 @@ def consolidate(
         distributed: under torchrun, or called by every rank of an initialised process group,
             split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
             False: this process writes everything alone.
+        keep_in_memory_names: keep the in-memory names, not save_pretrained's on-disk format.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -492,6 +529,7 @@ def consolidate(
         max_shard_size=max_shard_size, dtype=dtype, select=select, strip_prefix=strip_prefix,
         config=config, overwrite=overwrite, dry_run=dry_run, workers=workers,
         memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
+        keep_in_memory_names=keep_in_memory_names,
     )  # fmt: skip
     out = out.rstrip("/") or out
     check_writable(out, options.overwrite, src=src, inside_src=True)  # e.g. checkpoint-N/hf
@@ -527,14 +565,21 @@ class _Run:
         manifest = read_manifest(src, options.format)
         model_files = find_model_files(src, options.config)
         tie = tie_setting(model_files)
-        export = plan_export(manifest, options, tie)
+        export = plan_export(manifest, options, tie, model_config(model_files))
         notes = []
+        if export.keymap is not None:
+            notes.append(f"on-disk format of {export.keymap.mapping}: "
+                         + "; ".join(export.keymap.rules))  # fmt: skip
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
         return cls(
             src=src, out=out, options=options, manifest=manifest, model_files=model_files,
             tie=tie, export=export, started=started, notes=notes,
         )  # fmt: skip
+
+    @property
+    def source(self) -> Manifest:  # the manifest the plan's FQNs are in
+        return self.export.manifest or self.manifest
 
     @property
     def copied(self) -> tuple[str, ...]:
@@ -570,7 +615,7 @@ class _Run:
         names, plan = self.export.names, self.export.plan
         if not self.tie:
             for o, i in self.export.candidates:
-                same = _same_storage(self.manifest, names[o], names[i])
+                same = _same_storage(self.source, names[o], names[i])
                 if same or _same_written_bytes(tmp, plan, o, i):
                     tied.append((o, i))
             if tied:
@@ -606,7 +651,7 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
                 f"resumed: {len(kept)} file(s) written by an interrupted run were kept"
             )
         stats = execute(
-            plan, run.manifest, tmp, workers=options.worker_count,
+            plan, run.source, tmp, workers=options.worker_count,
             memory_budget=options.memory_budget_bytes, quiet=options.quiet, skip=kept,
             on_file_done=lambda name: journal.record(name, size=sizes[name]),
         )  # fmt: skip
@@ -650,7 +695,7 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
     with ranks.staged(prepare, discard, "consolidate") as tmp:
         share = (ranks.rank, ranks.world_size)
         ranks.from_all(
-            lambda: execute(plan, run.manifest, tmp, workers=options.worker_count,
+            lambda: execute(plan, run.source, tmp, workers=options.worker_count,
                             memory_budget=options.memory_budget_bytes,
                             quiet=options.quiet or not ranks.is_root, share=share),
             "consolidate",

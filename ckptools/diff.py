@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ckptools.core import dtypes, keys
-from ckptools.core.manifest import Chunk, TensorEntry
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import UsageError
 from ckptools.io import storage
@@ -360,6 +360,23 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _converted(
+    manifest: Manifest, names: dict[str, str], cfg: dict[str, Any] | None, in_memory: bool
+) -> tuple[Manifest, dict[str, str], str | None]:
+    """One side's model tensors in the on-disk format (or, ``in_memory``, the in-memory form)
+    of the transformers conversion ``cfg`` names, and a note naming the mapping applied."""
+    from ckptools.engine.converted import to_disk_names, to_memory_names
+
+    if in_memory:
+        manifest, out, keymap = to_memory_names(manifest, names, cfg)
+    else:  # the values are compared next: no separate CRC pass
+        manifest, out, keymap = to_disk_names(manifest, names, cfg, check=False)
+    kind = "in-memory layout" if in_memory else "on-disk format"
+    if keymap is None:
+        return manifest, names, None
+    return manifest, out, f"compared in the {kind} of {keymap.mapping}: " + "; ".join(keymap.rules)
+
+
 @storage.accepts_storage_options
 def diff(
     a: str,
@@ -369,6 +386,8 @@ def diff(
     rtol: float | None = None,
     format_a: str | None = None,
     format_b: str | None = None,
+    config: str | None = None,
+    keep_in_memory_names: bool = False,
     storage_options: storage.StorageOptions | None = None,
 ) -> DiffReport:
     """Compare the models in two checkpoints, tensor by tensor.
@@ -385,6 +404,11 @@ def diff(
         rtol: relative tolerance (default: bit-exact comparison).
         format_a: force the layout of ``a``.
         format_b: force the layout of ``b``.
+        config: the model's ``config.json`` (or a directory with it); default: beside each
+            side. When it names a transformers conversion both sides are compared in the
+            on-disk format ``save_pretrained`` writes (:mod:`ckptools.plan.conversions`), so a
+            DCP of fused MoE experts meets its per-expert model directory.
+        keep_in_memory_names: compare in the in-memory form (fused experts) instead.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -407,6 +431,15 @@ def diff(
     t0 = time.perf_counter()
     ma, mb = read_manifest(a, format_a), read_manifest(b, format_b)
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
+    notes = []
+    if config is not None or keep_in_memory_names or names_a.keys() != names_b.keys():
+        from ckptools.consolidate import find_model_files, model_config
+
+        # a DCP has no config.json of its own: the other side's names the model
+        cfg_a, cfg_b = (model_config(find_model_files(s, config)) for s in (a, b))
+        ma, names_a, note_a = _converted(ma, dict(names_a), cfg_a or cfg_b, keep_in_memory_names)
+        mb, names_b, note_b = _converted(mb, dict(names_b), cfg_b or cfg_a, keep_in_memory_names)
+        notes += [f"{side}: {n}" for side, n in (("A", note_a), ("B", note_b)) if n]
     block = resolve_block_bytes()
     out: list[TensorDiff] = []
     compared = 0
@@ -428,7 +461,6 @@ def diff(
             out.append(
                 TensorDiff(name, "unexpected", None, fqn_b, None, tb.dtype, None, tuple(tb.shape))
             )
-    notes = []
     if not names_a and not names_b:
         notes.append("neither checkpoint holds model tensors")
     return DiffReport(

@@ -22,6 +22,7 @@ options are validated once (:class:`ReshardOptions`).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -34,6 +35,7 @@ from ckptools.collective import Ranks
 from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, Part
 from ckptools.engine import dcp_writer as dcp_write
+from ckptools.engine.converted import to_memory_names
 from ckptools.engine.dcp_writer import write_dcp
 from ckptools.errors import UsageError
 from ckptools.io import storage
@@ -293,6 +295,8 @@ def shard(
     *,
     world_size: int,
     prefix: str = "model.",
+    config: str | None = None,
+    keep_stored_names: bool = False,
     overwrite: bool = False,
     dry_run: bool = False,
     workers: int | None = None,
@@ -306,6 +310,10 @@ def shard(
     ``src`` is a Hugging Face safetensors directory or file, or a ``torch.save`` full state
     dict; each tensor ``name`` is stored as ``prefix + name`` (key path ``("model", name)`` for
     the default prefix), which is what ``dcp.load({"model": model_state_dict})`` reads.
+    When the model's ``config.json`` (``config``, else beside ``src``) names a transformers
+    conversion, the tensors are laid out as transformers holds them in memory (per-expert MoE
+    tensors fused: :mod:`ckptools.plan.conversions`); ``keep_stored_names`` keeps ``src``'s
+    names and shapes.
     Under torchrun the output files are split over the ranks, as :func:`reshard` does.
 
     Example:
@@ -322,27 +330,48 @@ def shard(
     path = tuple(p for p in prefix.split(".") if p)
     # a torch.save training checkpoint: its model part only (`ckpt reshard` keeps the rest)
     model = model_keys(manifest) if manifest.format == "torch_save" else None
-    stored = {fqn: fqn for fqn in manifest.tensors} if model is None else dict(model)
-    names = {f"{prefix}{own}": fqn for own, fqn in stored.items()}
-    paths = {f"{prefix}{own}": (*path, own) for own in stored}
-    plan = plan_dcp(manifest, options.world_size, names, paths, objects=[])
+    tensors = {f: f for f in manifest.tensors} if model is None else dict(model)
+    left = len(manifest.tensors) - len(tensors)
+    source, keymap = manifest, None
+    if not keep_stored_names:
+        source, tensors, keymap = to_memory_names(manifest, tensors, _shard_config(src, config))
+    names = {f"{prefix}{name}": fqn for name, fqn in tensors.items()}
+    paths = {f"{prefix}{name}": (*path, name) for name in tensors}
+    plan = plan_dcp(source, options.world_size, names, paths, objects=[])
     notes = list(manifest.notes)
-    left = len(manifest.tensors) - len(stored)
     if left:
         notes.append(
             f"{left} tensor(s) outside the model (optimizer state...) were not carried over; "
             "`ckpt reshard` keeps them"
         )
+    if keymap is not None:
+        notes.append(f"in-memory layout of {keymap.mapping}: " + "; ".join(keymap.rules))
     if manifest.objects:
         notes.append(
             f"{len(manifest.objects)} non-tensor value(s) of the source were not carried over "
             f"(e.g. {next(iter(manifest.objects))!r})"
         )
     run = _Run(
-        kind="shard", src=src, out=out, options=options, parts={"": (manifest, plan)},
+        kind="shard", src=src, out=out, options=options, parts={"": (source, plan)},
         source=manifest, source_root=manifest.data_dir(), notes=notes, started=started,
     )  # fmt: skip
-    return run.execute({"prefix": prefix})
+    return run.execute({"prefix": prefix, "in_memory": keymap is not None})
+
+
+def _shard_config(src: str, config: str | None) -> dict[str, Any] | None:
+    """The model's config.json: ``config``, or the one beside ``src``."""
+    if config is None:
+        here = src if storage.isdir(src) else storage.dirname(src)
+        config = storage.join(here, "config.json")
+        if not storage.isfile(config):
+            return None
+    try:
+        found = json.loads(storage.read_bytes(config))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--config {config}: cannot read the model config: {e}") from e
+    if not isinstance(found, dict):
+        raise UsageError(f"--config {config}: not a JSON object")
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)

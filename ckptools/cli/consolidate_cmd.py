@@ -53,6 +53,13 @@ from ckptools.cli.render import emit, human_bytes, table
     help="config.json, or a directory with config and tokenizer files, to copy into OUT. "
     "Default: from the checkpoint directory or its parent.",
 )
+@click.option(
+    "--keep-in-memory-names",
+    is_flag=True,
+    default=False,
+    help="Write tensors as the model holds them in memory (e.g. fused MoE experts) instead of "
+    "the on-disk format save_pretrained writes.",
+)
 @overwrite_option
 @dry_run_option("Print the plan (files, tensors, sizes); write nothing.")
 @workers_option

@@ -88,6 +88,19 @@ def reshard_command(
     show_default=True,
     help="Key prefix of every tensor (model. is what dcp.save({'model': sd}) writes).",
 )
+@click.option(
+    "--config",
+    type=click.Path(),
+    default=None,
+    help="The model's config.json (default: beside SRC): names the transformers conversion.",
+)
+@click.option(
+    "--keep-stored-names",
+    is_flag=True,
+    default=False,
+    help="Keep SRC's names and shapes instead of the in-memory layout transformers loads into "
+    "(e.g. per-expert MoE tensors fused).",
+)
 def shard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any) -> None:
     """Make a DCP checkpoint for --world-size ranks from a full model at SRC.
 

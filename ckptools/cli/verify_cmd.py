@@ -95,6 +95,19 @@ def _render_verify(d: dict[str, Any]) -> str:
 @click.option("--format-a", type=click.Choice(FORMAT_NAMES), default=None, help="Layout of A.")
 @click.option("--format-b", type=click.Choice(FORMAT_NAMES), default=None, help="Layout of B.")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
+@click.option(
+    "--config",
+    type=click.Path(),
+    default=None,
+    help="The model's config.json (default: beside each side): names the transformers "
+    "conversion; both sides are compared in save_pretrained's on-disk format.",
+)
+@click.option(
+    "--keep-in-memory-names",
+    is_flag=True,
+    default=False,
+    help="Compare in the in-memory form (e.g. fused MoE experts) instead.",
+)
 @json_option
 @click.pass_context
 @storage_options_option

@@ -197,7 +197,7 @@ class _Packer:
         return offset
 
 
-class _Sources:
+class ChunkIndex:
     """A tensor's stored chunks, sorted on dim 0 so a box finds the ones it meets by bisection."""
 
     def __init__(self, tensor: TensorEntry) -> None:
@@ -232,7 +232,7 @@ def _plan_value_tensor(packer: _Packer, fqn: str, value: TensorValue) -> None:
 def _plan_tensor(
     packer: _Packer, out_fqn: str, tensor: TensorEntry, source_world_size: int | None
 ) -> None:
-    sources = _Sources(tensor)
+    sources = ChunkIndex(tensor)
 
     def place(offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int) -> None:
         length = torch_archive.tensor_archive_layout(tensor.dtype, sizes).length

@@ -27,7 +27,7 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from ckptools.consolidate import (
     Export,
     ExportOptions,
     find_model_files,
+    model_config,
     plan_export,
     tie_setting,
     write_index,
@@ -54,6 +55,7 @@ from ckptools.engine.executor import create_files
 from ckptools.engine.runtime import pwrite_all
 from ckptools.errors import CkptError
 from ckptools.io import staging, storage
+from ckptools.plan.conversions import Piece, split_fqn
 from ckptools.plan.safetensors import ConsolidationPlan, runs
 from ckptools.training.state import state_to_save, write_model_config
 
@@ -188,9 +190,9 @@ def _save_plan(
 
 def _prepare_files(
     model: nn.Module, config: str | None, tmp: str, out: str
-) -> tuple[tuple[str, ...], bool | None]:
-    """Rank 0: write or copy the model files into ``tmp``; returns their names and the config's
-    ``tie_word_embeddings`` (None when no config says)."""
+) -> tuple[tuple[str, ...], bool | None, dict[str, Any] | None]:
+    """Rank 0: write or copy the model files into ``tmp``; returns their names, the config's
+    ``tie_word_embeddings`` (None when no config says) and the config itself."""
     if config is not None:
         files = find_model_files(out, config)
         for path, name in files:
@@ -200,7 +202,7 @@ def _prepare_files(
     for _, name in files:
         with open(os.path.join(tmp, name), "rb") as f:
             os.fsync(f.fileno())
-    return tuple(name for _, name in files), tie_setting(files)
+    return tuple(name for _, name in files), tie_setting(files), model_config(files)
 
 
 def _local_bytes(data: torch.Tensor, sizes: tuple[int, ...], dtype: str) -> memoryview:
@@ -232,6 +234,7 @@ class _Staged:
     tmp: str
     tie: bool | None  # the config's tie_word_embeddings (None when no config says)
     config_files: tuple[str, ...]
+    config: dict[str, Any] | None = None  # config.json: names the transformers conversion
 
 
 def _prepare(
@@ -242,14 +245,14 @@ def _prepare(
     staging.check_writable(out, options.overwrite)
     tmp = _staging_dir(out)
     try:
-        names, tie = _prepare_files(model, options.config, tmp, out)
-        export = plan_export(manifest, options, tie)
+        names, tie, config = _prepare_files(model, options.config, tmp, out)
+        export = plan_export(manifest, options, tie, config, boxes_only=True)
         staging.reserve(tmp, export.plan.bytes_to_write)
         create_files(export.plan, tmp)
     except BaseException:
         staging.discard(tmp)  # and its lock released
         raise
-    return _Staged(tmp=tmp, tie=tie, config_files=names), export
+    return _Staged(tmp=tmp, tie=tie, config_files=names, config=config), export
 
 
 def _remove(staged: _Staged, error: BaseException) -> None:
@@ -269,29 +272,74 @@ def _commit(staged: _Staged, plan: ConsolidationPlan, out: str, overwrite: bool)
         staging.commit(staged.tmp, out, overwrite)
 
 
+def _converted_pieces(export: Export) -> dict[str, tuple[str, Piece]]:
+    """Output tensor FQN → (stored FQN, piece) of tensors that are boxes of a stored one."""
+    if export.keymap is None:
+        return {}
+    by_disk = {p.disk: p for p in export.keymap.pieces if not p.whole}
+    out = {}
+    for name, fqn in export.names.items():
+        p = by_disk.get(name)
+        if p is not None:
+            out[fqn] = (fqn.removesuffix(split_fqn("", name)), p)
+    return out
+
+
+def _local_boxes(
+    t_fqn: str,
+    mine: Mapping[str, list[WriteItem]],
+    planner: DefaultSavePlanner,
+    pieces: Mapping[str, tuple[str, Piece]],
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+    """``(offsets, sizes, local data)`` of this rank's parts of output tensor ``t_fqn``: its
+    shards, or, for a converted tensor, its piece's box of the stored tensor's shards."""
+    src, piece = pieces.get(t_fqn, (t_fqn, None))
+    for item in mine.get(src, ()):
+        assert item.tensor_data is not None
+        offsets = tuple(item.tensor_data.chunk.offsets)
+        sizes = tuple(item.tensor_data.chunk.sizes)
+        if 0 in sizes:
+            continue
+        data = planner.resolve_data(item)
+        assert isinstance(data, torch.Tensor)
+        if tuple(data.shape) != sizes:
+            raise CkptError(f"local shard has shape {list(data.shape)}, planned {list(sizes)}")
+        if piece is None:
+            yield offsets, sizes, data
+            continue
+        lo = [max(a, b) for a, b in zip(offsets, piece.offsets, strict=True)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, piece.offsets, piece.sizes,
+                                                      strict=True)]  # fmt: skip
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            continue
+        for d, (low, h, o) in enumerate(zip(lo, hi, offsets, strict=True)):
+            data = data.narrow(d, low - o, h - low)
+        keep = [d for d in range(len(lo)) if d != piece.stack_dim]
+        yield (
+            tuple(lo[d] - piece.offsets[d] for d in keep),
+            tuple(hi[d] - lo[d] for d in keep),
+            data.reshape([hi[d] - lo[d] for d in keep]),
+        )
+
+
 def _write_share(
-    plan: ConsolidationPlan, planner: DefaultSavePlanner, items: Sequence[WriteItem], tmp: str
+    export: Export, planner: DefaultSavePlanner, items: Sequence[WriteItem], tmp: str
 ) -> int:
-    """Write the bytes of this rank's shards (``items``) into the created files of ``plan``."""
+    """Write the bytes of this rank's shards (``items``) into the created files of the plan."""
+    plan = export.plan
     mine: dict[str, list[WriteItem]] = {}
     for item in items:
         if item.type in _TENSOR_ITEMS and item.tensor_data is not None:
             mine.setdefault(item.index.fqn, []).append(item)
+    pieces = _converted_pieces(export)
     fds: dict[str, int] = {}
     written = 0
     try:
         for f in plan.files:
             for t in f.tensors:
-                for item in mine.get(t.fqn, ()):
-                    assert item.tensor_data is not None
-                    offsets = tuple(item.tensor_data.chunk.offsets)
-                    sizes = tuple(item.tensor_data.chunk.sizes)
-                    if 0 in sizes:
-                        continue
+                for offsets, sizes, data in _local_boxes(t.fqn, mine, planner, pieces):
                     if f.name not in fds:
                         fds[f.name] = os.open(os.path.join(tmp, f.name), os.O_WRONLY)
-                    data = planner.resolve_data(item)
-                    assert isinstance(data, torch.Tensor)
                     mem = _local_bytes(data, sizes, t.dtype)
                     size = dtypes.dtype(t.dtype).itemsize
                     # Coalesce runs that are adjacent in the output too (whole rows of a box).
@@ -327,6 +375,7 @@ def save_pretrained(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     dtype: CastDType | None = None,
     overwrite: bool = False,
+    keep_in_memory_names: bool = False,
     storage_options: storage.StorageOptions | None = None,
 ) -> SavePretrainedResult:
     """Write ``model`` as a Hugging Face safetensors model directory, from its shards.
@@ -353,6 +402,9 @@ def save_pretrained(
         max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"`` or bytes.
         dtype: cast floating tensors to ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         overwrite: replace an existing ``out_dir``.
+        keep_in_memory_names: write the in-memory form (e.g. fused MoE experts) instead of the
+            on-disk format transformers' own ``save_pretrained`` writes
+            (:mod:`ckptools.plan.conversions`, from the config written or copied).
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -373,8 +425,9 @@ def save_pretrained(
     started = time.perf_counter()
     out = os.fspath(out_dir).rstrip("/") or os.fspath(out_dir)
     options = ExportOptions(
-        max_shard_size=max_shard_size, dtype=dtype, config=config, overwrite=overwrite
-    )
+        max_shard_size=max_shard_size, dtype=dtype, config=config, overwrite=overwrite,
+        keep_in_memory_names=keep_in_memory_names,
+    )  # fmt: skip
     ranks = _ranks()
     planner, global_plans, manifest = _save_plan(model, ranks, out)
 
@@ -386,10 +439,14 @@ def save_pretrained(
         return staged
 
     with ranks.staged(prepare, _remove, "save_pretrained") as staged:
-        export = planned[0] if planned else plan_export(manifest, options, staged.tie)
+        export = (
+            planned[0]
+            if planned
+            else plan_export(manifest, options, staged.tie, staged.config, boxes_only=True)
+        )
         items = global_plans[ranks.rank].items
         shares = ranks.from_all(
-            lambda: _write_share(export.plan, planner, items, staged.tmp), "save_pretrained"
+            lambda: _write_share(export, planner, items, staged.tmp), "save_pretrained"
         )
         ranks.from_root(
             lambda: _commit(staged, export.plan, out, options.overwrite), "save_pretrained"
