@@ -1,13 +1,11 @@
 """``ckptools.consolidate``: any supported checkpoint → a Hugging Face safetensors model directory.
 
-Validates the options once (:class:`ConsolidateOptions`), reads the manifest once, picks the
-tensors to export (the model part by default) under their own FQNs and plans the output files
-(:func:`plan_export`, which :func:`ckptools.save_pretrained` shares, over
-:mod:`ckptools.plan.safetensors`), moves the bytes (:mod:`ckptools.engine.executor`) into a
-temporary directory beside OUT, copies the model's config and tokenizer files, writes the index
-last (:func:`write_index`) and renames the directory into place. Tensors are never materialised
-unless a dtype cast or a strided chunk asks for torch, so memory stays bounded whatever the model
-size.
+Options validated once (:class:`ConsolidateOptions`), the manifest read once, the tensors to
+export picked (the model part) and the files planned (:func:`plan_export`, shared with
+:func:`ckptools.save_pretrained`); the bytes moved (:mod:`ckptools.engine.executor`) into a
+temporary directory beside OUT with the config and tokenizer files, the index written last
+(:func:`write_index`), the directory renamed into place. No tensor is materialised but for a
+dtype cast or a strided chunk: memory stays bounded whatever the model size.
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ class ExportOptions:
         strip_prefix: remove this prefix from output names.
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing output directory.
-        keep_in_memory_names: write the in-memory form (e.g. fused experts), not the on-disk
-            format of :mod:`ckptools.plan.conversions`.
+        keep_in_memory_names: write the in-memory form (fused experts), not the on-disk format.
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:

@@ -218,6 +218,31 @@ def _scan(data: bytes, budget: Budget) -> None:
         i = _rare(op, data, i, stack, marks, memo, hashing)
 
 
+def _int_weight(op: int, data: bytes, i: int) -> tuple[int, int]:
+    """The weight of the int an INT, LONG, LONG1 or LONG4 at ``i`` pushes, and the next offset:
+    its hash reads every digit, every time, and one of 2**61 - 1 or more may share its hash
+    with others (:data:`_BIG_INT`)."""
+    if op == 0x8A or op == 0x8B:
+        k = 1 if op == 0x8A else 4
+        if i + k > len(data):
+            raise _Stop
+        size = int.from_bytes(data[i : i + k], "little")
+        big = (
+            size > 8
+            or (  # read only when it is at most 8 bytes
+                abs(int.from_bytes(data[i + k : i + k + size], "little", signed=True))
+                >= _HASH_MODULUS
+            )
+        )
+        i += k + size
+    else:
+        text, i = _line(data, i)
+        size = len(text)
+        digits = text.rstrip(b"L").lstrip(b"+-")
+        big = len(digits) > 19 or (digits.isdigit() and int(digits) >= _HASH_MODULUS)
+    return (_BIG_INT if big else 1 + size // 4), i
+
+
 def _rare(
     op: int,
     data: bytes,
@@ -277,24 +302,8 @@ def _rare(
         push(memo[int(text)])
         return i
     if op == 0x8A or op == 0x8B or op == 0x49 or op == 0x4C:  # LONG1, LONG4, INT, LONG
-        if op == 0x8A or op == 0x8B:
-            k = 1 if op == 0x8A else 4
-            if i + k > len(data):
-                raise _Stop
-            size = int.from_bytes(data[i : i + k], "little")
-            big = size > 8 or (
-                size > 0
-                and abs(int.from_bytes(data[i + k : i + k + size], "little", signed=True))
-                >= _HASH_MODULUS
-            )
-            i += k + size
-        else:
-            text, i = _line(data, i)
-            size = len(text)
-            digits = text.rstrip(b"L").lstrip(b"+-")
-            big = len(digits) > 19 or (digits.isdigit() and int(digits) >= _HASH_MODULUS)
-        # an int's hash reads every digit, every time; a huge one may collide with others
-        push(_BIG_INT if big else 1 + size // 4)
+        w, i = _int_weight(op, data, i)
+        push(w)
         return i
     if op in _TEXT_PUSH:
         _, i = _line(data, i)
