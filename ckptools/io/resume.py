@@ -31,6 +31,7 @@ import glob
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from ckptools.io import storage
 log = logging.getLogger(__name__)
 
 JOURNAL_PREFIX = ".ckptools-resume-"
+#: a writer's journal part (its temporary file while it is replaced, ``<part>.tmp-<id>``, is not)
+_JOURNAL_PART = re.compile(re.escape(JOURNAL_PREFIX) + r"\d+\.json")
 _FORMAT = "ckptools-resume"
 
 
@@ -115,7 +118,7 @@ class Journal:
             names = storage.listdir(staging)
         except FileNotFoundError:
             names = []
-        for name in sorted(n for n in names if n.startswith(JOURNAL_PREFIX)):
+        for name in sorted(n for n in names if _JOURNAL_PART.fullmatch(n)):
             path = storage.join(staging, name)
             try:
                 data = json.loads(storage.read_bytes(path))
@@ -187,15 +190,23 @@ def local_stagings(out: str) -> list[str]:
 
 def superseded(staging: str, fingerprint: str) -> bool:
     """True when the (dead) staging location ``staging`` holds nothing to resume but for the
-    conversion ``fingerprint``: no journal at all (killed before its first file was done), or
-    this conversion's own."""
+    conversion ``fingerprint``: no readable journal of another conversion (killed before its
+    first file was done, or while writing its first journal part: the part's temporary file,
+    named like it, never became a journal), or this conversion's own."""
     try:
         names = storage.listdir(staging)
     except (FileNotFoundError, NotADirectoryError):
         return False
-    if not any(n.startswith(JOURNAL_PREFIX) for n in names):
-        return True
-    return Journal.open(staging, fingerprint).resumed
+    for name in names:
+        if not _JOURNAL_PART.fullmatch(name):
+            continue
+        try:
+            data = json.loads(storage.read_bytes(storage.join(staging, name)))
+        except (OSError, ValueError):
+            continue  # torn: nothing in it to resume
+        if isinstance(data, dict) and data.get("fingerprint") != fingerprint:
+            return False  # another conversion's: kept for it
+    return True
 
 
 def find_local_staging(out: str, fingerprint: str) -> str | None:

@@ -151,7 +151,7 @@ def _dcp_to_torch_save(ckpt: Path, tmp_path: Path) -> dict[str, Any]:
     return loaded
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_one_group_without_names_resumes(tmp_path: Path, world_size: int) -> None:
     # the model's parameter order places integer ids: one group, counts and shapes all match
     src, ref = _written(tmp_path, groups=1, named=False)
@@ -164,6 +164,7 @@ def test_two_named_groups_resume(tmp_path: Path) -> None:
     _resumes(src, ref, tmp_path, 3, 2, True, False)
 
 
+@pytest.mark.slow
 def test_tied_model_resumes(tmp_path: Path) -> None:
     # lm_head shares the embedding's storage: one parameter for the optimizer, two model keys
     src, ref = _written(tmp_path, groups=1, named=False, tied=True)
@@ -194,6 +195,7 @@ def test_two_unnamed_groups_are_refused_then_placed_by_param_order(tmp_path: Pat
     assert result.exit_code == 1 and "shape" in result.output, result.output
 
 
+@pytest.mark.slow
 def test_drop_optimizer_writes_the_model_alone(tmp_path: Path) -> None:
     src, ref = _written(tmp_path, groups=2, named=False)
     out = tmp_path / "model-only"
@@ -232,7 +234,7 @@ def _producer_resume(rank: int, world_size: int, ckpt: str, out: str) -> None:
         torch.save({"model": full_model, "optim": full_optim}, out)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_accelerate_full_state_dict_resumes(
     produced: Callable[..., Produced], tmp_path: Path, world_size: int
 ) -> None:
@@ -252,7 +254,7 @@ def test_accelerate_full_state_dict_resumes(
     assert full["optim"]["param_groups"] == ref["optim"]["param_groups"]
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("use_orig_params", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_fsdp1_tutorial_optimizer_is_named_not_resumed(
     produced: Callable[..., Produced], tmp_path: Path, use_orig_params: bool
 ) -> None:
@@ -278,6 +280,7 @@ def test_fsdp1_tutorial_optimizer_is_named_not_resumed(
     assert whole["step"] == 2 and "optim" not in whole
 
 
+@pytest.mark.slow
 def test_shard_takes_the_model_part_alone(tmp_path: Path) -> None:
     # `ckpt shard` of a training file: the model's own FQNs (DDP's module. stripped) under model.
     src, ref = _written(tmp_path, groups=1, named=False)

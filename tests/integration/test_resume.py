@@ -266,3 +266,18 @@ def test_ctrl_c_inside_an_item_never_journals_its_file(
     ckptools.reshard(str(src.path), str(fresh), world_size=4, quiet=True)
     for r in range(4):
         assert filecmp.cmp(out / f"__{r}_0.distcp", fresh / f"__{r}_0.distcp", shallow=False)
+
+
+def test_a_run_killed_while_writing_its_first_journal_part_leaves_nothing(
+    src: Produced, tmp_path: Path
+) -> None:
+    # kill -9 between the journal part's temporary file and its rename: the directory holds a
+    # `.ckptools-resume-0.json.tmp-<id>` and no journal; nothing in it can be resumed, so the next
+    # run removes it (it used to be kept as "another conversion's")
+    out = tmp_path / "out"
+    dead = tmp_path / "out.tmp-0badf00d"
+    dead.mkdir()
+    (dead / f"{resume.JOURNAL_PREFIX}0.json.tmp-1234abcd").write_bytes(b'{"format": 1, "fin')
+    (dead / "model.safetensors").write_bytes(b"\0" * 100)
+    ckptools.consolidate(str(src.path), str(out), quiet=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

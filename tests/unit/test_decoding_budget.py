@@ -327,7 +327,7 @@ _values = st.recursive(
         | st.tuples(inner, inner)
         | st.dictionaries(st.text(max_size=3) | _key_ints, inner, max_size=3)
         | st.frozensets(_key_ints | st.text(max_size=3), max_size=3)
-        | st.sets(st.tuples(st.integers(), st.text(max_size=2)), max_size=3)
+        | st.sets(st.tuples(_key_ints, st.text(max_size=2)), max_size=3)
     ),
     max_leaves=12,
 )
