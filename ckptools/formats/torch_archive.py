@@ -483,6 +483,16 @@ def object_archive(value: Any) -> bytes:
         ("byteorder", b"little"),
         ("version", b"3\n"),
     ]
+    out, entries = _small_records(records)
+    out += _directory(entries, len(out))
+    return bytes(out)
+
+
+def _small_records(
+    records: list[tuple[str, bytes]],
+) -> tuple[bytearray, list[tuple[bytes, int, int, int, int]]]:
+    """The archive's leading records (``data.pkl``, versions...), each padded as torch pads
+    them, and their directory entries (name, crc, size, header offset, flags)."""
     out = bytearray()
     entries: list[tuple[bytes, int, int, int, int]] = []
     for rel, data in records:
@@ -492,8 +502,7 @@ def object_archive(value: Any) -> bytes:
         extra = _padding_extra(offset + 30 + len(name))
         out += _local_header(name, crc, len(data), _FLAG_UTF8, extra) + data
         entries.append((name, crc, len(data), offset, _FLAG_UTF8))
-    out += _directory(entries, len(out))
-    return bytes(out)
+    return out, entries
 
 
 @functools.lru_cache(maxsize=4096)
@@ -520,21 +529,14 @@ def tensor_archive_layout(dtype_name: str, shape: tuple[int, ...]) -> TensorArch
     from ckptools.core import dtypes
 
     nbytes = dtypes.dtype(dtype_name).itemsize * math.prod(shape)
-    head = bytearray()
-    entries: list[tuple[bytes, int, int, int, int]] = []
-    records = [
-        ("data.pkl", tensor_pickle(dtype_name, shape)),
-        (".format_version", b"1"),
-        (".storage_alignment", str(_STORAGE_ALIGNMENT).encode()),
-        ("byteorder", b"little"),
-    ]
-    for rel, data in records:
-        name = f"{_ARCHIVE_PREFIX}/{rel}".encode()
-        crc = zlib.crc32(data)
-        offset = len(head)
-        extra = _padding_extra(offset + 30 + len(name))
-        head += _local_header(name, crc, len(data), _FLAG_UTF8, extra) + data
-        entries.append((name, crc, len(data), offset, _FLAG_UTF8))
+    head, entries = _small_records(
+        [
+            ("data.pkl", tensor_pickle(dtype_name, shape)),
+            (".format_version", b"1"),
+            (".storage_alignment", str(_STORAGE_ALIGNMENT).encode()),
+            ("byteorder", b"little"),
+        ]
+    )
     name = f"{_ARCHIVE_PREFIX}/data/0".encode()
     offset = len(head)
     zip64_extra_len = 20 if nbytes >= _ZIP64_LIMIT else 0
