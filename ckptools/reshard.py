@@ -22,7 +22,6 @@ options are validated once (:class:`ReshardOptions`).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -32,6 +31,7 @@ from typing import Any, Literal
 
 from ckptools import collective, tunables
 from ckptools.collective import Ranks
+from ckptools.consolidate import model_config
 from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, Part
 from ckptools.engine import dcp_writer as dcp_write
@@ -365,13 +365,7 @@ def _shard_config(src: str, config: str | None) -> dict[str, Any] | None:
         config = storage.join(here, "config.json")
         if not storage.isfile(config):
             return None
-    try:
-        found = json.loads(storage.read_bytes(config))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--config {config}: cannot read the model config: {e}") from e
-    if not isinstance(found, dict):
-        raise UsageError(f"--config {config}: not a JSON object")
-    return found
+    return model_config([(config, "config.json")])
 
 
 @dataclass(frozen=True, kw_only=True)
