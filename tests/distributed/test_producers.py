@@ -88,8 +88,10 @@ def test_run_ranks_reraises_the_failing_ranks_traceback() -> None:
 def test_run_ranks_reports_a_rank_killed_by_a_signal() -> None:
     with pytest.raises(RankFailedError) as info:
         run_ranks(_killed_by_signal, 2, timeout=60)
-    assert info.value.rank == 1
-    assert f"code {-signal.SIGKILL}" in info.value.rank_traceback
+    # rank 1 died by the signal; rank 0's barrier may fail first (gloo sees the peer gone), so
+    # the report names whichever it saw first, and always rank 1's death
+    assert info.value.rank in (0, 1)
+    assert f"rank 1 ---\nprocess exited with code {-signal.SIGKILL}" in str(info.value)
 
 
 @distributed
