@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -51,7 +51,7 @@ from ckptools.errors import (
     UnsupportedCheckpointError,
     UsageError,
 )
-from ckptools.io import storage
+from ckptools.io import memory, storage
 from ckptools.layouts.safetensors import read_safetensors
 from ckptools.tunables import env_size
 
@@ -319,7 +319,7 @@ def _plan_copies(
 
 
 def _windows(
-    runs: Iterator[tuple[int, int, int]], limit: int, gap: int
+    runs: Iterable[tuple[int, int, int]], limit: int, gap: int
 ) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
     """Group runs ``(src, dst, n)`` (elements) into reads ``(start, end, runs)`` of at most
     ``limit`` elements, splitting longer runs and joining runs at most ``gap`` apart."""
@@ -369,8 +369,12 @@ class _Filler:
         itemsize = dtypes.dtype(c.dtype).itemsize
         flat = c.box.local.detach().view(-1)  # contiguous: checked with the targets
         direct = _direct(flat, stored)
-        runs = copy_runs(c.chunk.offsets, c.chunk.sizes, c.box.offsets, c.box.sizes)
+        runs = list(copy_runs(c.chunk.offsets, c.chunk.sizes, c.box.offsets, c.box.sizes))
         if direct:
+            if runs:  # one system call faults in the pages the reads will fill (io.memory)
+                low = min(dst for _, dst, _ in runs)
+                high = max(dst + n for _, dst, n in runs)
+                memory.populate(flat.data_ptr() + low * itemsize, (high - low) * itemsize)
             for src, dst, n in runs:  # straight into the parameter: one read per run
                 self.reader.readinto(
                     c.chunk.file, c.chunk.offset + src * itemsize, _flat_bytes(flat, dst, n)
