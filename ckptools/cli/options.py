@@ -25,6 +25,7 @@ FORMAT_NAMES = (
     "dcp_rank_local",
     "dcp",
     "deepspeed",
+    "transformers_distributed",
     "safetensors",
     "torch_save",
 )

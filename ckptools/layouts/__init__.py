@@ -10,6 +10,7 @@ from ckptools.layouts import (
     dcp,  # noqa: F401  (registers dcp)
     dcp_rank_local,  # noqa: F401  (registers dcp_rank_local)
     deepspeed,  # noqa: F401  (registers deepspeed)
+    hf_distributed,  # noqa: F401  (registers transformers_distributed)
     safetensors,  # noqa: F401  (registers safetensors)
     torch_save,  # noqa: F401  (registers torch_save)
     wrappers,  # noqa: F401  (registers trainer, accelerate, lightning, torchtitan)
