@@ -2,8 +2,9 @@
 
 A small Llama built from a config is loaded tensor-parallel (transformers' own ``tp_plan`` for
 Llama: colwise/rowwise projections, vocab-sharded embedding and head, replicated norms) at world
-sizes 2 and 3 (vocabulary 97 and MLP width 91: torch's uneven split at 3 ranks), changed in place
-so its state is not the file it was loaded from, and saved with
+sizes 2 and 3 (vocabulary 97 and MLP width 91: torch's uneven split at 3 ranks), and FSDP2-sharded
+by transformers (``fsdp_size=2``), changed in place so its state is not the file it was loaded
+from, and saved with
 ``save_pretrained(..., distributed_checkpoint=True)``: one ``shard-0000r-...safetensors`` per rank
 holding slices placed by ``DCP_SHARDING_INFO``.
 
@@ -55,16 +56,19 @@ def _config(world_size: int) -> Any:
     )
 
 
-def _tp_save(rank: int, world_size: int, src: str, out: str) -> None:
-    """Every rank: load ``src`` tensor-parallel, change every parameter in place (so the state
-    saved is the live model's, not ``src``'s), gather the reference on rank 0, save distributed."""
+def _tp_save(rank: int, world_size: int, src: str, out: str, mode: str) -> None:
+    """Every rank: load ``src`` tensor-parallel (``mode`` "tp") or FSDP2-sharded ("fsdp"),
+    change every parameter in place (so the state saved is the live model's, not ``src``'s),
+    gather the reference on rank 0, save distributed."""
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     model = AutoModelForCausalLM.from_pretrained(
-        src, distributed_config=DistributedConfig(tp_size=world_size), dtype=torch.float32
+        src,
+        distributed_config=DistributedConfig(**{f"{mode}_size": world_size}),
+        dtype=torch.float32,
     )
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
@@ -81,21 +85,23 @@ def _tp_save(rank: int, world_size: int, src: str, out: str) -> None:
     model.save_pretrained(out, distributed_checkpoint=True)
     if rank == 0:
         torch.save(
-            {"state": full, "placements": placements, "world_size": world_size},
+            {"state": full, "placements": placements, "world_size": world_size, "mode": mode},
             os.path.join(out, "..", _REFERENCE),
         )
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3"])
+@pytest.fixture(
+    scope="module", params=[("tp", 2), ("tp", 3), ("fsdp", 2)], ids=["tp2", "tp3", "fsdp2"]
+)
 def tp_saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``<tmp>/out``: what transformers wrote; ``<tmp>/reference.pt``: the live model gathered."""
     from transformers import LlamaForCausalLM
 
-    world_size = request.param
-    base = tmp_path_factory.mktemp(f"tp{world_size}")
+    mode, world_size = request.param
+    base = tmp_path_factory.mktemp(f"{mode}{world_size}")
     torch.manual_seed(_SEED)
     LlamaForCausalLM(_config(world_size)).save_pretrained(base / "src")
-    run_ranks(_tp_save, world_size, str(base / "src"), str(base / "out"), timeout=240.0)
+    run_ranks(_tp_save, world_size, str(base / "src"), str(base / "out"), mode, timeout=240.0)
     return base / "out"
 
 
@@ -123,7 +129,8 @@ def test_transformers_writes_rank_slices(tp_saved: Path) -> None:
     names = sorted(p.name for p in tp_saved.glob("*.safetensors"))
     assert names == [f"shard-{r + 1:05d}-model-00001-of-00001.safetensors" for r in range(world)]
     placements = {p for ps in ref["placements"].values() for p in ps}
-    assert ("Shard", 1) in placements  # rowwise slices too
+    # TP: colwise and rowwise slices, replicated norms; FSDP2: every parameter's rows
+    assert placements == ({("Shard", 0), ("Shard", 1)} if ref["mode"] == "tp" else {("Shard", 0)})
     assert detect(str(tp_saved)).name == "transformers_distributed"
     m = read_manifest(str(tp_saved))
     assert m.world_size == world and m.layout == "transformers_distributed"
