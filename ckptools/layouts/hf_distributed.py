@@ -64,8 +64,17 @@ class _Shards:
     def world_size(self) -> int:
         return max(self.by_rank) + 1 if self.by_rank else 0
 
-    def missing(self) -> list[int]:
-        return [r for r in range(self.world_size) if r not in self.by_rank]
+    def missing(self) -> tuple[list[int], int]:
+        """The first :data:`MISSING_RANKS_NAMED` ranks below the world size without a file, and
+        how many there are (linear in the files, whatever number a name gives)."""
+        named: list[int] = []
+        expected = 0
+        for r in [*self.by_rank, self.world_size]:  # by_rank is sorted
+            named.extend(range(expected, min(r, expected + MISSING_RANKS_NAMED - len(named))))
+            expected = r + 1
+            if len(named) >= MISSING_RANKS_NAMED:
+                break
+        return named, self.world_size - len(self.by_rank)
 
 
 def shard_name(rank: int, like: str | None = None) -> str:
@@ -223,7 +232,7 @@ def _missing_error(root: str, shards: _Shards) -> IncompleteCheckpointError | No
     """The error naming the first missing rank file, or None when every rank's file is there."""
     like = next(iter(shards.by_rank.values()))[0]
     world = shards.world_size
-    missing = shards.missing()
+    missing, count = shards.missing()
     if world == 1:
         # transformers refuses distributed_checkpoint=True unless tp_size or dp_size > 1
         name = shard_name(1, like)
@@ -240,10 +249,10 @@ def _missing_error(root: str, shards: _Shards) -> IncompleteCheckpointError | No
     r = missing[0]
     path = storage.join(root, shard_name(r, like))
     others = ", ".join(str(m) for m in missing[1:MISSING_RANKS_NAMED])
-    more = f" (also rank(s) {others}{', ...' if len(missing) > MISSING_RANKS_NAMED else ''})"
+    more = f" (also rank(s) {others}{', ...' if count > len(missing) else ''})"
     return IncompleteCheckpointError(
         f"{path}: missing: rank {r} of at least {world} wrote no file here, so its slices of "
-        f"the model are gone{more if others else ''}; {len(missing)} rank file(s) missing: "
+        f"the model are gone{more if others else ''}; {count} rank file(s) missing: "
         "restore them or use another checkpoint",
         path=path,
         rank=r,

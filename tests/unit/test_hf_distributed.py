@@ -115,3 +115,13 @@ def test_shard_number_zero_is_refused(tmp_path: Path) -> None:
     save_file({"w": torch.ones(1)}, str(tmp_path / "shard-00000-model-00001-of-00001.safetensors"))
     with pytest.raises(CorruptCheckpointError, match="shard number 00000"):
         read_manifest(str(tmp_path))
+
+
+def test_a_huge_shard_number_names_a_few_missing_ranks(tmp_path: Path) -> None:
+    """A name that claims rank 9,999,999 costs no list of ten million ranks."""
+    _two_ranks(tmp_path)
+    _write(tmp_path, 9_999_999, {"c": torch.ones(1)}, {"c": {"saved_offsets": [0]}})
+    with pytest.raises(IncompleteCheckpointError) as e:
+        read_manifest(str(tmp_path))
+    message = str(e.value)
+    assert "9999997 rank file(s) missing" in message and "17, ..." in message
