@@ -200,8 +200,8 @@ def reshard(
         drop_optimizer=drop_optimizer,
     )  # fmt: skip
     manifest = _read_source(
-        src, out, options, ("dcp", "torch_save", "deepspeed"), "is not a training checkpoint; "
-        "use `ckpt shard` to make a DCP checkpoint from it",
+        src, out, options, ("dcp", "torch_save", "deepspeed", "verl"),
+        "is not a training checkpoint; use `ckpt shard` to make a DCP checkpoint from it",
     )  # fmt: skip
     if manifest.format != "dcp":
         return _reshard_training_state(src, out, manifest, options, started)

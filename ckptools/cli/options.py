@@ -25,6 +25,7 @@ FORMAT_NAMES = (
     "dcp_rank_local",
     "dcp",
     "deepspeed",
+    "verl",
     "safetensors",
     "torch_save",
 )
