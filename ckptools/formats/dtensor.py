@@ -1,4 +1,4 @@
-"""Pickled DTensors, read by stand-ins that only carry data (torch-free).
+"""Pickled DTensors and ShardedTensors, read by stand-ins that only carry data (torch-free).
 
 A ``torch.save`` of a state dict holding DTensors (verl's per-rank files, any FSDP2 or tensor
 parallel job that saves ``model.state_dict()`` itself) pickles each one as
@@ -15,6 +15,13 @@ order, each ``Shard(d)`` splitting what is left of dim ``d`` in ``ceil(n / mesh 
 (the last ones shorter or empty: uneven splits); a ``Replicate`` dimension holds copies, so only
 coordinate 0 on it is kept (every other rank's copy is named a replica). ``Partial`` (pending
 sums) and ``_StridedShard`` (FSDP2 over tensor parallelism) are refused by name.
+
+FSDP1's ``SHARDED_STATE_DICT`` values are ``ShardedTensor``s, pickled the same way with the
+state ``(local_shards, ShardedTensorMetadata, ProcessGroupState, sharding_spec, ...)``: each
+local ``Shard`` names its tensor and its ``shard_offsets`` / ``shard_sizes`` in the global
+``size``, so it becomes a :class:`ShardedTensorRef` of ``(offsets, tensor)`` pairs. The one
+``getattr`` such a pickle makes, ``getattr(ShardedTensor, "ProcessGroupState")``, is admitted for
+exactly that pair.
 """
 
 from __future__ import annotations
@@ -23,7 +30,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.errors import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
 from ckptools.formats import safe_pickle
 from ckptools.formats.tensor_refs import OtherTensor, TensorRef
 
@@ -40,7 +51,14 @@ def _record(qualname: str) -> type[safe_pickle.Record]:
     return type(qualname.rsplit(".", 1)[-1], (safe_pickle.Record,), {"_qualname": qualname})
 
 
+class _ShardedTensorClass(safe_pickle.Record):
+    """``ShardedTensor`` named as the type a tensor is rebuilt as."""
+
+    _qualname = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+
+
 _SPEC = f"{_T}._dtensor_spec"
+_ST = "torch.distributed._shard"
 _PLACEMENTS = f"{_T}.placement_types"
 #: the classes a DTensor's spec is made of, as data-only records
 _RECORDS = {
@@ -56,8 +74,71 @@ _RECORDS = {
         f"{_PLACEMENTS}.Replicate",
         f"{_PLACEMENTS}._StridedShard",
         f"{_PLACEMENTS}.Partial",
+        f"{_ST}.sharded_tensor.shard.Shard",
+        f"{_ST}.metadata.ShardMetadata",
+        f"{_ST}.sharded_tensor.metadata.ShardedTensorMetadata",
+        f"{_ST}.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+        "torch.distributed.remote_device._remote_device",
     )
 }
+
+
+class _TensorProperties(safe_pickle.Record):
+    """``TensorProperties``, whose ``__getstate__`` is a tuple (dtype, layout, ...): kept."""
+
+    _qualname = f"{_ST}.sharded_tensor.metadata.TensorProperties"
+
+    def _other_state(self, state: Any) -> None:
+        self.__dict__["_state"] = state
+
+
+_RECORDS[_TensorProperties._qualname] = _TensorProperties
+_PG_STATE = _record("torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState")
+
+
+def _getattr(owner: Any, name: Any) -> Any:
+    if owner is _ShardedTensorClass and name == "ProcessGroupState":
+        return _PG_STATE
+    raise UnsafeCheckpointError(
+        f"refusing getattr({safe_pickle.short(owner)}, {safe_pickle.short(name)}) in a pickle "
+        "(only getattr(ShardedTensor, 'ProcessGroupState') is what checkpoints contain)",
+        global_name="builtins.getattr",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedTensorRef:
+    """A ShardedTensor in a pickle: its global ``shape`` and this rank's local shards as
+    ``(offsets, tensor)``."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    shards: tuple[tuple[tuple[int, ...], TensorRef | OtherTensor], ...]
+
+
+def _sharded_tensor(wrapper: OtherTensor, state: Any) -> ShardedTensorRef:
+    if not isinstance(state, tuple) or not state or not isinstance(state[0], list):
+        raise CorruptCheckpointError("a ShardedTensor in the pickle has no local shards")
+    shape = wrapper.shape or ()
+    shards = []
+    for shard in state[0]:
+        meta = getattr(shard, "metadata", None)
+        tensor = getattr(shard, "tensor", None)
+        offsets = _ints(getattr(meta, "shard_offsets", None), "shard offsets")
+        sizes = _ints(getattr(meta, "shard_sizes", None), "shard sizes")
+        if not isinstance(tensor, TensorRef | OtherTensor) or tensor.shape != sizes:
+            raise CorruptCheckpointError(
+                f"a ShardedTensor's local shard is not a tensor of its sizes {list(sizes)}"
+            )
+        if len(offsets) != len(shape) or any(
+            o + n > s for o, n, s in zip(offsets, sizes, shape, strict=True)
+        ):
+            raise CorruptCheckpointError(
+                f"a ShardedTensor shard at {list(offsets)} of {list(sizes)} is outside its "
+                f"size {list(shape)}"
+            )
+        shards.append((offsets, tensor))
+    return ShardedTensorRef(shape, str(wrapper.dtype), tuple(shards))
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +156,13 @@ _PLAIN_REBUILD = safe_pickle.WEIGHTS_ONLY_GLOBALS["torch._tensor._rebuild_from_t
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    if new_type is not _DTensorClass:
+    if new_type is not _DTensorClass and new_type is not _ShardedTensorClass:
         return _PLAIN_REBUILD(func, new_type, args, state)
     wrapper = func(*args) if callable(func) and isinstance(args, tuple) else None
     if not isinstance(wrapper, OtherTensor) or wrapper.shape is None:
         raise CorruptCheckpointError("a DTensor in the pickle has no global size")
+    if new_type is _ShardedTensorClass:
+        return _sharded_tensor(wrapper, state)
     if isinstance(state, tuple) and len(state) == 2 and state[0] in (None, {}):
         state = state[1]  # (instance dict, slots): DTensor keeps its fields in __slots__
     if not isinstance(state, dict) or "_local_tensor" not in state or "_spec" not in state:
@@ -99,6 +182,11 @@ GLOBALS: dict[str, Any] = {
     # torch < 2.5 kept the class under torch.distributed._tensor
     "torch.distributed._tensor.api.DTensor": _DTensorClass,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _ShardedTensorClass,
+    f"{_ST}.sharded_tensor.metadata.MEM_FORMAT_ENCODING": safe_pickle.METADATA_GLOBALS[
+        f"{_ST}.sharded_tensor.metadata.MEM_FORMAT_ENCODING"
+    ],
+    "builtins.getattr": _getattr,
 }
 
 

@@ -17,10 +17,12 @@ the ids to FQNs (one group, counts and global shapes checked) for ``reshard``. A
 not a DTensor (AdamW's ``step``) and every plain value is the same on every rank and read from
 rank 0.
 
-FSDP1 (``FSDP_version`` 1): verl saves ``optimizer.state_dict()`` of FlatParameters, 1-D
-shards of each wrapped module's parameters concatenated and padded, without the record of
-which parameter lies where (FSDP keeps it in memory only); it is refused, naming what is
-missing, rather than guessed.
+FSDP1 (``FSDP_version`` 1, ``SHARDED_STATE_DICT``): the model file holds ShardedTensors, each
+local shard at the offsets it records. The optimizer file is ``optimizer.state_dict()`` of
+FlatParameters, 1-D shards of each wrapped module's parameters concatenated and padded, without
+the record of which parameter lies where (FSDP keeps it in memory only): it is not read, the
+notes say so, and ``reshard`` refuses it unless ``--drop-optimizer`` (a guess would put moments
+on the wrong parameters).
 
 A rank's missing model or optimizer file is named; the world size is ``fsdp_config.json``'s and
 must agree with the file names. ``extra_state_*.pt`` and ``huggingface/`` are auxiliary files:
@@ -52,6 +54,12 @@ CONFIG = "fsdp_config.json"
 RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 #: the key path the optimizer's entries go under (as a torch.save directory names it)
 OPTIMIZER = "optimizer"
+#: why an FSDP1 checkpoint's optimizer is not read
+FSDP1_OPTIMIZER = (
+    "verl's FSDP1 optim_world_size_*_rank_*.pt files hold FlatParameter shards without the "
+    "record of which parameter lies where (FSDP keeps it in memory only), so they cannot be "
+    "named; resume them with verl at the same world size"
+)
 #: fsdp_config.json is two numbers; anything past this is not verl's
 _CONFIG_MAX_BYTES = 64 << 10
 
@@ -102,6 +110,17 @@ class _Merged:
             where = f"{storage.join(self.root, rel)}: {fqn!r}"
             if isinstance(leaf, dtensor.DTensorRef):
                 self._dtensor(reader, archive, rel, rank, fqn, path, leaf, where)
+            elif isinstance(leaf, dtensor.ShardedTensorRef):
+                self.paths.setdefault(fqn, path)
+                self._put(fqn, leaf.dtype, leaf.shape, None, where)
+                for offsets, local in leaf.shards:
+                    if not isinstance(local, safe_pickle.TensorRef):
+                        raise UnsupportedCheckpointError(
+                            f"{where}: a local shard is {local.describe()}", fqn=fqn
+                        )
+                    if all(local.shape):
+                        chunk = self._chunk(reader, archive, rel, rank, local, offsets)
+                        self._put(fqn, leaf.dtype, leaf.shape, chunk, where)
             elif rank == 0:
                 self.paths[fqn] = path
                 if isinstance(leaf, safe_pickle.TensorRef):
@@ -243,29 +262,27 @@ def read_verl(path: str) -> Manifest:
 
     Raises:
         CheckpointNotFoundError: a rank's model or optimizer file is missing (named).
-        UnsupportedCheckpointError: an FSDP1 checkpoint, or a DTensor placed other than by
-            Shard / Replicate.
+        UnsupportedCheckpointError: a DTensor placed other than by Shard / Replicate.
         CorruptCheckpointError: the config, the file names or the files disagree.
         UnsafeCheckpointError: a pickle names a global outside the allowlist.
     """
     version, world, raw = _config(path)
     tree = {rel.replace("\\", "/"): size for rel, size in storage.walk_files(path).items()}
     files = _rank_files(path, tree, world)
-    if version != 2:
-        raise UnsupportedCheckpointError(
-            f"{path}: a verl FSDP{version} checkpoint: its optim_world_size_*_rank_*.pt files "
-            "hold FlatParameter shards without the record of which parameter lies where (FSDP1 "
-            "keeps it in memory only), so ckptools cannot name them; consolidate the model with "
-            "verl's model merger, or resume it at the same world size",
-            path=path,
-        )
+    if version not in (1, 2):
+        raise UnsupportedCheckpointError(f"{path}: FSDP_version {version}: verl writes 1 or 2")
     reader = open_reader(path)
     merged = _Merged(path)
+    read = ("model", "optim") if version == 2 else ("model",)
     for kind, under in (("model", ()), ("optim", (OPTIMIZER,))):
-        for rank in sorted(files.get(kind, {})):
+        for rank in sorted(files.get(kind, {}) if kind in read else ()):
             merged.add_file(reader, files[kind][rank], rank, under)
-    data = {rel for kind in ("model", "optim") for rel in files.get(kind, {}).values()}
+    data = {rel for kind in read for rel in files.get(kind, {}).values()}
     notes = []
+    unreadable = None
+    if version == 1 and files.get("optim"):
+        unreadable = FSDP1_OPTIMIZER
+        notes.append(f"optimizer not read: {FSDP1_OPTIMIZER}")
     if files.get("extra_state"):
         notes.append(
             f"{len(files['extra_state'])} extra_state file(s) (per-rank RNG and LR scheduler "
@@ -283,7 +300,10 @@ def read_verl(path: str) -> Manifest:
         markers=(CONFIG,),
         marker_digests={CONFIG: digest(raw)},
         notes=tuple(notes),
-        details={"verl": {"fsdp_version": version}, "placements": merged.placements},
+        details={
+            "verl": {"fsdp_version": version, "optimizer_unreadable": unreadable},
+            "placements": merged.placements,
+        },
         data_root=path,
         aux_files=tuple(sorted(rel for rel in tree if rel not in data and rel != CONFIG)),
     )

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -30,7 +31,9 @@ VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def _resume_and_gather(rank: int, world_size: int, config: str, ckpt: str, out: str) -> None:
+def _resume_and_gather(
+    rank: int, world_size: int, config: str, ckpt: str, out: str, optim: bool = True
+) -> None:
     """An FSDP2 job (each decoder layer, then the root, as verl wraps it) built from the
     checkpoint's own huggingface/config.json: dcp.load + set_state_dict, then the full state
     gathered; rank 0 saves it for the test."""
@@ -45,8 +48,12 @@ def _resume_and_gather(rank: int, world_size: int, config: str, ckpt: str, out: 
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd} if optim else {"model": model_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    if optim:
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:
+        set_model_state_dict(model, model_sd)
     full_model = get_model_state_dict(model, options=_FULL)
     full_optim = get_optimizer_state_dict(model, opt, options=_FULL)
     if rank == 0:
@@ -71,3 +78,17 @@ def test_resharded_verl_checkpoint_resumes_in_fsdp2(name: str, target: int, tmp_
     assert got["optim"]["state"].keys() == ref["optim"]["state"].keys()
     assert_bitwise_equal(got["optim"]["state"], ref["optim"]["state"])
     assert got["optim"]["param_groups"][0]["params"] == ref["optim"]["param_groups"][0]["params"]
+
+
+def test_fsdp1_model_reshards_with_drop_optimizer_and_resumes(tmp_path: Path) -> None:
+    """verl's FSDP1 optimizer cannot be named (FlatParameter shards); the model can."""
+    src, out = VERL / "fsdp1_ws2", tmp_path / "dcp"
+    result = CliRunner().invoke(
+        cli, ["reshard", str(src), str(out), "--world-size", "3", "--drop-optimizer", "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    got_path = tmp_path / "resumed.pt"
+    config = str(src / "huggingface" / "config.json")
+    run_ranks(_resume_and_gather, 3, config, str(out), str(got_path), False, timeout=300)
+    got: dict[str, Any] = torch.load(got_path, weights_only=True)
+    assert_bitwise_equal(got["model"], load_reference(VERL / "fsdp1_ws2.reference.pt")["model"])

@@ -64,7 +64,7 @@ def test_uneven_split_offsets_are_torchs() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", FSDP2)
+@pytest.mark.parametrize("name", [*FSDP2, "fsdp1_ws2"])
 def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     result = _ckpt("consolidate", str(VERL / name), str(out), "-q", "--config",
@@ -79,13 +79,13 @@ def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
     assert config["architectures"] == ["LlamaForCausalLM"]
 
 
-@pytest.mark.parametrize("name", FSDP2)
+@pytest.mark.parametrize("name", [*FSDP2, "fsdp1_ws2"])
 def test_verify_and_diff(name: str) -> None:
     result = _ckpt("verify", str(VERL / name))
     assert result.exit_code == 0, result.output
     same = _ckpt("diff", str(VERL / name), str(VERL / name))
     assert same.exit_code == 0, same.output
-    other = "fsdp2_ws3" if name == "fsdp2_ws2" else "fsdp2_ws2"
+    other = "fsdp2_ws3" if name != "fsdp2_ws3" else "fsdp2_ws2"
     assert _ckpt("diff", str(VERL / name), str(VERL / other)).exit_code == 3  # other batches
 
 
@@ -113,9 +113,33 @@ def test_world_size_disagreeing_with_the_config_is_refused(tmp_path: Path) -> No
         read_manifest(str(ckpt))
 
 
-def test_fsdp1_is_refused_naming_what_is_missing() -> None:
-    with pytest.raises(UnsupportedCheckpointError, match="FlatParameter shards without"):
-        read_manifest(str(VERL / "fsdp1_ws2"))
+def test_fsdp1_model_reads_from_its_sharded_tensors() -> None:
+    manifest = read_manifest(str(VERL / "fsdp1_ws2"))
+    assert (manifest.layout, manifest.world_size) == ("verl_fsdp1", 2)
+    entry = manifest.tensors["model.embed_tokens.weight"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in entry.chunks) == [
+        ((0, 0), (64, 32), 0),
+        ((64, 0), (63, 32), 1),
+    ]
+    assert not any(f.startswith("optimizer") for f in manifest.tensors)
+    assert any("FlatParameter shards without" in n for n in manifest.notes)
+
+
+def test_fsdp1_reshard_refuses_the_optimizer_it_cannot_name(tmp_path: Path) -> None:
+    result = _ckpt("reshard", str(VERL / "fsdp1_ws2"), str(tmp_path / "o"), "--world-size", "2")
+    assert result.exit_code == 1, result.output
+    assert "FlatParameter shards without" in result.output and "--drop-optimizer" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_only_the_sharded_tensor_getattr_is_admitted(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp1_ws2", tmp_path)
+    # same length: the BINUNICODE length prefix stays right
+    _rewrite_pickle(
+        ckpt / "model_world_size_2_rank_0.pt", b"ProcessGroupState", b"__init_subclass__"
+    )
+    with pytest.raises(UnsafeCheckpointError, match="refusing getattr"):
+        read_manifest(str(ckpt))
 
 
 def _rewrite_pickle(path: Path, old: bytes, new: bytes) -> None:
