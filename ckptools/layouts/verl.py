@@ -315,7 +315,8 @@ def _rank_of(rel: str) -> int | None:
 
 
 class VerlLayout(Layout):
-    priority = 30
+    # Before torch_save (25): a one-rank verl directory is also a directory of .pt files.
+    priority = 22
     name = LAYOUT
     description = "verl FSDPCheckpointManager per-rank files (*_world_size_W_rank_r.pt)"
 
