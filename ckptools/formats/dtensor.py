@@ -197,15 +197,14 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
 
 
 def _mesh_shape(mesh: Any, ndim: int) -> tuple[int, ...]:
-    """The mesh's sizes: its ``mesh`` tensor's shape (torch < 2.10), else its layout's."""
+    """The mesh's sizes: its ``mesh`` tensor's shape (torch < 2.10), else its layout's
+    ``top_level_sizes`` (one ``_FlatLayout`` per mesh dimension, sized by its shape's product)."""
     tensor = getattr(mesh, "mesh", None)
-    if isinstance(tensor, TensorRef):
+    if isinstance(tensor, TensorRef) and len(tensor.shape) == ndim:
         return tensor.shape
     axes = getattr(getattr(mesh, "_layout", None), "axes", None)
-    if isinstance(axes, tuple) and len(axes) == 1:
-        shape = _ints(getattr(axes[0], "shape", None), "mesh shape")
-        if len(shape) == ndim:
-            return shape
+    if isinstance(axes, tuple) and len(axes) == ndim:
+        return tuple(math.prod(_ints(getattr(a, "shape", None), "mesh shape")) for a in axes)
     raise UnsupportedCheckpointError(
         f"a DTensor's DeviceMesh does not say its shape in a form ckptools reads ({mesh!r})"
     )
