@@ -151,6 +151,13 @@ class _Merged:
             box = dtensor.local_box(ref)
         except (CorruptCheckpointError, UnsupportedCheckpointError) as e:
             raise type(e)(f"{where}: {e}", fqn=fqn) from e
+        saved_by = getattr(getattr(ref.spec, "mesh", None), "_rank", None)
+        if type(saved_by) is int and saved_by != rank:
+            raise CorruptCheckpointError(
+                f"{where}: saved by rank {saved_by}, but the file is named rank {rank}'s "
+                "(a copied or renamed rank file)",
+                fqn=fqn,
+            )
         if not isinstance(ref.local, safe_pickle.TensorRef):
             raise UnsupportedCheckpointError(
                 f"{where}: its local tensor is {ref.local.describe()}", fqn=fqn
@@ -245,14 +252,15 @@ def _rank_files(path: str, tree: dict[str, int], world: int) -> dict[str, dict[i
         have = found.get(kind, {})
         if kind == "optim" and not have:
             continue
-        absent = [r for r in range(world) if r not in have]
-        if absent:
-            name = storage.join(path, rank_file(kind, world, absent[0]))
+        if len(have) < world:
+            # the first gap lies within len(have) + 1 ranks: never a walk of a huge world size
+            first = next(r for r in range(len(have) + 1) if r not in have)
+            name = storage.join(path, rank_file(kind, world, first))
             raise CheckpointNotFoundError(
-                f"{name}: rank {absent[0]}'s {kind} file is missing ({len(absent)} of {world} "
+                f"{name}: rank {first}'s {kind} file is missing ({world - len(have)} of {world} "
                 "ranks' files absent); each rank's file holds its own shard",
                 path=name,
-                rank=absent[0],
+                rank=first,
             )
     return found
 

@@ -113,6 +113,26 @@ def test_world_size_disagreeing_with_the_config_is_refused(tmp_path: Path) -> No
         read_manifest(str(ckpt))
 
 
+def test_a_rank_file_copied_over_another_is_named(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws3", tmp_path)
+    shutil.copy(ckpt / "model_world_size_3_rank_0.pt", ckpt / "model_world_size_3_rank_1.pt")
+    result = _ckpt("consolidate", str(ckpt), str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    assert "model_world_size_3_rank_1.pt: 'model.embed_tokens.weight': saved by rank 0" in (
+        result.output
+    )
+
+
+def test_a_huge_world_size_is_named_not_walked(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 10**15}))
+    shutil.copy(VERL / "fsdp2_ws2" / "model_world_size_2_rank_0.pt",
+                ckpt / f"model_world_size_{10**15}_rank_0.pt")  # fmt: skip
+    with pytest.raises(CheckpointNotFoundError, match=r"rank 1's model file is missing"):
+        read_manifest(str(ckpt))
+
+
 def test_fsdp1_model_reads_from_its_sharded_tensors() -> None:
     manifest = read_manifest(str(VERL / "fsdp1_ws2"))
     assert (manifest.layout, manifest.world_size) == ("verl_fsdp1", 2)
