@@ -37,7 +37,7 @@ from ckptools.core.manifest import Manifest, Part
 from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.converted import to_memory_names
 from ckptools.engine.dcp_writer import write_dcp
-from ckptools.errors import UsageError
+from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
@@ -200,10 +200,13 @@ def reshard(
         drop_optimizer=drop_optimizer,
     )  # fmt: skip
     manifest = _read_source(
-        src, out, options, ("dcp", "torch_save", "deepspeed"), "is not a training checkpoint; "
-        "use `ckpt shard` to make a DCP checkpoint from it",
+        src, out, options, ("dcp", "torch_save", "deepspeed", "verl"),
+        "is not a training checkpoint; use `ckpt shard` to make a DCP checkpoint from it",
     )  # fmt: skip
     if manifest.format != "dcp":
+        unreadable = manifest.details.get("verl", {}).get("optimizer_unreadable")
+        if unreadable and not options.drop_optimizer:
+            raise UnsupportedCheckpointError(f"{src}: {unreadable} (or pass --drop-optimizer)")
         return _reshard_training_state(src, out, manifest, options, started)
     plans, rank_items = _plan_parts(manifest, options)
     copied = []

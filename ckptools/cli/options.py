@@ -24,6 +24,7 @@ FORMAT_NAMES = (
     "torchtitan",
     "dcp_rank_local",
     "dcp",
+    "verl",
     "deepspeed",
     "transformers_distributed",
     "safetensors",

@@ -13,6 +13,7 @@ from ckptools.layouts import (
     hf_distributed,  # noqa: F401  (registers transformers_distributed)
     safetensors,  # noqa: F401  (registers safetensors)
     torch_save,  # noqa: F401  (registers torch_save)
+    verl,  # noqa: F401  (registers verl)
     wrappers,  # noqa: F401  (registers trainer, accelerate, lightning, torchtitan)
 )
 from ckptools.layouts.base import Layout, detect, layouts, read_manifest

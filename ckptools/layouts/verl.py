@@ -1,0 +1,345 @@
+"""verl's per-rank FSDP checkpoints (``FSDPCheckpointManager.save_checkpoint``), torch-free.
+
+Each rank ``r`` of ``W`` writes, with ``torch.save``, ``model_world_size_W_rank_r.pt`` (its
+``model.state_dict()``), ``optim_world_size_W_rank_r.pt`` (its ``optimizer.state_dict()``) and
+``extra_state_world_size_W_rank_r.pt`` (LR scheduler and RNG states); rank 0 adds
+``fsdp_config.json`` (``{"FSDP_version", "world_size"}``) and ``huggingface/`` (the model's
+config, tokenizer, generation config). verl's own loader needs the same world size; this
+layout makes the directory one checkpoint that every verb reads.
+
+FSDP2 (``FSDP_version`` 2): both files hold DTensors, read through the stand-ins of
+:mod:`ckptools.formats.dtensor` (no process group, nothing of torch's or verl's imported);
+each rank's local tensor is a chunk of the global tensor at the offsets its placements give
+(uneven splits included), with its bytes in that rank's storage record. The optimizer keeps
+``optimizer.state_dict()``'s integer ids in param-group order, named here under ``optimizer``
+as a ``torch.save`` directory names its optimizer file, so :mod:`ckptools.plan.training` maps
+the ids to FQNs (one group, counts and global shapes checked) for ``reshard``. A tensor that is
+not a DTensor (AdamW's ``step``) and every plain value is the same on every rank and read from
+rank 0.
+
+FSDP1 (``FSDP_version`` 1, ``SHARDED_STATE_DICT``): the model file holds ShardedTensors, each
+local shard at the offsets it records. The optimizer file is ``optimizer.state_dict()`` of
+FlatParameters, 1-D shards of each wrapped module's parameters concatenated and padded, without
+the record of which parameter lies where (FSDP keeps it in memory only): it is not read, the
+notes say so, and ``reshard`` refuses it unless ``--drop-optimizer`` (a guess would put moments
+on the wrong parameters).
+
+A rank's missing model or optimizer file is named; the world size is ``fsdp_config.json``'s and
+must agree with the file names. ``extra_state_*.pt`` and ``huggingface/`` are auxiliary files:
+``consolidate`` copies ``huggingface/``; ``reshard`` notes that the per-rank RNG and scheduler
+state is not carried.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedCheckpointError,
+)
+from ckptools.formats import dtensor, safe_pickle, torch_archive
+from ckptools.io import storage
+from ckptools.io.storage import Reader, open_reader
+from ckptools.layouts.base import Layout, digest, read_marker, register
+from ckptools.layouts.torch_save import flatten
+
+LAYOUT = "verl"
+CONFIG = "fsdp_config.json"
+RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+#: the key path the optimizer's entries go under (as a torch.save directory names it)
+OPTIMIZER = "optimizer"
+#: why an FSDP1 checkpoint's optimizer is not read
+FSDP1_OPTIMIZER = (
+    "verl's FSDP1 optim_world_size_*_rank_*.pt files hold FlatParameter shards without the "
+    "record of which parameter lies where (FSDP keeps it in memory only), so they cannot be "
+    "named; resume them with verl at the same world size"
+)
+#: fsdp_config.json is two numbers; anything past this is not verl's
+_CONFIG_MAX_BYTES = 64 << 10
+
+
+def rank_file(kind: str, world_size: int, rank: int) -> str:
+    """The name verl gives rank ``rank``'s ``kind`` file (``model``, ``optim``...)."""
+    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+def _config(path: str) -> tuple[int, int, bytes]:
+    where = storage.join(path, CONFIG)
+    if storage.size(where) > _CONFIG_MAX_BYTES:
+        raise CorruptCheckpointError(f"{where}: {storage.size(where)} bytes, not verl's config")
+    raw = read_marker(where)
+    try:
+        config = json.loads(raw)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: not JSON ({e})", path=where) from e
+    version = config.get("FSDP_version") if isinstance(config, dict) else None
+    world = config.get("world_size") if isinstance(config, dict) else None
+    if type(version) is not int or type(world) is not int or world < 1:
+        raise CorruptCheckpointError(
+            f"{where}: expected integer FSDP_version and world_size >= 1, found "
+            f"{safe_pickle.short(config)}",
+            path=where,
+        )
+    return version, world, raw
+
+
+@dataclass
+class _Merged:
+    """Entries of every rank's files, merged by FQN in rank 0's order."""
+
+    root: str
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    chunks: dict[str, list[Chunk]] = field(default_factory=dict)
+    objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    paths: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    offsets: dict[tuple[str, str], int] = field(default_factory=dict)  # (file, key) -> data
+
+    def add_file(self, reader: Reader, rel: str, rank: int, under: tuple[str, ...]) -> None:
+        archive = torch_archive.read_archive(reader, rel, 0, reader.size(rel))
+        obj = torch_archive.load_pickle(reader, archive, dtensor.GLOBALS)
+        for key_path, leaf in flatten(obj):
+            path = (*under, *key_path)
+            fqn = ".".join(path)
+            where = f"{storage.join(self.root, rel)}: {fqn!r}"
+            if isinstance(leaf, dtensor.DTensorRef):
+                self._dtensor(reader, archive, rel, rank, fqn, path, leaf, where)
+            elif isinstance(leaf, dtensor.ShardedTensorRef):
+                self.paths.setdefault(fqn, path)
+                self._put(fqn, leaf.dtype, leaf.shape, None, where)
+                for offsets, local in leaf.shards:
+                    if not isinstance(local, safe_pickle.TensorRef):
+                        raise UnsupportedCheckpointError(
+                            f"{where}: a local shard is {local.describe()}", fqn=fqn
+                        )
+                    if all(local.shape):
+                        chunk = self._chunk(reader, archive, rel, rank, local, offsets)
+                        self._put(fqn, leaf.dtype, leaf.shape, chunk, where)
+            elif rank == 0:
+                self.paths[fqn] = path
+                if isinstance(leaf, safe_pickle.TensorRef):
+                    chunk = self._chunk(reader, archive, rel, rank, leaf, (0,) * len(leaf.shape))
+                    self._put(fqn, leaf.dtype, leaf.shape, chunk, where)
+                elif isinstance(leaf, safe_pickle.OtherTensor):
+                    raise UnsupportedCheckpointError(
+                        f"{where} is {leaf.describe()}, not a dense tensor", fqn=fqn
+                    )
+                else:
+                    value = safe_pickle.unwrap(leaf)
+                    self.objects[fqn] = ObjectEntry(
+                        fqn, value=value, has_value=True, encoding="raw"
+                    )
+
+    def _dtensor(
+        self,
+        reader: Reader,
+        archive: torch_archive.Archive,
+        rel: str,
+        rank: int,
+        fqn: str,
+        path: tuple[str, ...],
+        ref: dtensor.DTensorRef,
+        where: str,
+    ) -> None:
+        try:
+            box = dtensor.local_box(ref)
+        except (CorruptCheckpointError, UnsupportedCheckpointError) as e:
+            raise type(e)(f"{where}: {e}", fqn=fqn) from e
+        saved_by = getattr(getattr(ref.spec, "mesh", None), "_rank", None)
+        if type(saved_by) is int and saved_by != rank:
+            raise CorruptCheckpointError(
+                f"{where}: saved by rank {saved_by}, but the file is named rank {rank}'s "
+                "(a copied or renamed rank file)",
+                fqn=fqn,
+            )
+        if not isinstance(ref.local, safe_pickle.TensorRef):
+            raise UnsupportedCheckpointError(
+                f"{where}: its local tensor is {ref.local.describe()}", fqn=fqn
+            )
+        self.paths.setdefault(fqn, path)
+        self.placements.setdefault(fqn, box.placements)
+        if box.replica or 0 in box.sizes:
+            self._put(fqn, ref.dtype, ref.shape, None, where)
+            return
+        self._put(
+            fqn,
+            ref.dtype,
+            ref.shape,
+            self._chunk(reader, archive, rel, rank, ref.local, box.offsets),
+            where,
+        )
+
+    def _chunk(
+        self,
+        reader: Reader,
+        archive: torch_archive.Archive,
+        rel: str,
+        rank: int,
+        ref: safe_pickle.TensorRef,
+        offsets: tuple[int, ...],
+    ) -> Chunk:
+        key = ref.storage.key
+        rec = archive.record(f"data/{key}")
+        if (rel, key) not in self.offsets:
+            self.offsets[rel, key] = torch_archive.record_data_offset(reader, archive, rec)
+        itemsize = dtypes.dtype(ref.dtype).itemsize
+        start = ref.storage_offset * itemsize
+        last = sum((s - 1) * st for s, st in zip(ref.shape, ref.strides, strict=True))
+        span = (last + 1) * itemsize if all(ref.shape) else 0
+        if start + span > rec.size:
+            raise CorruptCheckpointError(
+                f"{storage.join(self.root, rel)}: a tensor's bytes {start}..{start + span} reach "
+                f"past its storage record data/{key} ({rec.size} bytes)"
+            )
+        whole = ref.is_contiguous and start == 0 and span == rec.size
+        return Chunk(
+            offsets=offsets,
+            sizes=ref.shape,
+            file=rel,
+            offset=self.offsets[rel, key] + start,
+            length=span,
+            rank=rank,
+            strides=None if ref.is_contiguous else ref.strides,
+            crc32=rec.crc32 if whole else None,
+        )
+
+    def _put(
+        self, fqn: str, dtype: str, shape: tuple[int, ...], chunk: Chunk | None, where: str
+    ) -> None:
+        entry = self.tensors.get(fqn)
+        if entry is None:
+            self.tensors[fqn] = TensorEntry(fqn, dtype, shape, ())
+            self.chunks[fqn] = []
+        elif (entry.dtype, entry.shape) != (dtype, shape):
+            raise CorruptCheckpointError(
+                f"{where} is {dtype} {list(shape)} here and {entry.dtype} {list(entry.shape)} "
+                "in rank 0's file",
+                fqn=fqn,
+            )
+        if chunk is not None:
+            self.chunks[fqn].append(chunk)
+
+    def entries(self) -> dict[str, TensorEntry]:
+        return {
+            fqn: TensorEntry(fqn, e.dtype, e.shape, tuple(self.chunks[fqn]))
+            for fqn, e in self.tensors.items()
+        }
+
+
+def _rank_files(path: str, tree: dict[str, int], world: int) -> dict[str, dict[int, str]]:
+    """kind -> rank -> file, checked against ``world``: a rank's missing model (or optimizer,
+    when any rank saved one) file is named."""
+    found: dict[str, dict[int, str]] = {}
+    for rel in tree:
+        m = RANK_FILE.match(rel)
+        if m is None:
+            continue
+        kind, w, r = m.group(1), int(m.group(2)), int(m.group(3))
+        if w != world or r >= world:
+            raise CorruptCheckpointError(
+                f"{storage.join(path, rel)}: written at world size {w} rank {r}, but {CONFIG} "
+                f"says world size {world}",
+                path=storage.join(path, rel),
+            )
+        found.setdefault(kind, {})[r] = rel
+    for kind in ("model", "optim"):
+        have = found.get(kind, {})
+        if kind == "optim" and not have:
+            continue
+        if len(have) < world:
+            # the first gap lies within len(have) + 1 ranks: never a walk of a huge world size
+            first = next(r for r in range(len(have) + 1) if r not in have)
+            name = storage.join(path, rank_file(kind, world, first))
+            raise CheckpointNotFoundError(
+                f"{name}: rank {first}'s {kind} file is missing ({world - len(have)} of {world} "
+                "ranks' files absent); each rank's file holds its own shard",
+                path=name,
+                rank=first,
+            )
+    return found
+
+
+def read_verl(path: str) -> Manifest:
+    """The manifest of the verl checkpoint directory ``path`` (see the module's description).
+
+    Raises:
+        CheckpointNotFoundError: a rank's model or optimizer file is missing (named).
+        UnsupportedCheckpointError: a DTensor placed other than by Shard / Replicate.
+        CorruptCheckpointError: the config, the file names or the files disagree.
+        UnsafeCheckpointError: a pickle names a global outside the allowlist.
+    """
+    version, world, raw = _config(path)
+    tree = {rel.replace("\\", "/"): size for rel, size in storage.walk_files(path).items()}
+    files = _rank_files(path, tree, world)
+    if version not in (1, 2):
+        raise UnsupportedCheckpointError(f"{path}: FSDP_version {version}: verl writes 1 or 2")
+    reader = open_reader(path)
+    merged = _Merged(path)
+    read = ("model", "optim") if version == 2 else ("model",)
+    for kind, under in (("model", ()), ("optim", (OPTIMIZER,))):
+        for rank in sorted(files.get(kind, {}) if kind in read else ()):
+            merged.add_file(reader, files[kind][rank], rank, under)
+    data = {rel for kind in read for rel in files.get(kind, {}).values()}
+    notes = []
+    unreadable = None
+    if version == 1 and files.get("optim"):
+        unreadable = FSDP1_OPTIMIZER
+        notes.append(f"optimizer not read: {FSDP1_OPTIMIZER}")
+    if files.get("extra_state"):
+        notes.append(
+            f"{len(files['extra_state'])} extra_state file(s) (per-rank RNG and LR scheduler "
+            "state) are not carried over by conversions"
+        )
+    return Manifest(
+        root=path,
+        format=LAYOUT,
+        layout=f"verl_fsdp{version}",
+        tensors=merged.entries(),
+        objects=merged.objects,
+        files={rel: FileInfo(rel, tree[rel], _rank_of(rel)) for rel in sorted(data)},
+        world_size=world,
+        paths=merged.paths,
+        markers=(CONFIG,),
+        marker_digests={CONFIG: digest(raw)},
+        notes=tuple(notes),
+        details={
+            "verl": {"fsdp_version": version, "optimizer_unreadable": unreadable},
+            "placements": merged.placements,
+        },
+        data_root=path,
+        aux_files=tuple(sorted(rel for rel in tree if rel not in data and rel != CONFIG)),
+    )
+
+
+def _rank_of(rel: str) -> int | None:
+    m = RANK_FILE.match(rel)
+    return int(m.group(3)) if m else None
+
+
+class VerlLayout(Layout):
+    # Before torch_save (25): a one-rank verl directory is also a directory of .pt files.
+    priority = 22
+    name = LAYOUT
+    description = "verl FSDPCheckpointManager per-rank files (*_world_size_W_rank_r.pt)"
+
+    def probe(self, path: str) -> str | None:
+        if not storage.isdir(path):
+            return "not a directory"
+        names = set(storage.listdir(path))
+        if CONFIG not in names:
+            return f"no {CONFIG}"
+        if not any(RANK_FILE.match(n) for n in names):
+            return "no *_world_size_W_rank_r.pt rank files"
+        return None
+
+    def read_manifest(self, path: str) -> Manifest:
+        return read_verl(path)
+
+
+register(VerlLayout())

@@ -1,0 +1,193 @@
+"""verl's per-rank FSDP checkpoints (fixtures written by verl 0.9.1's own
+``FSDPCheckpointManager``, see ``fixtures/verl/generate.py``): read, consolidated bit-exactly,
+verified and diffed; damaged copies refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ckptools.cli.main import cli
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
+from ckptools.layouts import read_manifest
+from tests.support.reference import assert_bitwise_equal, load_reference
+
+VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
+FSDP2 = ["fsdp2_ws2", "fsdp2_ws3"]
+
+
+def _ckpt(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args))
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(VERL / name, dst)
+    return dst
+
+
+@pytest.mark.parametrize("name", FSDP2)
+def test_manifest_names_every_tensor_at_its_global_shape(name: str) -> None:
+    ref = load_reference(VERL / f"{name}.reference.pt")
+    manifest = read_manifest(str(VERL / name))
+    world = int(name[-1])
+    assert (manifest.format, manifest.layout, manifest.world_size) == ("verl", "verl_fsdp2", world)
+    for fqn, tensor in ref["model"].items():
+        entry = manifest.tensors[fqn]
+        assert (entry.dtype, entry.shape) == ("float32", tuple(tensor.shape)), fqn
+        # one chunk per rank that holds rows; their rows tile dim 0
+        rows = sorted((c.offsets[0], c.sizes[0]) for c in entry.chunks)
+        assert sum(n for _, n in rows) == tensor.shape[0], fqn
+    assert "huggingface/config.json" in manifest.aux_files
+
+
+def test_uneven_split_offsets_are_torchs() -> None:
+    """127 rows over 3 ranks: torch.chunk gives 43, 43, 41 (not 42, 42, 43)."""
+    entry = read_manifest(str(VERL / "fsdp2_ws3")).tensors["model.embed_tokens.weight"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in entry.chunks) == [
+        ((0, 0), (43, 32), 0),
+        ((43, 0), (43, 32), 1),
+        ((86, 0), (41, 32), 2),
+    ]
+
+
+@pytest.mark.parametrize("name", [*FSDP2, "fsdp1_ws2"])
+def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = _ckpt("consolidate", str(VERL / name), str(out), "-q", "--config",
+                   str(VERL / name / "huggingface"))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    got: dict[str, torch.Tensor] = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    ref = load_reference(VERL / f"{name}.reference.pt")["model"]
+    assert_bitwise_equal(got, ref)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("name", [*FSDP2, "fsdp1_ws2"])
+def test_verify_and_diff(name: str) -> None:
+    result = _ckpt("verify", str(VERL / name))
+    assert result.exit_code == 0, result.output
+    same = _ckpt("diff", str(VERL / name), str(VERL / name))
+    assert same.exit_code == 0, same.output
+    other = "fsdp2_ws3" if name != "fsdp2_ws3" else "fsdp2_ws2"
+    assert _ckpt("diff", str(VERL / name), str(VERL / other)).exit_code == 3  # other batches
+
+
+def test_a_missing_rank_file_is_named(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws3", tmp_path)
+    (ckpt / "model_world_size_3_rank_1.pt").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"model_world_size_3_rank_1\.pt: rank 1"):
+        read_manifest(str(ckpt))
+    result = _ckpt("consolidate", str(ckpt), str(tmp_path / "out"))
+    assert result.exit_code == 1 and "model_world_size_3_rank_1.pt" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_missing_optimizer_file_is_named(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws2", tmp_path)
+    (ckpt / "optim_world_size_2_rank_0.pt").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"optim_world_size_2_rank_0\.pt"):
+        read_manifest(str(ckpt))
+
+
+def test_world_size_disagreeing_with_the_config_is_refused(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws2", tmp_path)
+    (ckpt / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 3}))
+    with pytest.raises(CorruptCheckpointError, match="world size 2 rank 0, but fsdp_config"):
+        read_manifest(str(ckpt))
+
+
+def test_a_rank_file_copied_over_another_is_named(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws3", tmp_path)
+    shutil.copy(ckpt / "model_world_size_3_rank_0.pt", ckpt / "model_world_size_3_rank_1.pt")
+    result = _ckpt("consolidate", str(ckpt), str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    assert "model_world_size_3_rank_1.pt: 'model.embed_tokens.weight': saved by rank 0" in (
+        result.output
+    )
+
+
+def test_a_huge_world_size_is_named_not_walked(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 10**15}))
+    shutil.copy(VERL / "fsdp2_ws2" / "model_world_size_2_rank_0.pt",
+                ckpt / f"model_world_size_{10**15}_rank_0.pt")  # fmt: skip
+    with pytest.raises(CheckpointNotFoundError, match=r"rank 1's model file is missing"):
+        read_manifest(str(ckpt))
+
+
+def test_fsdp1_model_reads_from_its_sharded_tensors() -> None:
+    manifest = read_manifest(str(VERL / "fsdp1_ws2"))
+    assert (manifest.layout, manifest.world_size) == ("verl_fsdp1", 2)
+    entry = manifest.tensors["model.embed_tokens.weight"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in entry.chunks) == [
+        ((0, 0), (64, 32), 0),
+        ((64, 0), (63, 32), 1),
+    ]
+    assert not any(f.startswith("optimizer") for f in manifest.tensors)
+    assert any("FlatParameter shards without" in n for n in manifest.notes)
+
+
+def test_fsdp1_reshard_refuses_the_optimizer_it_cannot_name(tmp_path: Path) -> None:
+    result = _ckpt("reshard", str(VERL / "fsdp1_ws2"), str(tmp_path / "o"), "--world-size", "2")
+    assert result.exit_code == 1, result.output
+    assert "FlatParameter shards without" in result.output and "--drop-optimizer" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_only_the_sharded_tensor_getattr_is_admitted(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp1_ws2", tmp_path)
+    # same length: the BINUNICODE length prefix stays right
+    _rewrite_pickle(
+        ckpt / "model_world_size_2_rank_0.pt", b"ProcessGroupState", b"__init_subclass__"
+    )
+    with pytest.raises(UnsafeCheckpointError, match="refusing getattr"):
+        read_manifest(str(ckpt))
+
+
+def _rewrite_pickle(path: Path, old: bytes, new: bytes) -> None:
+    with zipfile.ZipFile(path) as z:
+        items = [(i, z.read(i.filename)) for i in z.infolist()]
+    path.unlink()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for info, data in items:
+            if info.filename.endswith("data.pkl"):
+                assert old in data
+                data = data.replace(old, new)
+            z.writestr(info, data)
+
+
+def test_a_global_outside_the_allowlist_is_refused(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws2", tmp_path)
+    _rewrite_pickle(ckpt / "model_world_size_2_rank_1.pt", b"torch.distributed.tensor\nDTensor\n",
+                    b"os\nsystem\n")  # fmt: skip
+    with pytest.raises(UnsafeCheckpointError, match=r"'os\.system'"):
+        read_manifest(str(ckpt))
+
+
+def test_a_strided_placement_is_refused_by_name(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws2", tmp_path)
+    _rewrite_pickle(
+        ckpt / "model_world_size_2_rank_0.pt",
+        b"placement_types\nShard\n",
+        b"placement_types\nPartial\n",
+    )
+    with pytest.raises(UnsupportedCheckpointError, match="placed Partial"):
+        read_manifest(str(ckpt))
