@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,7 +37,7 @@ from ckptools.core.manifest import Manifest, Part
 from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.converted import to_memory_names
 from ckptools.engine.dcp_writer import write_dcp
-from ckptools.errors import UnsupportedCheckpointError, UsageError
+from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
@@ -62,6 +62,12 @@ RANK_STATE_FILES = re.compile(r"^(rng_state|random_states)_\d+\.(pth|pkl|pt)$")
 #: object entries keyed by rank (torchtitan's dataloader state)
 RANK_STATE_OBJECTS = re.compile(r"(^|\.)dp_rank_\d+$")
 #: files that describe the source's own bytes (checksums, the training manager's commit marker)
+#: formats that hold a model and nothing else: ``reshard`` (training state) sends them to
+#: ``shard``; every other layout's format is a training checkpoint ``reshard`` takes, so a new
+#: layout needs no change here
+MODEL_ONLY_FORMATS = frozenset({"safetensors"})
+#: what a model is published as: ``shard`` takes these
+PUBLISHED_FORMATS = frozenset({"safetensors", "torch_save"})
 _OWN_RECORDS = frozenset({CHECKSUM_FILE, ".ckptools-complete", IN_PROGRESS})
 
 
@@ -200,13 +206,10 @@ def reshard(
         drop_optimizer=drop_optimizer,
     )  # fmt: skip
     manifest = _read_source(
-        src, out, options, ("dcp", "torch_save", "deepspeed", "verl"),
+        src, out, options, lambda format: format not in MODEL_ONLY_FORMATS,
         "is not a training checkpoint; use `ckpt shard` to make a DCP checkpoint from it",
     )  # fmt: skip
     if manifest.format != "dcp":
-        unreadable = manifest.details.get("verl", {}).get("optimizer_unreadable")
-        if unreadable and not options.drop_optimizer:
-            raise UnsupportedCheckpointError(f"{src}: {unreadable} (or pass --drop-optimizer)")
         return _reshard_training_state(src, out, manifest, options, started)
     plans, rank_items = _plan_parts(manifest, options)
     copied = []
@@ -258,14 +261,14 @@ def _reshard_training_state(
 
 
 def _read_source(
-    src: str, out: str, options: ReshardOptions, formats: tuple[str, ...], otherwise: str
+    src: str, out: str, options: ReshardOptions, accepts: Callable[[str], bool], otherwise: str
 ) -> Manifest:
     """OUT checked (before anything is read), then the source's manifest (read once), refused
-    unless in one of ``formats``."""
+    unless its format ``accepts``."""
     if not options.dry_run:
         check_writable(out, options.overwrite, src=src)
     manifest = read_manifest(src, options.format)
-    if manifest.format not in formats:
+    if not accepts(manifest.format):
         raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")
     return manifest
 
@@ -328,8 +331,9 @@ def shard(
         workers=workers, quiet=quiet, format=format, distributed=distributed,
     )  # fmt: skip
     manifest = _read_source(
-        src, out, options, ("safetensors", "torch_save"), "is already sharded; use `ckpt reshard`"
-    )
+        src, out, options, lambda format: format in PUBLISHED_FORMATS,
+        "is already sharded; use `ckpt reshard`",
+    )  # fmt: skip
     path = tuple(p for p in prefix.split(".") if p)
     # a torch.save training checkpoint: its model part only (`ckpt reshard` keeps the rest)
     model = model_keys(manifest) if manifest.format == "torch_save" else None

@@ -98,6 +98,12 @@ class FileInfo:
     rank: int | None = None
 
 
+#: ``Manifest.details`` key a layout sets, to the reason, when the source holds optimizer state
+#: the layout cannot place (verl's FSDP1 flat shards): a conversion that would carry the
+#: optimizer refuses unless told to drop it, since the model alone would look whole
+OPTIMIZER_UNREADABLE = "optimizer_unreadable"
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A whole checkpoint: what it holds and where.

@@ -37,7 +37,14 @@ import re
 from dataclasses import dataclass, field
 
 from ckptools.core import dtypes
-from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.core.manifest import (
+    OPTIMIZER_UNREADABLE,
+    Chunk,
+    FileInfo,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+)
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -309,7 +316,8 @@ def read_verl(path: str) -> Manifest:
         marker_digests={CONFIG: digest(raw)},
         notes=tuple(notes),
         details={
-            "verl": {"fsdp_version": version, "optimizer_unreadable": unreadable},
+            "verl": {"fsdp_version": version},
+            **({OPTIMIZER_UNREADABLE: unreadable} if unreadable else {}),
             "placements": merged.placements,
         },
         data_root=path,

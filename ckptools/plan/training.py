@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools.core.keys import find_model_part, key_path, model_keys, own_names
-from ckptools.core.manifest import Manifest
+from ckptools.core.manifest import OPTIMIZER_UNREADABLE, Manifest
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.layouts.optimizer_state import optimizer_states
 
@@ -290,8 +290,9 @@ def training_layout(
     ``dcp.save`` would (see the module's description).
 
     Raises:
-        UnsupportedCheckpointError: the optimizer cannot be placed (and ``drop_optimizer`` is
-            False), or there are several optimizers.
+        UnsupportedCheckpointError: the optimizer cannot be placed, or its layout could not
+            read it (``OPTIMIZER_UNREADABLE`` in the manifest's details), and
+            ``drop_optimizer`` is False; or there are several optimizers.
     """
     out = TrainingLayout()
     part = find_model_part(manifest)
@@ -299,6 +300,12 @@ def training_layout(
     for own, stored in model.items():
         _tensor(out, (MODEL, own), stored)
     optimizers = find_optimizers(manifest)
+    unreadable = manifest.details.get(OPTIMIZER_UNREADABLE)
+    if unreadable and not optimizers and not drop_optimizer:
+        # the source has an optimizer its layout cannot place: a model alone would look whole
+        raise UnsupportedCheckpointError(
+            f"{manifest.root}: {unreadable} (or pass --drop-optimizer)"
+        )
     if len(optimizers) > 1:
         labels = ", ".join(".".join(p) or "(top)" for p in optimizers)
         raise UnsupportedCheckpointError(
