@@ -151,6 +151,7 @@ class _Copier:
             crc, in_kernel = checked_copy.copy_range(
                 self.reader, raw, src * isz, n * isz, fd, tensor.begin + dst * isz,
                 self.progress.update, self.buffer(), kernel=self.copy_range_ok, stop=self.stop,
+                checksum=raw.crc32 is not None,
             )  # fmt: skip
             if in_kernel < n * isz:
                 self.copy_range_ok = False
