@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptools import collective, tunables
+from ckptools import collective, lora, tunables
 from ckptools.collective import Ranks
 from ckptools.core.manifest import Manifest
 from ckptools.engine.executor import create_files, execute
@@ -48,6 +48,7 @@ from ckptools.io.staging import (
     make_tmp_dir,
     reserve,
     resumable_staging,
+    write_file_synced,
 )
 from ckptools.layouts import read_manifest
 from ckptools.plan.safetensors import ConsolidationPlan
@@ -193,6 +194,11 @@ def consolidate(
     quiet: bool = False,
     distributed: bool = True,
     keep_in_memory_names: bool = False,
+    adapter: bool = False,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
+    adapter_config: str | None = None,
+    adapter_name: str | None = None,
     storage_options: storage.StorageOptions | None = None,
 ) -> ConsolidateResult:
     """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
@@ -222,6 +228,14 @@ def consolidate(
             split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
             False: this process writes everything alone.
         keep_in_memory_names: keep the in-memory names, not save_pretrained's on-disk format.
+        adapter: write only the LoRA adapter of a PEFT-wrapped model, as
+            ``PeftModel.save_pretrained`` does: ``adapter_model.safetensors`` (peft's names,
+            bit-exact; only the adapter's bytes are read) and ``adapter_config.json``.
+        merge_lora: write the model with its LoRA adapter merged (``W + (B @ A) * scale``, as
+            peft's ``merge_and_unload``), loadable by ``from_pretrained``.
+        lora_alpha: the adapter's ``lora_alpha``, which checkpoints do not store.
+        adapter_config: an ``adapter_config.json`` for alpha and the rest of the LoraConfig.
+        adapter_name: the adapter to export or merge when the model holds several.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -243,10 +257,13 @@ def consolidate(
         max_shard_size=max_shard_size, dtype=dtype, select=select, strip_prefix=strip_prefix,
         config=config, overwrite=overwrite, dry_run=dry_run, workers=workers,
         memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
-        keep_in_memory_names=keep_in_memory_names,
+        keep_in_memory_names=keep_in_memory_names, adapter=adapter, merge_lora=merge_lora,
+        lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
     )  # fmt: skip
     out = out.rstrip("/") or out
     check_writable(out, options.overwrite, src=src, inside_src=True)  # e.g. checkpoint-N/hf
+    if options.merge_lora and storage.is_url(out):
+        raise UsageError(f"{out}: --merge-lora rewrites weights in place; write to a local dir")
     run = _Run.planned(src, out, options, started)
     if options.dry_run:
         return run.result(0)
@@ -282,6 +299,11 @@ class _Run:
         export = plan_export(manifest, options, tie, model_config(model_files),
                              check=not options.dry_run)  # fmt: skip
         notes = []
+        if options.adapter:
+            model_files = []  # peft's adapter directory holds the adapter and its config only
+            notes.append(f"LoRA adapter: {len(export.names) // 2} target modules")
+        if export.merge:
+            notes.append(f"LoRA merged into {len(export.merge)} weights")
         if export.keymap is not None:
             notes.append(f"on-disk format of {export.keymap.mapping}: "
                          + "; ".join(export.keymap.rules))  # fmt: skip
@@ -324,6 +346,14 @@ class _Run:
             notes=tuple(self.notes) + tuple(self.manifest.notes),
         )
 
+    def merge(self, tmp: str, name: str) -> None:
+        """Merge the LoRA adapter into the weights of the written file ``name`` (if any)."""
+        if self.export.merge:
+            (f,) = [f for f in self.export.plan.files if f.name == name]
+            where = {t.name: t for t in f.tensors}
+            lora.merge_into(storage.join(tmp, name), where, list(self.export.merge),
+                            self.source)  # fmt: skip
+
     def finish(self, tmp: str) -> tuple[tuple[str, str], ...]:
         """After every byte is written: tied-weight check, model files, index, rename."""
         tied: list[tuple[str, str]] = []
@@ -340,6 +370,9 @@ class _Run:
                 )
         for path, name in self.model_files:
             copy_into(path, storage.join(tmp, name))
+        if self.export.adapter_config is not None:
+            write_file_synced(storage.join(tmp, lora.ADAPTER_CONFIG_NAME),
+                              lora.config_json(self.export.adapter_config))  # fmt: skip
         write_index(tmp, plan)
         fsync_dir(tmp)
         commit(tmp, self.out, self.options.overwrite)
@@ -365,10 +398,15 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
             run.notes.append(
                 f"resumed: {len(kept)} file(s) written by an interrupted run were kept"
             )
+
+        def done(name: str) -> None:  # merged before journaled: a resumed run never merges twice
+            run.merge(tmp, name)
+            journal.record(name, size=sizes[name])
+
         stats = execute(
             plan, run.source, tmp, workers=options.worker_count,
             memory_budget=options.memory_budget_bytes, quiet=options.quiet, skip=kept,
-            on_file_done=lambda name: journal.record(name, size=sizes[name]),
+            on_file_done=done,
         )  # fmt: skip
         journal.discard()  # never part of the model directory
         tied = run.finish(tmp)
@@ -415,4 +453,10 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
                             quiet=options.quiet or not ranks.is_root, share=share),
             "consolidate",
         )  # fmt: skip
-        return ranks.from_root(lambda: run.finish(tmp), "consolidate")
+
+        def merge_then_finish() -> tuple[tuple[str, str], ...]:
+            for f in plan.files:
+                run.merge(tmp, f.name)
+            return run.finish(tmp)
+
+        return ranks.from_root(merge_then_finish, "consolidate")

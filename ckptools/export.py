@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ckptools import lora
 from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import parse_size
@@ -72,6 +73,12 @@ class ExportOptions:
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing output directory.
         keep_in_memory_names: write the in-memory form (fused experts), not the on-disk format.
+        adapter: write only the LoRA adapter, as ``PeftModel.save_pretrained`` does
+            (:mod:`ckptools.lora`).
+        merge_lora: write the model with the LoRA adapter merged into its weights.
+        lora_alpha: the adapter's ``lora_alpha`` (the checkpoint does not store it).
+        adapter_config: an ``adapter_config.json`` giving alpha and the rest of the LoraConfig.
+        adapter_name: the adapter to export or merge, when the model holds several.
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
@@ -85,6 +92,11 @@ class ExportOptions:
     config: str | None = None
     overwrite: bool = False
     keep_in_memory_names: bool = False
+    adapter: bool = False
+    merge_lora: bool = False
+    lora_alpha: float | None = None
+    adapter_config: str | None = None
+    adapter_name: str | None = None
     max_shard_bytes: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +105,14 @@ class ExportOptions:
             not dtypes.is_dtype_name(self.dtype) or not dtypes.dtype(self.dtype).is_floating
         ):
             raise UsageError(f"--dtype {self.dtype!r}: choose bfloat16, float16 or float32")
+        if self.adapter and self.merge_lora:
+            raise UsageError("--adapter and --merge-lora: choose one")
+        lora_option = self.lora_alpha is not None or self.adapter_config or self.adapter_name
+        if lora_option and not (self.adapter or self.merge_lora):
+            raise UsageError("--lora-alpha, --adapter-config, --adapter-name: need --adapter "
+                             "or --merge-lora")  # fmt: skip
+        if self.merge_lora and self.dtype is not None:
+            raise UsageError("--merge-lora merges in the weights' dtype: drop --dtype")
 
 
 def select_tensors(
@@ -274,6 +294,8 @@ class Export:
         dropped: ``(dropped, kept)`` tied weights left out (the config ties them).
         candidates: ``(output, input)`` embedding pairs a model may tie (:func:`tied_candidates`).
         plan: the files and their tensors.
+        adapter_config: the ``adapter_config.json`` to write (``--adapter``), else None.
+        merge: the weights to merge a LoRA adapter into after the copy (``--merge-lora``).
     """
 
     names: dict[str, str]
@@ -282,6 +304,8 @@ class Export:
     plan: ConsolidationPlan
     manifest: Manifest | None = None  # the plan's FQNs' manifest when a conversion added entries
     keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
+    adapter_config: dict[str, Any] | None = None
+    merge: tuple[lora.MergeTarget, ...] = ()
 
 
 def plan_export(
@@ -307,6 +331,16 @@ def plan_export(
         check: CRC-check the records a conversion splits now (false for a dry run).
     """
     names = select_tensors(manifest, options.select, options.strip_prefix)
+    if options.adapter:
+        return _plan_adapter(manifest, names, options, config)
+    merge: list[lora.MergeTarget] = []
+    if options.merge_lora:
+        found = lora.adapter_names(names, manifest, options.adapter_name)
+        cfg = lora.adapter_config(
+            found[2], found[1], lora_alpha=options.lora_alpha,
+            config_file=options.adapter_config, model_config=config,
+        )  # fmt: skip
+        names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
     keymap = None
     if config is not None and not options.keep_in_memory_names:
         manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
@@ -323,8 +357,25 @@ def plan_export(
     )
     return Export(
         names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
-        manifest=manifest, keymap=keymap,
+        manifest=manifest, keymap=keymap, merge=tuple(merge),
     )  # fmt: skip
+
+
+def _plan_adapter(
+    manifest: Manifest,
+    names: Mapping[str, str],
+    options: ExportOptions,
+    config: Mapping[str, Any] | None,
+) -> Export:
+    """The adapter alone, in one ``adapter_model.safetensors`` (peft never shards it)."""
+    out, adapter, found = lora.adapter_names(names, manifest, options.adapter_name)
+    cfg = lora.adapter_config(found, adapter, lora_alpha=options.lora_alpha,
+                              config_file=options.adapter_config, model_config=config)  # fmt: skip
+    plan = plan_consolidation(manifest, out, max_shard_size=2**63, dtype=options.dtype)
+    (only,) = plan.files
+    plan = replace(plan, files=(replace(only, name=lora.ADAPTER_WEIGHTS_NAME),))
+    return Export(names=out, dropped=(), candidates=(), plan=plan, manifest=manifest,
+                  adapter_config=cfg)  # fmt: skip
 
 
 def write_index(directory: str, plan: ConsolidationPlan) -> None:

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "ckptools.engine": 6,
     "ckptools.consolidate": 7,
     "ckptools.export": 7,
+    "ckptools.lora": 7,
     "ckptools.reshard": 7,
     "ckptools.diff": 7,
     "ckptools.inspection": 7,
