@@ -63,9 +63,35 @@ def _peft(seed: int, rslora: bool, dtype: torch.dtype = torch.float32) -> Any:
     return get_peft_model(_base(seed, dtype), config)
 
 
-def _train_save(rank: int, world_size: int, root: str, rslora: bool, dtype_name: str) -> None:
-    """Every rank: one AdamW step of the FSDP2-wrapped peft model, ``dcp.save`` of model and
-    optimizer; rank 0 then writes peft's own adapter and merged model from the full state."""
+def _accelerate_save(rank: int, world_size: int, model: Any, opt: Any, out: str) -> None:
+    """accelerate's own ``save_fsdp_model`` / ``save_fsdp_optimizer`` with SHARDED_STATE_DICT,
+    the functions ``Accelerator.save_state`` calls (``pytorch_model_fsdp_0/``, ``optimizer_0/``).
+    accelerate enables FSDP only on accelerators: the Accelerator is a CPU one, the model wrapped
+    with ``fully_shard`` as its FSDP2 path does (as tests/support/producers.py does)."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+        FSDP_STATE_DICT_TYPE="SHARDED_STATE_DICT", FSDP_VERSION="2",
+    )  # fmt: skip
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        FullyShardedDataParallelPlugin,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
+
+    accelerator = Accelerator(cpu=True)
+    plugin = FullyShardedDataParallelPlugin()
+    save_fsdp_model(plugin, accelerator, model, out)
+    save_fsdp_optimizer(plugin, accelerator, opt, model, out)
+
+
+def _train_save(
+    rank: int, world_size: int, root: str, rslora: bool, dtype_name: str, producer: str
+) -> None:
+    """Every rank: one AdamW step of the FSDP2-wrapped peft model, saved with ``dcp.save`` of
+    model and optimizer (or accelerate's save functions) into ``root/src``; rank 0 then writes
+    peft's own adapter and merged model from the full state."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -78,8 +104,11 @@ def _train_save(rank: int, world_size: int, root: str, rslora: bool, dtype_name:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model(_TOKENS, labels=_TOKENS).loss.backward()
     opt.step()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "dcp"))
+    if producer == "accelerate":
+        _accelerate_save(rank, world_size, model, opt, os.path.join(root, "src"))
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "src"))
     full = get_model_state_dict(model, options=_FULL)
     if rank == 0:
         plain = _peft(1, rslora, dtype)
@@ -115,12 +144,15 @@ def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "target_modules": sorted(config["target_modules"])}
 
 
-@pytest.fixture(scope="module", params=[(False, "float32"), (True, "bfloat16")],
-                ids=["lora-fp32", "rslora-bf16"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[("dcp", False, "float32"), ("dcp", True, "bfloat16"), ("accelerate", False, "float32")],
+    ids=["dcp-lora-fp32", "dcp-rslora-bf16", "accelerate-lora-fp32"],
+)
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    rslora, dtype_name = request.param
+    producer, rslora, dtype_name = request.param
     root = tmp_path_factory.mktemp("lora")
-    run_ranks(_train_save, 2, str(root), rslora, dtype_name, timeout=300)
+    run_ranks(_train_save, 2, str(root), rslora, dtype_name, producer, timeout=300)
     return root, rslora, getattr(torch, dtype_name)
 
 
@@ -132,7 +164,7 @@ def test_adapter_export_equals_peft_save_pretrained(trained: Any) -> None:
     root, rslora, dtype = trained
     out = root / "ours_adapter"
     result = ckptools.consolidate(
-        str(root / "dcp"), str(out), adapter=True, lora_alpha=_ALPHA,
+        str(root / "src"), str(out), adapter=True, lora_alpha=_ALPHA,
         config=str(root / "base_config"), quiet=True, overwrite=True,
     )  # fmt: skip
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -153,7 +185,7 @@ def test_adapter_export_equals_peft_save_pretrained(trained: Any) -> None:
     else:  # peft's own config says use_rslora; ours learns it from --adapter-config only
         assert ours_cfg["use_rslora"] is False and peft_cfg["use_rslora"] is True
         given = ckptools.consolidate(
-            str(root / "dcp"), str(out), adapter=True, quiet=True, overwrite=True,
+            str(root / "src"), str(out), adapter=True, quiet=True, overwrite=True,
             adapter_config=str(root / "peft_adapter" / "adapter_config.json"),
         )  # fmt: skip
         assert given.tensors == 8
@@ -174,7 +206,7 @@ def test_merge_lora_equals_merge_and_unload(trained: Any) -> None:
     cfg = root / "peft_adapter" / "adapter_config.json"
     options: dict[str, Any] = {"adapter_config": str(cfg)} if rslora else {"lora_alpha": _ALPHA}
     ckptools.consolidate(
-        str(root / "dcp"), str(out), merge_lora=True, config=str(root / "base_config"),
+        str(root / "src"), str(out), merge_lora=True, config=str(root / "base_config"),
         quiet=True, overwrite=True, **options,
     )  # fmt: skip
     truth, got = _merged_tensors(root / "peft_merged"), _merged_tensors(out)
@@ -201,12 +233,12 @@ def test_missing_alpha_refused_and_inspect_names_the_adapter(trained: Any) -> No
     root, _, _ = trained
     for flag in ("adapter", "merge_lora"):
         with pytest.raises(UsageError, match="--lora-alpha"):
-            ckptools.consolidate(str(root / "dcp"), str(root / f"no_{flag}"), quiet=True,
+            ckptools.consolidate(str(root / "src"), str(root / f"no_{flag}"), quiet=True,
                                  **{flag: True})  # fmt: skip
         assert not (root / f"no_{flag}").exists()
-    r = CliRunner().invoke(cli, ["consolidate", str(root / "dcp"), str(root / "x"), "--merge-lora"])
+    r = CliRunner().invoke(cli, ["consolidate", str(root / "src"), str(root / "x"), "--merge-lora"])
     assert r.exit_code == 2 and "--lora-alpha" in r.output and "Traceback" not in r.output
-    peft_info = ckptools.inspect(str(root / "dcp")).to_dict()["peft"]
+    peft_info = ckptools.inspect(str(root / "src")).to_dict()["peft"]
     adapter = peft_info["adapters"]["default"]
     assert adapter["target_modules"] == ["q_proj", "v_proj"] and adapter["ranks"] == [4]
     assert adapter["modules"] == 4
@@ -214,5 +246,5 @@ def test_missing_alpha_refused_and_inspect_names_the_adapter(trained: Any) -> No
     assert len(trained_names) == 8 and all(".lora_" in n for n in trained_names)
     # embeddings, lm_head, final norm + 9 per layer (base q and v among them) are frozen
     assert peft_info["frozen_parameters"] == 3 + 2 * 9 and peft_info["trainable_parameters"] == 8
-    r = CliRunner().invoke(cli, ["inspect", str(root / "dcp")])
+    r = CliRunner().invoke(cli, ["inspect", str(root / "src")])
     assert "LoRA adapter 'default': 4 modules, target modules q_proj, v_proj, rank 4" in r.output
