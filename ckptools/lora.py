@@ -35,6 +35,9 @@ from ckptools.io import storage
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
+#: Elements of a weight merged at once: 16 Mi (64 MiB of float32 delta, and the rows' bytes),
+#: so a merge's memory does not grow with the largest weight.
+MERGE_BLOCK_ELEMENTS = 16 * 2**20
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
 # Other adapter tensors peft may hold (DoRA magnitudes, embedding adapters, lora_B biases): not
 # handled by this module, so refused by name rather than silently dropped.
@@ -335,10 +338,12 @@ def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget]
     """Add ``(B @ A) * scale`` to each target weight written in the safetensors file ``path``.
 
     ``tensors``: output name → its :class:`~ckptools.plan.safetensors.TensorPlan` in this file.
-    One module at a time: the weight is read from the written bytes, ``lora_A``/``lora_B`` from
-    the source, the sum computed as peft's ``merge`` on CPU (a bf16/fp16 adapter multiplied in
-    float32 and cast back to its dtype, then added in place in the weight's dtype) and written
-    back over the same bytes; the file is fsynced. Memory: one weight and its adapter.
+    One module at a time and, inside it, blocks of rows of the weight (at most
+    :data:`MERGE_BLOCK_ELEMENTS` elements): the rows read from the written bytes, ``B``'s same rows
+    times ``A`` computed as peft's ``merge`` does on CPU (a bf16/fp16 adapter multiplied in
+    float32 and cast back to its dtype, then added in place in the weight's dtype), written back
+    over the same bytes; the file is fsynced. Memory: an adapter and one block, whatever the
+    weight's size (each output row is the same dot products as in one whole product).
     """
     import torch
 
@@ -350,13 +355,20 @@ def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget]
             plan = tensors.get(t.name)
             if plan is None:
                 continue
-            raw = bytearray(os.pread(fd, plan.nbytes, plan.begin))
-            weight = torch.frombuffer(raw, dtype=getattr(torch, plan.dtype)).view(plan.shape)
             a, b = read_tensor(manifest, t.a), read_tensor(manifest, t.b)
             low = b.dtype in (torch.float16, torch.bfloat16)
-            delta = (b.float() @ a.float() if low else b @ a) * t.scale
-            weight += delta.to(b.dtype) if low else delta
-            os.pwrite(fd, memoryview(raw), plan.begin)
+            a_mul, b_mul = (a.float(), b.float()) if low else (a, b)
+            out_rows, cols = plan.shape
+            itemsize = plan.nbytes // (out_rows * cols)
+            step = max(1, MERGE_BLOCK_ELEMENTS // cols)
+            for r0 in range(0, out_rows, step):
+                rows = min(step, out_rows - r0)
+                where = plan.begin + r0 * cols * itemsize
+                raw = bytearray(os.pread(fd, rows * cols * itemsize, where))
+                weight = torch.frombuffer(raw, dtype=getattr(torch, plan.dtype)).view(rows, cols)
+                delta = (b_mul[r0 : r0 + rows] @ a_mul) * t.scale
+                weight += delta.to(b.dtype) if low else delta
+                os.pwrite(fd, memoryview(raw), where)
         os.fsync(fd)
     finally:
         os.close(fd)
