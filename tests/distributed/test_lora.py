@@ -252,3 +252,39 @@ def test_missing_alpha_refused_and_inspect_names_the_adapter(trained: Any) -> No
     assert peft_info["frozen_parameters"] == 3 + 2 * 9 and peft_info["trainable_parameters"] == 8
     r = CliRunner().invoke(cli, ["inspect", str(root / "src")])
     assert "LoRA adapter 'default': 4 modules, target modules q_proj, v_proj, rank 4" in r.output
+
+
+def _consolidate_on_ranks(rank: int, world_size: int, src: str, out: str, config: str) -> list[str]:
+    """Every rank: ``ckptools.consolidate`` inside the process group (the torchrun mode): the
+    ranks copy shares of the bytes, rank 0 merges and commits."""
+    r = ckptools.consolidate(
+        src, out, merge_lora=True, lora_alpha=_ALPHA, config=config, quiet=True
+    )
+    return list(r.notes)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_merge_lora_by_two_ranks_and_adapter_from_the_cli(trained: Any) -> None:
+    root, rslora, _ = trained
+    if rslora:
+        pytest.skip("one producer is enough for the torchrun path")
+    out = root / "ranks_merged"
+    notes = run_ranks(
+        _consolidate_on_ranks, 2, str(root / "src"), str(out), str(root / "base_config")
+    )
+    assert "written by 2 ranks" in notes[0]
+    truth, got = _merged_tensors(root / "peft_merged"), _merged_tensors(out)
+    assert sorted(got) == sorted(truth)
+    for k, v in truth.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=k)
+    cli_out = root / "cli_adapter"
+    r = CliRunner().invoke(
+        cli, ["consolidate", str(root / "src"), str(cli_out), "--adapter", "--lora-alpha", "16",
+              "--config", str(root / "base_config"), "--quiet"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    want = _tensors(root / "peft_adapter", "adapter_model.safetensors")
+    got = _tensors(cli_out, "adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
