@@ -301,7 +301,7 @@ class _Run:
         notes = []
         if options.adapter:
             model_files = []  # peft's adapter directory holds the adapter and its config only
-            notes.append(f"LoRA adapter: {len(export.names) // 2} target modules")
+            notes.append(f"LoRA adapter of {len(export.names) // 2} target module(s)")
         if export.merge:
             notes.append(f"LoRA merged into {len(export.merge)} weights")
         if export.keymap is not None:

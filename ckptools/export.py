@@ -338,7 +338,7 @@ def plan_export(
         found = lora.adapter_names(names, manifest, options.adapter_name)
         cfg = lora.adapter_config(
             found[2], found[1], lora_alpha=options.lora_alpha,
-            config_file=options.adapter_config, model_config=config,
+            config_file=options.adapter_config, model_config=config, source=manifest.root,
         )  # fmt: skip
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
     keymap = None
@@ -369,8 +369,10 @@ def _plan_adapter(
 ) -> Export:
     """The adapter alone, in one ``adapter_model.safetensors`` (peft never shards it)."""
     out, adapter, found = lora.adapter_names(names, manifest, options.adapter_name)
-    cfg = lora.adapter_config(found, adapter, lora_alpha=options.lora_alpha,
-                              config_file=options.adapter_config, model_config=config)  # fmt: skip
+    cfg = lora.adapter_config(
+        found, adapter, lora_alpha=options.lora_alpha, config_file=options.adapter_config,
+        model_config=config, source=manifest.root,
+    )  # fmt: skip
     plan = plan_consolidation(manifest, out, max_shard_size=2**63, dtype=options.dtype)
     (only,) = plan.files
     plan = replace(plan, files=(replace(only, name=lora.ADAPTER_WEIGHTS_NAME),))

@@ -262,6 +262,7 @@ def adapter_config(
     lora_alpha: float | None,
     config_file: str | None,
     model_config: Mapping[str, Any] | None,
+    source: str = "the checkpoint",
 ) -> dict[str, Any]:
     """The ``adapter_config.json`` peft's ``save_pretrained`` writes for this adapter.
 
@@ -273,8 +274,8 @@ def adapter_config(
     ``_name_or_path``. ``inference_mode`` is true, as peft writes it.
 
     Raises:
-        UsageError: no alpha (names ``--lora-alpha``), an unreadable config file, or one whose
-            ``r`` disagrees with the checkpoint.
+        UsageError: no alpha (names ``source`` and ``--lora-alpha``), an unreadable config file,
+            or one whose ``r`` disagrees with the checkpoint.
     """
     modules = found.of(adapter)
     ranks = [m.rank for m in modules]
@@ -296,7 +297,7 @@ def adapter_config(
     else:
         if lora_alpha is None:
             raise UsageError(
-                "the checkpoint does not store lora_alpha: give --lora-alpha A "
+                f"{source}: LoRA checkpoints do not store lora_alpha: give --lora-alpha A "
                 "(or --adapter-config adapter_config.json)"
             )
         cfg = {"r": r, "lora_alpha": lora_alpha}
