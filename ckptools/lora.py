@@ -325,7 +325,10 @@ def _with_peft_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     except ImportError:
         return cfg
     fields = {k: v for k, v in cfg.items() if k != "peft_type"}
-    full: dict[str, Any] = LoraConfig(**fields).to_dict()  # type: ignore[no-untyped-call]
+    try:
+        full: dict[str, Any] = LoraConfig(**fields).to_dict()  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"peft's LoraConfig refuses this adapter config: {e}") from e
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in full.items()}
 
 
