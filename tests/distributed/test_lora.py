@@ -107,6 +107,9 @@ def _train_save(
     if producer == "accelerate":
         _accelerate_save(rank, world_size, model, opt, os.path.join(root, "src"))
     else:
+        ckptools.save_pretrained(
+            model, os.path.join(root, "sp_adapter"), adapter=True, lora_alpha=_ALPHA
+        )
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "src"))
     full = get_model_state_dict(model, options=_FULL)
@@ -191,6 +194,19 @@ def test_adapter_export_equals_peft_save_pretrained(trained: Any) -> None:
         assert given.tensors == 8
         ours_cfg = json.loads((out / "adapter_config.json").read_text())
         assert _comparable(ours_cfg) == _comparable(peft_cfg)
+    if (root / "sp_adapter").exists():  # ckptools.save_pretrained from the FSDP2 shards
+        sp = _tensors(root / "sp_adapter", "adapter_model.safetensors")
+        assert sorted(sp) == sorted(truth)
+        assert all(
+            torch.equal(sp[k].view(torch.uint8), v.view(torch.uint8)) for k, v in truth.items()
+        )
+        sp_cfg = json.loads((root / "sp_adapter" / "adapter_config.json").read_text())
+        assert sorted(os.listdir(root / "sp_adapter")) == sorted(os.listdir(out))
+        if not rslora:  # task_type comes from config.json's architectures, which a model
+            # built from a config (never from_pretrained) does not have: null then
+            assert sp_cfg.pop("task_type") is None and peft_cfg.pop("task_type") == "CAUSAL_LM"
+            assert _comparable(sp_cfg) == _comparable(peft_cfg)
+            peft_cfg["task_type"] = "CAUSAL_LM"
     loaded = PeftModel.from_pretrained(_base(0, dtype), str(out))  # frozen base: seed 0 init
     want = PeftModel.from_pretrained(_base(0, dtype), str(root / "peft_adapter"))
     assert torch.equal(_logits(loaded), _logits(want))
