@@ -10,26 +10,33 @@ dtype cast or a strided chunk: memory stays bounded whatever the model size.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import resource
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from ckptools import collective, tunables
+from ckptools import collective, lora, tunables
 from ckptools.collective import Ranks
-from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Manifest
-from ckptools.core.sizes import parse_size
-from ckptools.engine.converted import to_disk_names
-from ckptools.engine.executor import (
-    create_files,
-    execute,
-)
+from ckptools.engine.executor import create_files, execute
 from ckptools.errors import UsageError
+from ckptools.export import (
+    DEFAULT_MAX_SHARD_SIZE,
+    MODEL_FILES,
+    CastDType,
+    Export,
+    ExportOptions,
+    find_model_files,
+    model_config,
+    plan_export,
+    same_storage,
+    same_written_bytes,
+    select_tensors,
+    tie_setting,
+    tied_candidates,
+    write_index,
+)
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
@@ -44,78 +51,28 @@ from ckptools.io.staging import (
     write_file_synced,
 )
 from ckptools.layouts import read_manifest
-from ckptools.plan.conversions import KeyMap
-from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+from ckptools.plan.safetensors import ConsolidationPlan
+
+# Export planning lives in ckptools.export; these names stay importable from here.
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "MODEL_FILES",
+    "CastDType",
+    "ConsolidateOptions",
+    "ConsolidateResult",
+    "Export",
+    "ExportOptions",
+    "consolidate",
+    "find_model_files",
+    "model_config",
+    "plan_export",
+    "select_tensors",
+    "tie_setting",
+    "tied_candidates",
+    "write_index",
+]
 
 log = logging.getLogger(__name__)
-
-#: transformers' own default for ``save_pretrained`` and what the Hub expects.
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-#: Files beside a checkpoint that make a loadable model directory.
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-)
-#: Output and input embedding names whose weights models tie (``tie_word_embeddings``).
-_OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight", "output.weight")
-_INPUT_EMBEDDINGS = (
-    "embed_tokens.weight",
-    "wte.weight",
-    "word_embeddings.weight",
-    "tok_embeddings.weight",
-    "embed_in.weight",
-)
-# Block size for comparing two written tensors when looking for tied weights.
-_COMPARE_BLOCK_BYTES = 4 * 2**20
-
-CastDType = Literal["bfloat16", "float16", "float32"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExportOptions:
-    """What goes into a model directory and how it is cut: the options :func:`consolidate` and
-    :func:`ckptools.save_pretrained` share, validated once, on construction.
-
-    Attributes:
-        max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"``, ``"2GiB"`` or bytes.
-        dtype: cast floating tensors to this dtype (other tensors are kept as stored).
-        select: export this key sub-tree instead of the model (see :func:`select_tensors`).
-        strip_prefix: remove this prefix from output names.
-        config: a ``config.json`` file or a directory with config and tokenizer files.
-        overwrite: replace an existing output directory.
-        keep_in_memory_names: write the in-memory form (fused experts), not the on-disk format.
-        max_shard_bytes: ``max_shard_size`` in bytes (derived).
-
-    Raises:
-        UsageError: a bad size or dtype.
-    """
-
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
-    dtype: CastDType | None = None
-    select: str | None = None
-    strip_prefix: str | None = None
-    config: str | None = None
-    overwrite: bool = False
-    keep_in_memory_names: bool = False
-    max_shard_bytes: int = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
-        if self.dtype is not None and (
-            not dtypes.is_dtype_name(self.dtype) or not dtypes.dtype(self.dtype).is_floating
-        ):
-            raise UsageError(f"--dtype {self.dtype!r}: choose bfloat16, float16 or float32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,245 +176,6 @@ class ConsolidateResult:
         }
 
 
-def select_tensors(
-    manifest: Manifest, select: str | None = None, strip_prefix: str | None = None
-) -> dict[str, str]:
-    """Output name → stored FQN of the tensors to export.
-
-    Args:
-        manifest: the checkpoint.
-        select: a dotted key path of a sub-tree (``"optim"``, ``"app.model"``,
-            ``"model.model.layers.0"``) whose tensors to export with that path removed; ``"*"``
-            exports every tensor under its full path. Default: the model part
-            (:func:`ckptools.core.keys.find_model_part`). Either way wrapper segments are removed
-            as :func:`ckptools.core.keys.own_names` says.
-        strip_prefix: removed from the start of every output name that has it.
-
-    Raises:
-        UsageError: nothing matches, or two stored tensors would get the same name.
-    """
-    out: dict[str, str] = {}
-    if select is None:
-        out = dict(keys.model_keys(manifest))
-    else:
-        sel = select.strip(".")
-        chosen: dict[str, str] = {}  # stored FQN -> its key path below the selection
-        for fqn in manifest.tensors:
-            joined = ".".join(keys.key_path(manifest, fqn))
-            if sel in ("", "*"):
-                chosen[fqn] = joined
-            elif joined.startswith(sel + "."):
-                chosen[fqn] = joined[len(sel) + 1 :]
-        for name, fqn in zip(keys.own_names(list(chosen.values())), chosen, strict=True):
-            if name in out:
-                raise UsageError(
-                    f"--select {select!r}: {out[name]!r} and {fqn!r} would both be written as "
-                    f"{name!r}; select a narrower sub-tree"
-                )
-            out[name] = fqn
-    if strip_prefix:
-        renamed: dict[str, str] = {}
-        for name, fqn in out.items():
-            new = name[len(strip_prefix) :] if name.startswith(strip_prefix) else name
-            if not new or new in renamed:
-                raise UsageError(f"--strip-prefix {strip_prefix!r} makes {name!r} collide or empty")
-            renamed[new] = fqn
-        out = renamed
-    if not out:
-        tops = sorted({keys.key_path(manifest, f)[0] for f in manifest.tensors})
-        raise UsageError(
-            f"{manifest.root}: no tensors selected"
-            + (f" by --select {select!r}" if select is not None else "")
-            + f"; top-level keys with tensors: {', '.join(tops) or '(none)'}"
-        )
-    return out
-
-
-def _config_dir_files(directory: str) -> list[str]:
-    present = storage.file_sizes(directory, MODEL_FILES)  # one listing on an object store
-    return [n for n in MODEL_FILES if n in present]
-
-
-def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
-    """``(path, name)`` of the model files ``names`` in ``directory``, each checked to lie inside
-    it: a ``config.json`` that is a link to a file elsewhere would copy that file into OUT."""
-    return [(storage.contained(directory, n, named_by=directory, entry="holds"), n) for n in names]
-
-
-def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
-    """``(source path, name in OUT)`` of the config and tokenizer files to copy.
-
-    ``config`` may be a ``config.json`` file (copied alone) or a directory; by default the
-    checkpoint directory, then its parent, are searched, and the first holding ``config.json``
-    is used. A file of a directory must lie inside it (:func:`ckptools.io.storage.contained`).
-
-    Raises:
-        UsageError: ``config`` names nothing usable.
-        OutsideCheckpointError: a model file is a link leading outside its directory.
-    """
-    if config is not None:
-        if storage.isfile(config):
-            return [(config, "config.json")]
-        if storage.isdir(config):
-            found = _config_dir_files(config)
-            if not found:
-                raise UsageError(
-                    f"--config {config}: directory holds none of {', '.join(MODEL_FILES[:3])}..."
-                )
-            return _copied_from(config, found)
-        raise UsageError(f"--config {config}: no such file or directory")
-    if storage.is_url(src):
-        here = src.rstrip("/") if storage.isdir(src) else storage.dirname(src)
-        parent = storage.dirname(here)
-    else:
-        here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
-        parent = os.path.dirname(os.path.abspath(here))
-    for directory in (here, parent):
-        found = _config_dir_files(directory)
-        if "config.json" in found:
-            return _copied_from(directory, found)
-    return []
-
-
-def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
-    """The ``config.json`` among ``files`` (:func:`find_model_files`), read, or None."""
-    for path, name in files:
-        if name == "config.json":
-            try:
-                cfg = json.loads(storage.read_bytes(path))
-            except (OSError, ValueError) as e:
-                raise UsageError(f"{path}: cannot read the model config: {e}") from e
-            if not isinstance(cfg, dict):
-                raise UsageError(f"{path}: the model config is not a JSON object")
-            return cfg
-    return None
-
-
-def tie_setting(files: list[tuple[str, str]]) -> bool | None:
-    cfg = model_config(files)
-    if cfg is None:
-        return None
-    value = cfg.get("tie_word_embeddings")
-    if value is None and isinstance(cfg.get("text_config"), dict):
-        value = cfg["text_config"].get("tie_word_embeddings")
-    return None if value is None else bool(value)
-
-
-def tied_candidates(names: Mapping[str, str], manifest: Manifest) -> list[tuple[str, str]]:
-    """``(output embedding, input embedding)`` name pairs that a model may tie.
-
-    Pairs must have the same dtype and shape; the output embedding comes first.
-    """
-    outs = [n for n in names if n.endswith(_OUTPUT_EMBEDDINGS) or n in ("output.weight",)]
-    ins = [n for n in names if n.endswith(_INPUT_EMBEDDINGS)]
-    pairs = []
-    for o in outs:
-        for i in ins:
-            a, b = manifest.tensors[names[o]], manifest.tensors[names[i]]
-            if a.dtype == b.dtype and a.shape == b.shape:
-                pairs.append((o, i))
-    return pairs
-
-
-def _same_storage(manifest: Manifest, a: str, b: str) -> bool:
-    ca, cb = manifest.tensors[a].chunks, manifest.tensors[b].chunks
-    return len(ca) == len(cb) and all(
-        (x.file, x.offset, x.encoding) == (y.file, y.offset, y.encoding)
-        for x, y in zip(ca, cb, strict=True)
-    )
-
-
-def _same_written_bytes(out_dir: str, plan: ConsolidationPlan, a: str, b: str) -> bool:
-    where: dict[str, tuple[str, TensorPlan]] = {}
-    for f in plan.files:
-        for t in f.tensors:
-            if t.name in (a, b):
-                where[t.name] = (f.name, t)
-    (pa, ta), (pb, tb) = where[a], where[b]
-    if ta.nbytes != tb.nbytes:
-        return False
-    # out_dir is a local directory, or the object-store prefix the files were uploaded to
-    with storage.open_reader(out_dir) as reader:
-        done = 0
-        while done < ta.nbytes:
-            n = min(_COMPARE_BLOCK_BYTES, ta.nbytes - done)
-            if reader.read(pa, ta.begin + done, n) != reader.read(pb, tb.begin + done, n):
-                return False
-            done += n
-    return True
-
-
-@dataclass(frozen=True)
-class Export:
-    """What a model directory gets: the plan, and how the tensors were chosen.
-
-    Attributes:
-        names: output name → stored FQN of the tensors written.
-        dropped: ``(dropped, kept)`` tied weights left out (the config ties them).
-        candidates: ``(output, input)`` embedding pairs a model may tie (:func:`tied_candidates`).
-        plan: the files and their tensors.
-    """
-
-    names: dict[str, str]
-    dropped: tuple[tuple[str, str], ...]
-    candidates: tuple[tuple[str, str], ...]
-    plan: ConsolidationPlan
-    manifest: Manifest | None = None  # the plan's FQNs' manifest when a conversion added entries
-    keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
-
-
-def plan_export(
-    manifest: Manifest,
-    options: ExportOptions,
-    tie: bool | None,
-    config: Mapping[str, Any] | None = None,
-    *,
-    boxes_only: bool = False,
-) -> Export:
-    """Choose the tensors to write and plan the files: the one front half of :func:`consolidate`
-    and :func:`ckptools.save_pretrained`, so that both write the same directory.
-
-    Args:
-        manifest: the checkpoint (or, for ``save_pretrained``, what ``dcp.save`` would write).
-        options: selection, shard size and dtype.
-        tie: the config's ``tie_word_embeddings`` (:func:`tie_setting`); when true the output
-            embedding is left out, as transformers re-ties it to the input embedding on load.
-        config: the model's ``config.json``: names are converted to the on-disk format
-            (:func:`ckptools.engine.converted.to_disk_names`) unless
-            ``options.keep_in_memory_names``; ``boxes_only`` for a manifest without bytes.
-    """
-    names = select_tensors(manifest, options.select, options.strip_prefix)
-    keymap = None
-    if config is not None and not options.keep_in_memory_names:
-        check = not (isinstance(options, ConsolidateOptions) and options.dry_run)
-        manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
-                                                check=check)  # fmt: skip
-    candidates = tuple(tied_candidates(names, manifest))
-    dropped: list[tuple[str, str]] = []
-    if tie:
-        for o, i in candidates:
-            if o in names:
-                dropped.append((o, i))
-                del names[o]
-    plan = plan_consolidation(
-        manifest, names, max_shard_size=options.max_shard_bytes, dtype=options.dtype
-    )
-    return Export(
-        names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
-        manifest=manifest, keymap=keymap,
-    )  # fmt: skip
-
-
-def write_index(directory: str, plan: ConsolidationPlan) -> None:
-    """Write the index of a sharded model directory, durably (nothing for a single file).
-
-    The index commits a sharded model directory: call it last, after every shard is written.
-    """
-    if plan.index is not None:
-        index = (json.dumps(plan.index, indent=2) + "\n").encode()
-        write_file_synced(storage.join(directory, INDEX_NAME), index)
-
-
 @storage.accepts_storage_options
 def consolidate(
     src: str,
@@ -476,6 +194,11 @@ def consolidate(
     quiet: bool = False,
     distributed: bool = True,
     keep_in_memory_names: bool = False,
+    adapter: bool = False,
+    merge_lora: bool = False,
+    lora_alpha: float | None = None,
+    adapter_config: str | None = None,
+    adapter_name: str | None = None,
     storage_options: storage.StorageOptions | None = None,
 ) -> ConsolidateResult:
     """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
@@ -505,6 +228,14 @@ def consolidate(
             split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
             False: this process writes everything alone.
         keep_in_memory_names: keep the in-memory names, not save_pretrained's on-disk format.
+        adapter: write only the LoRA adapter of a PEFT-wrapped model, as
+            ``PeftModel.save_pretrained`` does: ``adapter_model.safetensors`` (peft's names,
+            bit-exact; only the adapter's bytes are read) and ``adapter_config.json``.
+        merge_lora: write the model with its LoRA adapter merged (``W + (B @ A) * scale``, as
+            peft's ``merge_and_unload``), loadable by ``from_pretrained``.
+        lora_alpha: the adapter's ``lora_alpha``, which checkpoints do not store.
+        adapter_config: an ``adapter_config.json`` for alpha and the rest of the LoraConfig.
+        adapter_name: the adapter to export or merge when the model holds several.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -526,10 +257,13 @@ def consolidate(
         max_shard_size=max_shard_size, dtype=dtype, select=select, strip_prefix=strip_prefix,
         config=config, overwrite=overwrite, dry_run=dry_run, workers=workers,
         memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
-        keep_in_memory_names=keep_in_memory_names,
+        keep_in_memory_names=keep_in_memory_names, adapter=adapter, merge_lora=merge_lora,
+        lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
     )  # fmt: skip
     out = out.rstrip("/") or out
     check_writable(out, options.overwrite, src=src, inside_src=True)  # e.g. checkpoint-N/hf
+    if options.merge_lora and storage.is_url(out):
+        raise UsageError(f"{out}: --merge-lora rewrites weights in place; write to a local dir")
     run = _Run.planned(src, out, options, started)
     if options.dry_run:
         return run.result(0)
@@ -562,8 +296,14 @@ class _Run:
         manifest = read_manifest(src, options.format)
         model_files = find_model_files(src, options.config)
         tie = tie_setting(model_files)
-        export = plan_export(manifest, options, tie, model_config(model_files))
+        export = plan_export(manifest, options, tie, model_config(model_files),
+                             check=not options.dry_run)  # fmt: skip
         notes = []
+        if options.adapter:
+            model_files = []  # peft's adapter directory holds the adapter and its config only
+            notes.append(f"LoRA adapter of {len(export.names) // 2} target module(s)")
+        if export.merge:
+            notes.append(f"LoRA merged into {len(export.merge)} weights")
         if export.keymap is not None:
             notes.append(f"on-disk format of {export.keymap.mapping}: "
                          + "; ".join(export.keymap.rules))  # fmt: skip
@@ -606,14 +346,22 @@ class _Run:
             notes=tuple(self.notes) + tuple(self.manifest.notes),
         )
 
+    def merge(self, tmp: str, name: str) -> None:
+        """Merge the LoRA adapter into the weights of the written file ``name`` (if any)."""
+        if self.export.merge:
+            (f,) = [f for f in self.export.plan.files if f.name == name]
+            where = {t.name: t for t in f.tensors}
+            lora.merge_into(storage.join(tmp, name), where, list(self.export.merge),
+                            self.source)  # fmt: skip
+
     def finish(self, tmp: str) -> tuple[tuple[str, str], ...]:
         """After every byte is written: tied-weight check, model files, index, rename."""
         tied: list[tuple[str, str]] = []
         names, plan = self.export.names, self.export.plan
         if not self.tie:
             for o, i in self.export.candidates:
-                same = _same_storage(self.source, names[o], names[i])
-                if same or _same_written_bytes(tmp, plan, o, i):
+                same = same_storage(self.source, names[o], names[i])
+                if same or same_written_bytes(tmp, plan, o, i):
                     tied.append((o, i))
             if tied:
                 self.notes.append(
@@ -622,6 +370,9 @@ class _Run:
                 )
         for path, name in self.model_files:
             copy_into(path, storage.join(tmp, name))
+        if self.export.adapter_config is not None:
+            write_file_synced(storage.join(tmp, lora.ADAPTER_CONFIG_NAME),
+                              lora.config_json(self.export.adapter_config))  # fmt: skip
         write_index(tmp, plan)
         fsync_dir(tmp)
         commit(tmp, self.out, self.options.overwrite)
@@ -647,10 +398,15 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
             run.notes.append(
                 f"resumed: {len(kept)} file(s) written by an interrupted run were kept"
             )
+
+        def done(name: str) -> None:  # merged before journaled: a resumed run never merges twice
+            run.merge(tmp, name)
+            journal.record(name, size=sizes[name])
+
         stats = execute(
             plan, run.source, tmp, workers=options.worker_count,
             memory_budget=options.memory_budget_bytes, quiet=options.quiet, skip=kept,
-            on_file_done=lambda name: journal.record(name, size=sizes[name]),
+            on_file_done=done,
         )  # fmt: skip
         journal.discard()  # never part of the model directory
         tied = run.finish(tmp)
@@ -697,4 +453,10 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
                             quiet=options.quiet or not ranks.is_root, share=share),
             "consolidate",
         )  # fmt: skip
-        return ranks.from_root(lambda: run.finish(tmp), "consolidate")
+
+        def merge_then_finish() -> tuple[tuple[str, str], ...]:
+            for f in plan.files:
+                run.merge(tmp, f.name)
+            return run.finish(tmp)
+
+        return ranks.from_root(merge_then_finish, "consolidate")

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptools import lora
 from ckptools.core import keys
 from ckptools.core.manifest import Manifest
 from ckptools.engine.reader import read_object
@@ -79,6 +80,7 @@ class InspectReport:
             "sources": list(m.details.get("sources", ())),
             "step": m.details.get("step"),
             "optimizers": [o.to_dict() for o in optimizer_states(m)],
+            "peft": lora.describe(m, model_tensors),
             "sharding": sharding_summary(m),
             "tensors": tensors,
             "objects": objects,

@@ -60,6 +60,37 @@ from ckptools.cli.render import emit, human_bytes, table
     help="Write tensors as the model holds them in memory (e.g. fused MoE experts) instead of "
     "the on-disk format save_pretrained writes.",
 )
+@click.option(
+    "--adapter",
+    is_flag=True,
+    default=False,
+    help="PEFT LoRA model: write only the adapter, as PeftModel.save_pretrained does "
+    "(adapter_model.safetensors + adapter_config.json); reads only the adapter's bytes.",
+)
+@click.option(
+    "--merge-lora",
+    is_flag=True,
+    default=False,
+    help="PEFT LoRA model: write the model with the adapter merged (W + B@A * alpha/r), "
+    "loadable by from_pretrained.",
+)
+@click.option(
+    "--lora-alpha",
+    type=float,
+    default=None,
+    help="The adapter's lora_alpha (checkpoints do not store it); or --adapter-config.",
+)
+@click.option(
+    "--adapter-config",
+    type=click.Path(),
+    default=None,
+    help="An adapter_config.json giving lora_alpha, use_rslora and the rest of the LoraConfig.",
+)
+@click.option(
+    "--adapter-name",
+    default=None,
+    help="The adapter to export or merge when the model holds several (default: the only one).",
+)
 @overwrite_option
 @dry_run_option("Print the plan (files, tensors, sizes); write nothing.")
 @workers_option
@@ -95,6 +126,8 @@ def consolidate_command(
       torchrun --nproc-per-node 4 -m ckptools consolidate ckpt hf_model
       ckpt consolidate checkpoints/step-1000 hf_model --push-to-hub me/my-model
       ckpt consolidate checkpoint.pth hf_model --key model_state_dict
+      ckpt consolidate lora-ckpt adapter_dir --adapter --lora-alpha 16
+      ckpt consolidate lora-ckpt merged --merge-lora --adapter-config adapter_config.json
     """
     from ckptools.consolidate import consolidate
 

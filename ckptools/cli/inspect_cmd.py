@@ -78,6 +78,8 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.append(f"  step: {d['step']}")
     for opt in d["optimizers"]:
         out.append("  " + _optimizer_line(opt))
+    if d.get("peft"):
+        out.extend(_peft_lines(d["peft"]))
     if d["sharding"]:
         out.append("  sharding: " + ", ".join(f"{k}: {v}" for k, v in d["sharding"].items()))
     out.append("")
@@ -125,3 +127,23 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
             + (f", ... ({len(per_rank)} ranks)" if len(per_rank) > 16 else "")
         )
     return "\n".join(out)
+
+
+def _peft_lines(peft: dict[str, Any]) -> list[str]:
+    """``inspect``'s lines for a PEFT-wrapped model (:func:`ckptools.lora.describe`)."""
+    out = []
+    for name, a in peft["adapters"].items():
+        out.append(
+            f"  LoRA adapter {name!r}: {a['modules']} modules, target modules "
+            f"{', '.join(a['target_modules'])}, rank {'/'.join(str(r) for r in a['ranks'])}"
+        )
+    state = (
+        f"{len(peft['with_optimizer_state'])} with optimizer state"
+        if peft["optimizer_state_found"]
+        else "no optimizer state in the checkpoint"
+    )
+    out.append(
+        f"  PEFT: {peft['trainable_parameters']} trainable parameters ({state}), "
+        f"{peft['frozen_parameters']} frozen ({human_bytes(peft['frozen_bytes'])})"
+    )
+    return out

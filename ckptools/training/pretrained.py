@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ckptools import lora
 from ckptools.collective import Ranks
 from ckptools.consolidate import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -247,6 +248,12 @@ def _prepare(
     try:
         names, tie, config = _prepare_files(model, options.config, tmp, out)
         export = plan_export(manifest, options, tie, config, boxes_only=True)
+        if export.adapter_config is not None:  # peft's adapter directory: adapter and config
+            for name in names:
+                os.remove(os.path.join(tmp, name))
+            names = (lora.ADAPTER_CONFIG_NAME,)
+            staging.write_file_synced(os.path.join(tmp, names[0]),
+                                      lora.config_json(export.adapter_config))  # fmt: skip
         staging.reserve(tmp, export.plan.bytes_to_write)
         create_files(export.plan, tmp)
     except BaseException:
@@ -376,6 +383,10 @@ def save_pretrained(
     dtype: CastDType | None = None,
     overwrite: bool = False,
     keep_in_memory_names: bool = False,
+    adapter: bool = False,
+    lora_alpha: float | None = None,
+    adapter_config: str | None = None,
+    adapter_name: str | None = None,
     storage_options: storage.StorageOptions | None = None,
 ) -> SavePretrainedResult:
     """Write ``model`` as a Hugging Face safetensors model directory, from its shards.
@@ -405,6 +416,11 @@ def save_pretrained(
         keep_in_memory_names: write the in-memory form (e.g. fused MoE experts) instead of the
             on-disk format transformers' own ``save_pretrained`` writes
             (:mod:`ckptools.plan.conversions`, from the config written or copied).
+        adapter: a PEFT LoRA model: write only its adapter, as ``PeftModel.save_pretrained``
+            does (``adapter_model.safetensors`` + ``adapter_config.json``; see
+            :func:`ckptools.consolidate`); ``lora_alpha`` / ``adapter_config`` give alpha,
+            ``adapter_name`` the adapter. The merged model: ``ckpt consolidate --merge-lora``
+            of a saved checkpoint.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -426,7 +442,8 @@ def save_pretrained(
     out = os.fspath(out_dir).rstrip("/") or os.fspath(out_dir)
     options = ExportOptions(
         max_shard_size=max_shard_size, dtype=dtype, config=config, overwrite=overwrite,
-        keep_in_memory_names=keep_in_memory_names,
+        keep_in_memory_names=keep_in_memory_names, adapter=adapter, lora_alpha=lora_alpha,
+        adapter_config=adapter_config, adapter_name=adapter_name,
     )  # fmt: skip
     ranks = _ranks()
     planner, global_plans, manifest = _save_plan(model, ranks, out)
@@ -453,6 +470,13 @@ def save_pretrained(
         )
     written = shares[ranks.rank]
     log.info("save_pretrained wrote %s (%d bytes from rank %d)", out, written, ranks.rank)
+    return _result(out, export, staged, written, started, ranks.world_size, options.dtype)
+
+
+def _result(
+    out: str, export: Export, staged: _Staged, written: int, started: float, world_size: int,
+    dtype: str | None,
+) -> SavePretrainedResult:  # fmt: skip
     plan = export.plan
     return SavePretrainedResult(
         out=out,
@@ -462,8 +486,8 @@ def save_pretrained(
         bytes_written=written,
         seconds=time.perf_counter() - started,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        world_size=ranks.world_size,
-        dtype=options.dtype,
+        world_size=world_size,
+        dtype=dtype,
         dropped=export.dropped,
         config_files=staged.config_files,
     )

@@ -3,8 +3,8 @@ layers, no import cycles, few top-level modules, no giant modules or functions.
 
 Layers, lowest first; a module may import its own layer and those below it:
   base (errors, _compat, _version, collective) <- core, tunables <- io <- formats <- layouts
-  <- plan <- engine <- verbs (consolidate, reshard, diff, inspection, verify/, hub/, training/,
-  integrations/) <- cli
+  <- plan <- engine <- verbs (consolidate, export, reshard, diff, inspection, verify/, hub/,
+  training/, integrations/) <- cli
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ LAYERS: dict[str, int] = {
     "ckptools.plan": 5,
     "ckptools.engine": 6,
     "ckptools.consolidate": 7,
+    "ckptools.export": 7,
+    "ckptools.lora": 7,
     "ckptools.reshard": 7,
     "ckptools.diff": 7,
     "ckptools.inspection": 7,

@@ -1,0 +1,390 @@
+"""Export planning: which tensors a model directory gets and how its files are cut.
+
+The front half that :func:`ckptools.consolidate` and :func:`ckptools.save_pretrained` share:
+options validated once (:class:`ExportOptions`), the tensors picked (:func:`select_tensors`, the
+model part by default), the config and tokenizer files found beside the checkpoint
+(:func:`find_model_files`), tied embeddings handled as the config says, names converted to the
+on-disk format and the files planned (:func:`plan_export`); the index written last
+(:func:`write_index`). Split out of :mod:`ckptools.consolidate`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from ckptools import lora
+from ckptools.core import dtypes, keys
+from ckptools.core.manifest import Manifest
+from ckptools.core.sizes import parse_size
+from ckptools.engine.converted import to_disk_names
+from ckptools.errors import UsageError
+from ckptools.io import storage
+from ckptools.io.staging import write_file_synced
+from ckptools.plan.conversions import KeyMap
+from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+
+#: transformers' own default for ``save_pretrained`` and what the Hub expects.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+#: Files beside a checkpoint that make a loadable model directory.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+#: Output and input embedding names whose weights models tie (``tie_word_embeddings``).
+_OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight", "output.weight")
+_INPUT_EMBEDDINGS = (
+    "embed_tokens.weight",
+    "wte.weight",
+    "word_embeddings.weight",
+    "tok_embeddings.weight",
+    "embed_in.weight",
+)
+# Block size for comparing two written tensors when looking for tied weights.
+_COMPARE_BLOCK_BYTES = 4 * 2**20
+
+CastDType = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    """What goes into a model directory and how it is cut: the options :func:`consolidate` and
+    :func:`ckptools.save_pretrained` share, validated once, on construction.
+
+    Attributes:
+        max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"``, ``"2GiB"`` or bytes.
+        dtype: cast floating tensors to this dtype (other tensors are kept as stored).
+        select: export this key sub-tree instead of the model (see :func:`select_tensors`).
+        strip_prefix: remove this prefix from output names.
+        config: a ``config.json`` file or a directory with config and tokenizer files.
+        overwrite: replace an existing output directory.
+        keep_in_memory_names: write the in-memory form (fused experts), not the on-disk format.
+        adapter: write only the LoRA adapter, as ``PeftModel.save_pretrained`` does
+            (:mod:`ckptools.lora`).
+        merge_lora: write the model with the LoRA adapter merged into its weights.
+        lora_alpha: the adapter's ``lora_alpha`` (the checkpoint does not store it).
+        adapter_config: an ``adapter_config.json`` giving alpha and the rest of the LoraConfig.
+        adapter_name: the adapter to export or merge, when the model holds several.
+        max_shard_bytes: ``max_shard_size`` in bytes (derived).
+
+    Raises:
+        UsageError: a bad size or dtype.
+    """
+
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+    dtype: CastDType | None = None
+    select: str | None = None
+    strip_prefix: str | None = None
+    config: str | None = None
+    overwrite: bool = False
+    keep_in_memory_names: bool = False
+    adapter: bool = False
+    merge_lora: bool = False
+    lora_alpha: float | None = None
+    adapter_config: str | None = None
+    adapter_name: str | None = None
+    max_shard_bytes: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
+        if self.dtype is not None and (
+            not dtypes.is_dtype_name(self.dtype) or not dtypes.dtype(self.dtype).is_floating
+        ):
+            raise UsageError(f"--dtype {self.dtype!r}: choose bfloat16, float16 or float32")
+        if self.adapter and self.merge_lora:
+            raise UsageError("--adapter and --merge-lora: choose one")
+        lora_option = self.lora_alpha is not None or self.adapter_config or self.adapter_name
+        if lora_option and not (self.adapter or self.merge_lora):
+            raise UsageError("--lora-alpha, --adapter-config, --adapter-name: need --adapter "
+                             "or --merge-lora")  # fmt: skip
+        if self.merge_lora and self.dtype is not None:
+            raise UsageError("--merge-lora merges in the weights' dtype: drop --dtype")
+
+
+def select_tensors(
+    manifest: Manifest, select: str | None = None, strip_prefix: str | None = None
+) -> dict[str, str]:
+    """Output name → stored FQN of the tensors to export.
+
+    Args:
+        manifest: the checkpoint.
+        select: a dotted key path of a sub-tree (``"optim"``, ``"app.model"``,
+            ``"model.model.layers.0"``) whose tensors to export with that path removed; ``"*"``
+            exports every tensor under its full path. Default: the model part
+            (:func:`ckptools.core.keys.find_model_part`). Either way wrapper segments are removed
+            as :func:`ckptools.core.keys.own_names` says.
+        strip_prefix: removed from the start of every output name that has it.
+
+    Raises:
+        UsageError: nothing matches, or two stored tensors would get the same name.
+    """
+    out: dict[str, str] = {}
+    if select is None:
+        out = dict(keys.model_keys(manifest))
+    else:
+        sel = select.strip(".")
+        chosen: dict[str, str] = {}  # stored FQN -> its key path below the selection
+        for fqn in manifest.tensors:
+            joined = ".".join(keys.key_path(manifest, fqn))
+            if sel in ("", "*"):
+                chosen[fqn] = joined
+            elif joined.startswith(sel + "."):
+                chosen[fqn] = joined[len(sel) + 1 :]
+        for name, fqn in zip(keys.own_names(list(chosen.values())), chosen, strict=True):
+            if name in out:
+                raise UsageError(
+                    f"--select {select!r}: {out[name]!r} and {fqn!r} would both be written as "
+                    f"{name!r}; select a narrower sub-tree"
+                )
+            out[name] = fqn
+    if strip_prefix:
+        renamed: dict[str, str] = {}
+        for name, fqn in out.items():
+            new = name[len(strip_prefix) :] if name.startswith(strip_prefix) else name
+            if not new or new in renamed:
+                raise UsageError(f"--strip-prefix {strip_prefix!r} makes {name!r} collide or empty")
+            renamed[new] = fqn
+        out = renamed
+    if not out:
+        tops = sorted({keys.key_path(manifest, f)[0] for f in manifest.tensors})
+        raise UsageError(
+            f"{manifest.root}: no tensors selected"
+            + (f" by --select {select!r}" if select is not None else "")
+            + f"; top-level keys with tensors: {', '.join(tops) or '(none)'}"
+        )
+    return out
+
+
+def _config_dir_files(directory: str) -> list[str]:
+    present = storage.file_sizes(directory, MODEL_FILES)  # one listing on an object store
+    return [n for n in MODEL_FILES if n in present]
+
+
+def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
+    """``(path, name)`` of the model files ``names`` in ``directory``, each checked to lie inside
+    it: a ``config.json`` that is a link to a file elsewhere would copy that file into OUT."""
+    return [(storage.contained(directory, n, named_by=directory, entry="holds"), n) for n in names]
+
+
+def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
+    """``(source path, name in OUT)`` of the config and tokenizer files to copy.
+
+    ``config`` may be a ``config.json`` file (copied alone) or a directory; by default the
+    checkpoint directory, then its parent, are searched, and the first holding ``config.json``
+    is used. A file of a directory must lie inside it (:func:`ckptools.io.storage.contained`).
+
+    Raises:
+        UsageError: ``config`` names nothing usable.
+        OutsideCheckpointError: a model file is a link leading outside its directory.
+    """
+    if config is not None:
+        if storage.isfile(config):
+            return [(config, "config.json")]
+        if storage.isdir(config):
+            found = _config_dir_files(config)
+            if not found:
+                raise UsageError(
+                    f"--config {config}: directory holds none of {', '.join(MODEL_FILES[:3])}..."
+                )
+            return _copied_from(config, found)
+        raise UsageError(f"--config {config}: no such file or directory")
+    if storage.is_url(src):
+        here = src.rstrip("/") if storage.isdir(src) else storage.dirname(src)
+        parent = storage.dirname(here)
+    else:
+        here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+        parent = os.path.dirname(os.path.abspath(here))
+    for directory in (here, parent):
+        found = _config_dir_files(directory)
+        if "config.json" in found:
+            return _copied_from(directory, found)
+    return []
+
+
+def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """The ``config.json`` among ``files`` (:func:`find_model_files`), read, or None."""
+    for path, name in files:
+        if name == "config.json":
+            try:
+                cfg = json.loads(storage.read_bytes(path))
+            except (OSError, ValueError) as e:
+                raise UsageError(f"{path}: cannot read the model config: {e}") from e
+            if not isinstance(cfg, dict):
+                raise UsageError(f"{path}: the model config is not a JSON object")
+            return cfg
+    return None
+
+
+def tie_setting(files: list[tuple[str, str]]) -> bool | None:
+    cfg = model_config(files)
+    if cfg is None:
+        return None
+    value = cfg.get("tie_word_embeddings")
+    if value is None and isinstance(cfg.get("text_config"), dict):
+        value = cfg["text_config"].get("tie_word_embeddings")
+    return None if value is None else bool(value)
+
+
+def tied_candidates(names: Mapping[str, str], manifest: Manifest) -> list[tuple[str, str]]:
+    """``(output embedding, input embedding)`` name pairs that a model may tie.
+
+    Pairs must have the same dtype and shape; the output embedding comes first.
+    """
+    outs = [n for n in names if n.endswith(_OUTPUT_EMBEDDINGS) or n in ("output.weight",)]
+    ins = [n for n in names if n.endswith(_INPUT_EMBEDDINGS)]
+    pairs = []
+    for o in outs:
+        for i in ins:
+            a, b = manifest.tensors[names[o]], manifest.tensors[names[i]]
+            if a.dtype == b.dtype and a.shape == b.shape:
+                pairs.append((o, i))
+    return pairs
+
+
+def same_storage(manifest: Manifest, a: str, b: str) -> bool:
+    """Whether stored tensors ``a`` and ``b`` are the same bytes of the same files."""
+    ca, cb = manifest.tensors[a].chunks, manifest.tensors[b].chunks
+    return len(ca) == len(cb) and all(
+        (x.file, x.offset, x.encoding) == (y.file, y.offset, y.encoding)
+        for x, y in zip(ca, cb, strict=True)
+    )
+
+
+def same_written_bytes(out_dir: str, plan: ConsolidationPlan, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` of ``plan``, written into ``out_dir``, hold equal bytes."""
+    where: dict[str, tuple[str, TensorPlan]] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            if t.name in (a, b):
+                where[t.name] = (f.name, t)
+    (pa, ta), (pb, tb) = where[a], where[b]
+    if ta.nbytes != tb.nbytes:
+        return False
+    # out_dir is a local directory, or the object-store prefix the files were uploaded to
+    with storage.open_reader(out_dir) as reader:
+        done = 0
+        while done < ta.nbytes:
+            n = min(_COMPARE_BLOCK_BYTES, ta.nbytes - done)
+            if reader.read(pa, ta.begin + done, n) != reader.read(pb, tb.begin + done, n):
+                return False
+            done += n
+    return True
+
+
+@dataclass(frozen=True)
+class Export:
+    """What a model directory gets: the plan, and how the tensors were chosen.
+
+    Attributes:
+        names: output name → stored FQN of the tensors written.
+        dropped: ``(dropped, kept)`` tied weights left out (the config ties them).
+        candidates: ``(output, input)`` embedding pairs a model may tie (:func:`tied_candidates`).
+        plan: the files and their tensors.
+        adapter_config: the ``adapter_config.json`` to write (``--adapter``), else None.
+        merge: the weights to merge a LoRA adapter into after the copy (``--merge-lora``).
+    """
+
+    names: dict[str, str]
+    dropped: tuple[tuple[str, str], ...]
+    candidates: tuple[tuple[str, str], ...]
+    plan: ConsolidationPlan
+    manifest: Manifest | None = None  # the plan's FQNs' manifest when a conversion added entries
+    keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
+    adapter_config: dict[str, Any] | None = None
+    merge: tuple[lora.MergeTarget, ...] = ()
+
+
+def plan_export(
+    manifest: Manifest,
+    options: ExportOptions,
+    tie: bool | None,
+    config: Mapping[str, Any] | None = None,
+    *,
+    boxes_only: bool = False,
+    check: bool = True,
+) -> Export:
+    """Choose the tensors to write and plan the files: the one front half of :func:`consolidate`
+    and :func:`ckptools.save_pretrained`, so that both write the same directory.
+
+    Args:
+        manifest: the checkpoint (or, for ``save_pretrained``, what ``dcp.save`` would write).
+        options: selection, shard size and dtype.
+        tie: the config's ``tie_word_embeddings`` (:func:`tie_setting`); when true the output
+            embedding is left out, as transformers re-ties it to the input embedding on load.
+        config: the model's ``config.json``: names are converted to the on-disk format
+            (:func:`ckptools.engine.converted.to_disk_names`) unless
+            ``options.keep_in_memory_names``; ``boxes_only`` for a manifest without bytes.
+        check: CRC-check the records a conversion splits now (false for a dry run).
+    """
+    names = select_tensors(manifest, options.select, options.strip_prefix)
+    if options.adapter:
+        return _plan_adapter(manifest, names, options, config)
+    merge: list[lora.MergeTarget] = []
+    if options.merge_lora:
+        found = lora.adapter_names(names, manifest, options.adapter_name)
+        cfg = lora.adapter_config(
+            found[2], found[1], lora_alpha=options.lora_alpha,
+            config_file=options.adapter_config, model_config=config, source=manifest.root,
+        )  # fmt: skip
+        names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
+    keymap = None
+    if config is not None and not options.keep_in_memory_names:
+        manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
+                                                check=check)  # fmt: skip
+    candidates = tuple(tied_candidates(names, manifest))
+    dropped: list[tuple[str, str]] = []
+    if tie:
+        for o, i in candidates:
+            if o in names:
+                dropped.append((o, i))
+                del names[o]
+    plan = plan_consolidation(
+        manifest, names, max_shard_size=options.max_shard_bytes, dtype=options.dtype
+    )
+    return Export(
+        names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
+        manifest=manifest, keymap=keymap, merge=tuple(merge),
+    )  # fmt: skip
+
+
+def _plan_adapter(
+    manifest: Manifest,
+    names: Mapping[str, str],
+    options: ExportOptions,
+    config: Mapping[str, Any] | None,
+) -> Export:
+    """The adapter alone, in one ``adapter_model.safetensors`` (peft never shards it)."""
+    out, adapter, found = lora.adapter_names(names, manifest, options.adapter_name)
+    cfg = lora.adapter_config(
+        found, adapter, lora_alpha=options.lora_alpha, config_file=options.adapter_config,
+        model_config=config, source=manifest.root,
+    )  # fmt: skip
+    plan = plan_consolidation(manifest, out, max_shard_size=2**63, dtype=options.dtype)
+    (only,) = plan.files
+    plan = replace(plan, files=(replace(only, name=lora.ADAPTER_WEIGHTS_NAME),))
+    return Export(names=out, dropped=(), candidates=(), plan=plan, manifest=manifest,
+                  adapter_config=cfg)  # fmt: skip
+
+
+def write_index(directory: str, plan: ConsolidationPlan) -> None:
+    """Write the index of a sharded model directory, durably (nothing for a single file).
+
+    The index commits a sharded model directory: call it last, after every shard is written.
+    """
+    if plan.index is not None:
+        index = (json.dumps(plan.index, indent=2) + "\n").encode()
+        write_file_synced(storage.join(directory, INDEX_NAME), index)

@@ -1,0 +1,378 @@
+"""PEFT LoRA checkpoints: recognise a PEFT-wrapped model, export its adapter, merge it.
+
+A PEFT-wrapped model's state dict names the frozen base weight of a target module
+``base_model.model.<module>.base_layer.weight`` and its adapter ``<module>.lora_A.<adapter>.weight``
+(``[r, in]``) and ``<module>.lora_B.<adapter>.weight`` (``[out, r]``). The checkpoint holds ``r``
+(the rows of ``lora_A``) and the target modules (the names), but not ``lora_alpha``,
+``use_rslora`` or the rest of the ``LoraConfig``: they come from ``--lora-alpha`` or an
+``adapter_config.json`` (``--adapter-config``), never guessed.
+
+* :func:`scan` finds the adapters in a list of names (``ckpt inspect`` shows it).
+* :func:`adapter_names` maps peft's on-disk names (``...lora_A.weight``, adapter name dropped, as
+  ``PeftModel.save_pretrained`` writes) to the stored FQNs: export streams only those bytes.
+* :func:`merged_names` maps the names ``from_pretrained`` loads (``base_layer.`` and
+  ``base_model.model.`` removed) to the stored FQNs; :func:`merge_into` then adds
+  ``(B @ A) * scale`` to each target weight in the written file, one module at a time, computed
+  as peft's ``LoraLayer.merge`` does on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptools.core import keys
+from ckptools.core.manifest import Manifest
+from ckptools.errors import UsageError
+from ckptools.io import storage
+
+#: The prefix a ``PeftModel`` puts before the wrapped model's names.
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+#: Elements of a weight merged at once: 16 Mi (64 MiB of float32 delta, and the rows' bytes),
+#: so a merge's memory does not grow with the largest weight.
+MERGE_BLOCK_ELEMENTS = 16 * 2**20
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight$")
+# Other adapter tensors peft may hold (DoRA magnitudes, embedding adapters, lora_B biases): not
+# handled by this module, so refused by name rather than silently dropped.
+_OTHER = re.compile(r"\.(lora_magnitude_vector|lora_embedding_[AB])\.|\.lora_B\.[^.]+\.bias$")
+_BASE = ".base_layer."
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One target module of one adapter: names as given to :func:`scan`.
+
+    Attributes:
+        module: the module's name (``base_model.model.model.layers.0.self_attn.q_proj``).
+        adapter: the adapter's name (``default``).
+        a: the name of ``lora_A``'s weight ``[r, in]``; b: ``lora_B``'s ``[out, r]``.
+        rank: ``r``, the rows of ``lora_A``.
+        base: the name of the frozen base weight (``<module>.base_layer.weight``), if present.
+    """
+
+    module: str
+    adapter: str
+    a: str
+    b: str
+    rank: int
+    base: str | None
+
+
+@dataclass(frozen=True)
+class LoraScan:
+    """The LoRA adapters found in a model's names (:func:`scan`)."""
+
+    modules: tuple[LoraModule, ...]
+
+    @property
+    def adapters(self) -> list[str]:
+        return sorted({m.adapter for m in self.modules})
+
+    def of(self, adapter: str) -> list[LoraModule]:
+        return [m for m in self.modules if m.adapter == adapter]
+
+    def target_modules(self, adapter: str) -> list[str]:
+        """The last name segments of the adapter's modules (peft's ``target_modules``)."""
+        return sorted({m.module.rsplit(".", 1)[-1] for m in self.of(adapter)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "adapters": {
+                a: {
+                    "target_modules": self.target_modules(a),
+                    "modules": len(self.of(a)),
+                    "ranks": sorted({m.rank for m in self.of(a)}),
+                    "rank_per_module": {_peft_free(m.module): m.rank for m in self.of(a)},
+                }
+                for a in self.adapters
+            }
+        }
+
+
+def scan(names: Iterable[str], shapes: Mapping[str, tuple[int, ...]]) -> LoraScan | None:
+    """The LoRA adapters among ``names`` (``shapes``: name → shape), or None for a plain model.
+
+    Raises:
+        UsageError: a ``lora_A`` without its ``lora_B`` (or the reverse), or shapes that do not
+            make ``B @ A`` (``[out, r] @ [r, in]``).
+    """
+    names = list(names)
+    present = set(names)
+    halves: dict[tuple[str, str], dict[str, str]] = {}
+    for name in names:
+        m = _LORA.match(name)
+        if m:
+            halves.setdefault((m["module"], m["adapter"]), {})[m["ab"]] = name
+    if not halves:
+        return None
+    modules = []
+    for (module, adapter), ab in halves.items():
+        if set(ab) != {"A", "B"}:
+            raise UsageError(f"{module}: adapter {adapter!r} has lora_{''.join(ab)} only")
+        (r, _), (_, rb) = shapes[ab["A"]], shapes[ab["B"]]
+        if len(shapes[ab["A"]]) != 2 or len(shapes[ab["B"]]) != 2 or r != rb:
+            raise UsageError(
+                f"{module}: lora_A {list(shapes[ab['A']])} and lora_B {list(shapes[ab['B']])} "
+                "are not [r, in] and [out, r]"
+            )
+        base = f"{module}{_BASE}weight"
+        modules.append(
+            LoraModule(module, adapter, ab["A"], ab["B"], r, base if base in present else None)
+        )
+    return LoraScan(tuple(sorted(modules, key=lambda m: (m.adapter, m.module))))
+
+
+def describe(manifest: Manifest, names: Mapping[str, str]) -> dict[str, Any] | None:
+    """What ``ckpt inspect`` shows of a PEFT-wrapped model (``names``: the model part, output
+    name → stored FQN), or None: adapters, target modules, rank per module, and which
+    parameters carry optimizer state (the trained ones) and which are frozen.
+
+    A parameter carries optimizer state when an optimizer's ``state`` sub-tree has an entry
+    under its name (torch's FQN-keyed ``get_state_dict`` form); without optimizer state in the
+    checkpoint, peft's rule is reported: every non-adapter parameter is frozen.
+    """
+    found = scan(names, {n: manifest.tensors[f].shape for n, f in names.items()})
+    if found is None:
+        return None
+    stateful = set()
+    for fqn in manifest.tensors:
+        path = keys.key_path(manifest, fqn)
+        if len(path) >= 3 and path[-3] == "state":
+            stateful.add(keys.strip_wrappers(path[-2]))
+    adapters = {n for m in found.modules for n in (m.a, m.b)}
+    with_state = sorted(n for n in names if keys.strip_wrappers(n) in stateful)
+    frozen = (
+        sorted(n for n in names if n not in with_state)
+        if stateful
+        else sorted(n for n in names if n not in adapters)
+    )
+    out = found.to_dict()
+    out["frozen_parameters"] = len(frozen)
+    out["frozen_bytes"] = sum(manifest.tensors[names[n]].nbytes for n in frozen)
+    out["trainable_parameters"] = len(names) - len(frozen)
+    out["with_optimizer_state"] = with_state
+    out["optimizer_state_found"] = bool(stateful)
+    return out
+
+
+def _peft_free(name: str) -> str:
+    return name.removeprefix(PEFT_PREFIX)
+
+
+def _one_adapter(found: LoraScan, adapter: str | None, root: str) -> str:
+    if adapter is None:
+        if len(found.adapters) > 1:
+            raise UsageError(
+                f"{root}: adapters {', '.join(found.adapters)}; choose one with --adapter-name"
+            )
+        return found.adapters[0]
+    if adapter not in found.adapters:
+        raise UsageError(
+            f"{root}: --adapter-name {adapter!r}: adapters are {', '.join(found.adapters)}"
+        )
+    return adapter
+
+
+def _required(names: Mapping[str, str], manifest: Manifest) -> LoraScan:
+    shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
+    found = scan(names, shapes)
+    if found is None:
+        raise UsageError(
+            f"{manifest.root}: no LoRA adapter (no '<module>.lora_A.<adapter>.weight' tensor); "
+            "--adapter and --merge-lora need a PEFT-wrapped model"
+        )
+    others = [n for n in names if _OTHER.search(n)]
+    if others:
+        raise UsageError(f"{manifest.root}: {others[0]}: this adapter tensor kind is unsupported")
+    return found
+
+
+def adapter_names(
+    names: Mapping[str, str], manifest: Manifest, adapter: str | None
+) -> tuple[dict[str, str], str, LoraScan]:
+    """peft's on-disk name → stored FQN of one adapter's tensors, the adapter, and the scan.
+
+    ``...q_proj.lora_A.default.weight`` becomes ``base_model.model....q_proj.lora_A.weight``,
+    as ``get_peft_model_state_dict`` names it (the prefix added when the names lack it).
+    """
+    found = _required(names, manifest)
+    chosen = _one_adapter(found, adapter, manifest.root)
+    out: dict[str, str] = {}
+    for m in found.of(chosen):
+        module = m.module if m.module.startswith(PEFT_PREFIX) else PEFT_PREFIX + m.module
+        out[f"{module}.lora_A.weight"] = names[m.a]
+        out[f"{module}.lora_B.weight"] = names[m.b]
+    return out, chosen, found
+
+
+@dataclass(frozen=True)
+class MergeTarget:
+    """One weight to merge: its output name, its adapter's stored FQNs and peft's scale."""
+
+    name: str
+    a: str
+    b: str
+    scale: float
+
+
+def merged_names(
+    names: Mapping[str, str], manifest: Manifest, adapter: str | None, config: Mapping[str, Any]
+) -> tuple[dict[str, str], list[MergeTarget]]:
+    """``from_pretrained``'s name → stored FQN of the merged model, and the weights to merge.
+
+    Every adapter tensor is left out; ``base_layer.`` and ``base_model.model.`` are removed from
+    the rest. ``config`` is the adapter config (:func:`adapter_config`).
+
+    Raises:
+        UsageError: a target module without its base weight, or a config this cannot merge.
+    """
+    found = _required(names, manifest)
+    chosen = _one_adapter(found, adapter, manifest.root)
+    if config.get("alpha_pattern"):
+        raise UsageError("--adapter-config: alpha_pattern is not supported by --merge-lora")
+    adapters = {n for m in found.modules for n in (m.a, m.b)}
+    out: dict[str, str] = {}
+    for name, fqn in names.items():
+        if name not in adapters:
+            out[_peft_free(name.replace(_BASE, "."))] = fqn
+    alpha, rslora = float(config["lora_alpha"]), bool(config.get("use_rslora", False))
+    if config.get("fan_in_fan_out"):
+        raise UsageError("--adapter-config: fan_in_fan_out (Conv1D models) is not supported")
+    targets = []
+    for m in found.of(chosen):
+        if m.base is None:
+            raise UsageError(f"{manifest.root}: {m.module}: no base_layer.weight to merge into")
+        scale = alpha / math.sqrt(m.rank) if rslora else alpha / m.rank
+        targets.append(MergeTarget(_peft_free(m.base.replace(_BASE, ".")), names[m.a],
+                                   names[m.b], scale))  # fmt: skip
+    return out, targets
+
+
+def adapter_config(
+    found: LoraScan,
+    adapter: str,
+    *,
+    lora_alpha: float | None,
+    config_file: str | None,
+    model_config: Mapping[str, Any] | None,
+    source: str = "the checkpoint",
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` peft's ``save_pretrained`` writes for this adapter.
+
+    From ``config_file`` (an ``adapter_config.json``, e.g. the one training wrote) when given,
+    with ``lora_alpha`` overriding its alpha; else built from the checkpoint (``r``,
+    ``target_modules``, ``rank_pattern`` for modules of another rank) and ``lora_alpha``, with
+    the installed peft's ``LoraConfig`` defaults when peft is importable. ``task_type`` is
+    ``CAUSAL_LM`` for a ``*ForCausalLM`` model config; ``base_model_name_or_path`` its
+    ``_name_or_path``. ``inference_mode`` is true, as peft writes it.
+
+    Raises:
+        UsageError: no alpha (names ``source`` and ``--lora-alpha``), an unreadable config file,
+            or one whose ``r`` disagrees with the checkpoint.
+    """
+    modules = found.of(adapter)
+    ranks = [m.rank for m in modules]
+    r = max(set(ranks), key=ranks.count)
+    if config_file is not None:
+        try:
+            given = json.loads(storage.read_bytes(config_file))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--adapter-config {config_file}: cannot read it: {e}") from e
+        if not isinstance(given, dict) or given.get("peft_type", "LORA") != "LORA":
+            raise UsageError(f"--adapter-config {config_file}: not a LoRA adapter_config.json")
+        cfg = dict(given)
+        if cfg.get("r") not in (None, r) and not cfg.get("rank_pattern"):
+            raise UsageError(
+                f"--adapter-config {config_file}: r={cfg['r']} but lora_A has {r} rows"
+            )
+        if lora_alpha is not None:
+            cfg["lora_alpha"] = lora_alpha
+    else:
+        if lora_alpha is None:
+            raise UsageError(
+                f"{source}: LoRA checkpoints do not store lora_alpha: give --lora-alpha A "
+                "(or --adapter-config adapter_config.json)"
+            )
+        cfg = {"r": r, "lora_alpha": lora_alpha}
+    if "lora_alpha" not in cfg:
+        raise UsageError(f"--adapter-config {config_file}: no lora_alpha; give --lora-alpha A")
+    cfg["r"] = cfg.get("r") or r
+    cfg.setdefault("target_modules", found.target_modules(adapter))
+    if not cfg.get("rank_pattern"):
+        cfg["rank_pattern"] = {_peft_free(m.module): m.rank for m in modules if m.rank != r}
+    arch = (model_config or {}).get("architectures") or []
+    if cfg.get("task_type") is None and any(str(a).endswith("ForCausalLM") for a in arch):
+        cfg["task_type"] = "CAUSAL_LM"
+    if cfg.get("base_model_name_or_path") is None and model_config:
+        cfg["base_model_name_or_path"] = model_config.get("_name_or_path") or None
+    cfg["peft_type"] = "LORA"
+    cfg["inference_mode"] = True
+    return _with_peft_defaults(cfg) if config_file is None else cfg
+
+
+def _with_peft_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` completed as the installed peft's ``LoraConfig(**cfg).to_dict()`` would (every
+    field, defaults included); unchanged without peft, whose loader fills the defaults itself."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        return cfg
+    fields = {k: v for k, v in cfg.items() if k != "peft_type"}
+    try:
+        full: dict[str, Any] = LoraConfig(**fields).to_dict()  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"peft's LoraConfig refuses this adapter config: {e}") from e
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in full.items()}
+
+
+def config_json(cfg: Mapping[str, Any]) -> bytes:
+    """``cfg`` serialised as peft's ``PeftConfigMixin.save_pretrained`` does."""
+    return json.dumps(dict(cfg), indent=2, sort_keys=True, default=str).encode()
+
+
+def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget],
+               manifest: Manifest) -> None:  # fmt: skip
+    """Add ``(B @ A) * scale`` to each target weight written in the safetensors file ``path``.
+
+    ``tensors``: output name → its :class:`~ckptools.plan.safetensors.TensorPlan` in this file.
+    One module at a time and, inside it, blocks of rows of the weight (at most
+    :data:`MERGE_BLOCK_ELEMENTS` elements): the rows read from the written bytes, ``B``'s same rows
+    times ``A`` computed as peft's ``merge`` does on CPU (a bf16/fp16 adapter multiplied in
+    float32 and cast back to its dtype, then added in place in the weight's dtype), written back
+    over the same bytes; the file is fsynced. Memory: an adapter and one block, whatever the
+    weight's size (each output row is the same dot products as in one whole product).
+    """
+    import torch
+
+    from ckptools.engine.reader import read_tensor
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for t in targets:
+            plan = tensors.get(t.name)
+            if plan is None:
+                continue
+            a, b = read_tensor(manifest, t.a), read_tensor(manifest, t.b)
+            low = b.dtype in (torch.float16, torch.bfloat16)
+            a_mul, b_mul = (a.float(), b.float()) if low else (a, b)
+            out_rows, cols = plan.shape
+            itemsize = plan.nbytes // (out_rows * cols)
+            step = max(1, MERGE_BLOCK_ELEMENTS // cols)
+            for r0 in range(0, out_rows, step):
+                rows = min(step, out_rows - r0)
+                where = plan.begin + r0 * cols * itemsize
+                raw = bytearray(os.pread(fd, rows * cols * itemsize, where))
+                weight = torch.frombuffer(raw, dtype=getattr(torch, plan.dtype)).view(rows, cols)
+                delta = (b_mul[r0 : r0 + rows] @ a_mul) * t.scale
+                weight += delta.to(b.dtype) if low else delta
+                os.pwrite(fd, memoryview(raw), where)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
