@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptools import collective, lora, tunables
 from ckptools.collective import Ranks
-from ckptools.core.manifest import Manifest
+from ckptools.core.manifest import MODEL_FILES_DIR, Manifest
 from ckptools.engine.executor import create_files, execute
 from ckptools.errors import UsageError
 from ckptools.export import (
@@ -294,7 +294,7 @@ class _Run:
     def planned(cls, src: str, out: str, options: ConsolidateOptions, started: float) -> _Run:
         """Read the source once, find the model files, choose the tensors and plan the files."""
         manifest = read_manifest(src, options.format)
-        model_files = find_model_files(src, options.config)
+        model_files = find_model_files(src, options.config, manifest.details.get(MODEL_FILES_DIR))
         tie = tie_setting(model_files)
         export = plan_export(manifest, options, tie, model_config(model_files),
                              check=not options.dry_run)  # fmt: skip

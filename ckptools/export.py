@@ -180,12 +180,16 @@ def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
     return [(storage.contained(directory, n, named_by=directory, entry="holds"), n) for n in names]
 
 
-def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
+def find_model_files(
+    src: str, config: str | None, inside: str | None = None
+) -> list[tuple[str, str]]:
     """``(source path, name in OUT)`` of the config and tokenizer files to copy.
 
     ``config`` may be a ``config.json`` file (copied alone) or a directory; by default the
-    checkpoint directory, then its parent, are searched, and the first holding ``config.json``
-    is used. A file of a directory must lie inside it (:func:`ckptools.io.storage.contained`).
+    checkpoint's own model-files subdirectory ``inside`` (``MODEL_FILES_DIR`` in its manifest's
+    details: verl's ``huggingface/``), the checkpoint directory, then its parent, are searched,
+    and the first holding ``config.json`` is used. A file of a directory must lie inside it
+    (:func:`ckptools.io.storage.contained`).
 
     Raises:
         UsageError: ``config`` names nothing usable.
@@ -208,7 +212,10 @@ def find_model_files(src: str, config: str | None) -> list[tuple[str, str]]:
     else:
         here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
         parent = os.path.dirname(os.path.abspath(here))
-    for directory in (here, parent):
+    directories = [here, parent]
+    if inside:  # named by the layout, and kept inside the checkpoint like any name in it
+        directories.insert(0, storage.contained(here, inside, named_by=here, entry="holds"))
+    for directory in directories:
         found = _config_dir_files(directory)
         if "config.json" in found:
             return _copied_from(directory, found)

@@ -102,6 +102,10 @@ class FileInfo:
 #: the layout cannot place (verl's FSDP1 flat shards): a conversion that would carry the
 #: optimizer refuses unless told to drop it, since the model alone would look whole
 OPTIMIZER_UNREADABLE = "optimizer_unreadable"
+#: ``Manifest.details`` key a layout sets when its producer keeps the model's ``config.json``
+#: and tokenizer in a subdirectory of the checkpoint (verl's ``huggingface/``): relative to
+#: ``root``, searched first for the files a conversion copies
+MODEL_FILES_DIR = "model_files_dir"
 
 
 @dataclass(frozen=True)

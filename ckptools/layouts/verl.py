@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from ckptools.core import dtypes
 from ckptools.core.manifest import (
+    MODEL_FILES_DIR,
     OPTIMIZER_UNREADABLE,
     Chunk,
     FileInfo,
@@ -317,6 +318,7 @@ def read_verl(path: str) -> Manifest:
         notes=tuple(notes),
         details={
             "verl": {"fsdp_version": version},
+            MODEL_FILES_DIR: "huggingface",
             **({OPTIMIZER_UNREADABLE: unreadable} if unreadable else {}),
             "placements": merged.placements,
         },
