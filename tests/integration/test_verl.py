@@ -191,3 +191,14 @@ def test_a_strided_placement_is_refused_by_name(tmp_path: Path) -> None:
     )
     with pytest.raises(UnsupportedCheckpointError, match="placed Partial"):
         read_manifest(str(ckpt))
+
+
+def test_huggingface_dir_linked_outside_is_refused(tmp_path: Path) -> None:
+    ckpt = _copy("fsdp2_ws2", tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(ckpt / "huggingface"), elsewhere)
+    (ckpt / "huggingface").symlink_to(elsewhere, target_is_directory=True)
+    result = _ckpt("consolidate", str(ckpt), str(tmp_path / "hf"), "-q")
+    assert result.exit_code != 0
+    assert "huggingface" in result.output and "outside" in result.output, result.output
+    assert not (tmp_path / "hf").exists()
