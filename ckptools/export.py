@@ -346,6 +346,7 @@ def plan_export(
         cfg = lora.adapter_config(
             found[2], found[1], lora_alpha=options.lora_alpha,
             config_file=options.adapter_config, model_config=config, source=manifest.root,
+            defaults=False,  # the merge reads r, alpha, rslora: peft (115 MiB) stays unimported
         )  # fmt: skip
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
     keymap = None

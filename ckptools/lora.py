@@ -263,8 +263,10 @@ def adapter_config(
     config_file: str | None,
     model_config: Mapping[str, Any] | None,
     source: str = "the checkpoint",
+    defaults: bool = True,
 ) -> dict[str, Any]:
-    """The ``adapter_config.json`` peft's ``save_pretrained`` writes for this adapter.
+    """The ``adapter_config.json`` peft's ``save_pretrained`` writes for this adapter
+    (``defaults=False``: only what a merge reads, without importing peft for its defaults).
 
     From ``config_file`` (an ``adapter_config.json``, e.g. the one training wrote) when given,
     with ``lora_alpha`` overriding its alpha; else built from the checkpoint (``r``,
@@ -314,7 +316,7 @@ def adapter_config(
         cfg["base_model_name_or_path"] = model_config.get("_name_or_path") or None
     cfg["peft_type"] = "LORA"
     cfg["inference_mode"] = True
-    return _with_peft_defaults(cfg) if config_file is None else cfg
+    return _with_peft_defaults(cfg) if config_file is None and defaults else cfg
 
 
 def _with_peft_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
