@@ -43,10 +43,19 @@ def split_source(
 def merge_source(
     manifest: Manifest, names: Mapping[str, str], keymap: KeyMap
 ) -> tuple[Manifest, dict[str, str]]:
-    """:func:`~ckptools.plan.conversions.merge_entries` over ``manifest``'s files."""
+    """:func:`~ckptools.plan.conversions.merge_entries` over ``manifest``'s files, CRC-checking
+    the records it cuts (a fused file tensor split by a ``Chunk`` rule).
+
+    Raises:
+        CorruptCheckpointError: a cut record's bytes do not match its stored CRC-32.
+    """
     with storage.open_reader(manifest.data_dir()) as reader:
         cache = SourceCache(reader, manifest)
-        return merge_entries(manifest, names, keymap, lambda e, c: cache.raw(e.fqn, c))
+        derived, out, cut = merge_entries(manifest, names, keymap, lambda e, c: cache.raw(e.fqn, c))
+        buffer = memoryview(bytearray(BLOCK_BYTES))
+        for fqn, raw in cut:
+            checked_copy.check(reader, raw, fqn, checked_copy.record_crc(reader, raw, buffer))
+    return derived, out
 
 
 def to_disk_names(

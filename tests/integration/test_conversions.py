@@ -187,3 +187,110 @@ def _tensors_of(directory: Path) -> list[str]:
 
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
         return list(f.keys())
+
+
+def _fused_model(arch: str) -> Any:
+    """A tiny real model whose files hold a tensor transformers ``Chunk`` s on load (Dinov2's
+    SwiGLU ``weights_in``, HRM-Text's ``gate_up_proj`` and ``gqkv_proj``) or whose files hold
+    parts it ``Concatenate`` s (OLMo-Hybrid's q/k/v ``conv1d``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "Dinov2Model":
+        return transformers.Dinov2Model(
+            transformers.Dinov2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                      image_size=28, patch_size=14, use_swiglu_ffn=True)
+        )  # fmt: skip
+    extra = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None}
+    config = transformers.AutoConfig.for_model(
+        arch, vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, **(extra if arch == "olmo_hybrid" else {}),
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _run(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        if type(model).__name__ == "Dinov2Model":
+            torch.manual_seed(1)
+            return model(torch.randn(1, 3, 28, 28)).last_hidden_state  # type: ignore[no-any-return]
+        return model(torch.arange(12).reshape(2, 6) % 32).logits  # type: ignore[no-any-return]
+
+
+_FUSED = ["Dinov2Model", "hrm_text", "olmo_hybrid"]
+
+
+@pytest.mark.parametrize("arch", _FUSED)
+def test_chunk_and_concatenate_rules_agree_with_transformers(arch: str) -> None:
+    """Both directions of ``Chunk``-only and ``Concatenate``-only rules: the names, shapes and
+    values ``revert_weight_conversion`` gives, and back to the model's state dict."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = _fused_model(arch)
+    memory = model.state_dict()
+    disk = revert_weight_conversion(model, dict(memory))
+    rules = rules_for({**model.config.to_dict(), "architectures": [type(model).__name__]})
+    assert rules is not None
+    to_disk = rules.to_disk({k: tuple(v.shape) for k, v in memory.items()})
+    assert sorted({p.disk for p in to_disk.pieces}) == sorted(disk)
+    kinds = {f.kind for f in rules.fusions}
+    assert kinds == ({"join"} if arch == "olmo_hybrid" else {"chunk"})
+    for p in to_disk.pieces:
+        assert p.disk_shape == tuple(disk[p.disk].shape), p
+        if p.fused_on_disk:  # the in-memory tensor is a box of the file tensor
+            assert torch.equal(_box(disk[p.disk], p), memory[p.memory]), p
+        else:
+            assert torch.equal(_box(memory[p.memory], p), disk[p.disk]), p
+    assert any(p.fused_on_disk for p in to_disk.pieces) == (arch != "olmo_hybrid")
+    to_memory = rules.to_memory({k: tuple(v.shape) for k, v in disk.items()})
+    assert dict(to_memory.memory_shapes) == {k: tuple(v.shape) for k, v in memory.items()}
+    assert set(to_memory.pieces) == set(to_disk.pieces)
+
+
+@pytest.mark.parametrize("arch", _FUSED)
+def test_chunk_and_concatenate_models_consolidate_and_shard(tmp_path: Path, arch: str) -> None:
+    """A DCP of the in-memory state consolidates to exactly ``save_pretrained``'s tensors (and
+    ``from_pretrained`` of it runs the same); ``diff`` calls them identical; ``shard`` of the
+    published directory gives a DCP that loads back into the model's own state dict."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptools
+
+    model = _fused_model(arch)
+    src, hf = tmp_path / "dcp", tmp_path / "hf"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(src))
+    model.save_pretrained(str(hf))
+    out = tmp_path / "out"
+    ckptools.consolidate(str(src), str(out), config=str(hf), quiet=True)
+    want = _read(hf)
+    got = _read(out)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert v.dtype == got[k].dtype and torch.equal(
+            v.view(torch.uint8), got[k].view(torch.uint8)
+        )
+    assert torch.equal(_run(type(model).from_pretrained(str(out))), _run(model))
+    report = ckptools.diff(str(src), str(hf))
+    assert report.identical and any(
+        f"transformers {rules_for_name(model)}" in n for n in report.notes
+    )
+
+    sharded = tmp_path / "sharded"
+    ckptools.shard(str(hf), str(sharded), world_size=2, quiet=True)
+    fresh = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load({"model": fresh}, checkpoint_id=str(sharded))
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh[k], v), k
+
+
+def rules_for_name(model: Any) -> str:
+    rules = rules_for({**model.config.to_dict(), "architectures": [type(model).__name__]})
+    assert rules is not None
+    return rules.model_type
+
+
+def _read(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
