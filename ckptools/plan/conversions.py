@@ -27,7 +27,6 @@ string and box arithmetic, no torch.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -36,6 +35,7 @@ from typing import Any
 
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.plan.conversion_lookup import lookup_names, mentioned, model_transforms
 from ckptools.plan.dcp import ChunkIndex
 from ckptools.plan.safetensors import unique_chunks
 
@@ -163,7 +163,9 @@ class Rules:
             name = f"{name} -> {' + '.join(c._original_target_patterns)}"
             kind, stack, join, refusal = _classify(c)
             self.fusions.append(_Fusion(c, c.reverse_transform(), kind, stack, join, name, refusal))
-        self.mapping = f"transformers {model_type} ({len(transforms)} rules)"
+        scopes = sorted({t.scope_prefix for t in transforms if t.scope_prefix})
+        scoped = f"; scoped to {', '.join(scopes)}" if scopes else ""
+        self.mapping = f"transformers {model_type} ({len(transforms)} rules{scoped})"
 
     # -- load direction -------------------------------------------------------------------------
 
@@ -424,31 +426,14 @@ def _expert(converter: Any, disk: str, part: int) -> int:
     return int(found.group(1))
 
 
-def _mentioned(names: list[str]) -> bool:
-    """Whether the installed transformers' mapping source mentions any of ``names`` (quoted):
-    a read of one file instead of a multi-second import for models it cannot convert."""
-    try:
-        spec = importlib.util.find_spec("transformers")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    for location in spec.submodule_search_locations:
-        try:
-            with open(f"{location}/conversion_mapping.py", encoding="utf-8") as f:
-                text = f.read()
-        except OSError:
-            continue
-        return any(f'"{n}"' in text for n in names)
-    return False
-
-
 def rules_for(config: Mapping[str, Any] | None) -> Rules | None:
     """The installed transformers' conversion rules for the model ``config`` (a config.json).
 
-    Looks the model up as transformers does (class name from ``architectures`` first, then
-    ``model_type``); returns None without transformers, for a config naming neither, or for a
-    model without a conversion. Imports transformers only when its mapping names the model.
+    Looks the model up as transformers does: every sub-model's rules, scoped to its prefix
+    (:func:`~ckptools.plan.conversion_lookup.model_transforms`); for a model that does not build
+    from ``config``, by the root's class name from ``architectures`` then ``model_type``.
+    Returns None without transformers, for a config naming neither, or for a model without a
+    conversion. Imports transformers only when its mapping names the model or a sub-model.
 
     Example:
         >>> rules_for({"model_type": "llama"}) is None  # doctest: +SKIP
@@ -460,8 +445,12 @@ def rules_for(config: Mapping[str, Any] | None) -> Rules | None:
     model_type = config.get("model_type")
     if isinstance(model_type, str):
         names.append(model_type)
-    if not names or not _mentioned(names):
+    if not names or not mentioned(lookup_names(config)):
         return None
+    transforms = model_transforms(config)
+    if transforms is not None:
+        label = model_type if isinstance(model_type, str) else names[0]
+        return Rules(label, transforms) if transforms else None
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     for name in names:
