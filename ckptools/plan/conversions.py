@@ -16,13 +16,15 @@ both directions are byte runs:
 
 The rules come from the installed transformers at run time (:func:`rules_for`), never from a copied
 table, and each name they produce is checked against transformers' own loading rename
-(``core_model_loading.rename_source_key``). An operation that is not a stack or a join (a
+(``core_model_loading.rename_source_key``). ``Concatenate`` alone (parts joined in memory) and
+``Chunk`` alone (one file tensor cut into in-memory parts: the fused side is on disk,
+``Piece.fused_shape``) are boxes too. An operation that is not a stack, join or cut (a
 transpose, a RoPE permutation...) is refused by name when a tensor meets it. Without transformers,
 or for a model without a conversion, :func:`rules_for` returns None and names stay as stored.
 
-Only :func:`rules_for` imports transformers (lazily; the import costs seconds, so it runs only
-when ``config.json`` names a model type or class the mapping's source text mentions); the rest is
-string and box arithmetic, no torch.
+Only :func:`rules_for` imports transformers (lazily, through
+:mod:`~ckptools.plan.conversion_lookup`, which finds the rules per sub-model as transformers
+does); the rest is string and box arithmetic, no torch.
 """
 
 from __future__ import annotations
