@@ -326,3 +326,18 @@ def _read(directory: Path) -> dict[str, torch.Tensor]:
 
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+
+def test_save_pretrained_from_training_refuses_a_join_by_name(tmp_path: Path) -> None:
+    """``ckptools.save_pretrained`` writes boxes of one stored tensor per file tensor; HRM-Text's
+    ``gqkv_proj`` is joined from four in-memory tensors: refused by name (nothing written), and
+    ``keep_in_memory_names`` writes the in-memory tensors."""
+    import ckptools
+
+    model = _fused_model("hrm_text")
+    with pytest.raises(UnsupportedCheckpointError, match=r"gqkv_proj.*joined from.*q_proj"):
+        ckptools.save_pretrained(model, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    ckptools.save_pretrained(model, str(tmp_path / "kept"), keep_in_memory_names=True)
+    got = _read(tmp_path / "kept")
+    assert sorted(got) == sorted(model.state_dict())
