@@ -89,7 +89,9 @@ def model_transforms(config: Mapping[str, Any]) -> list[Any] | None:
         return None
     for arch in config.get("architectures") or []:
         cls: Any = getattr(transformers, arch, None) if isinstance(arch, str) else None
-        if not callable(getattr(cls, "_from_config", None)) or cls.config_class is None:
+        if not callable(getattr(cls, "_from_config", None)) or not getattr(
+            cls, "config_class", None
+        ):
             continue
         verbosity = logging.get_verbosity()
         logging.set_verbosity_error()  # type: ignore[no-untyped-call]

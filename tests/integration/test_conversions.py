@@ -341,3 +341,21 @@ def test_save_pretrained_from_training_refuses_a_join_by_name(tmp_path: Path) ->
     ckptools.save_pretrained(model, str(tmp_path / "kept"), keep_in_memory_names=True)
     got = _read(tmp_path / "kept")
     assert sorted(got) == sorted(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"num_hidden_layers": 10**9},  # too many modules to build: not built
+        {"hidden_size": "sixteen"},  # does not build
+        {"architectures": ["AutoModel", "__class__", "os", "Dinov2Model"]},  # not model classes
+    ],
+)
+def test_a_config_that_does_not_build_falls_back_to_the_roots_rules(odd: dict[str, Any]) -> None:
+    """A hostile or odd config.json never runs anything but transformers' own model classes,
+    and a model that does not build on ``meta`` is looked up by its root's names alone."""
+    config = {"architectures": ["Dinov2Model"], "model_type": "dinov2", "use_swiglu_ffn": True}
+    rules = rules_for({**config, **odd})
+    built = "architectures" in odd  # names that are not model classes are skipped, then built
+    assert rules is not None and rules.model_type == ("dinov2" if built else "Dinov2Model")
+    assert {f.kind for f in rules.fusions} == {"chunk"}
