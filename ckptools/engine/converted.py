@@ -16,6 +16,7 @@ from ckptools.core.manifest import Manifest
 from ckptools.engine import checked_copy
 from ckptools.engine.reader import SourceCache
 from ckptools.engine.runtime import BLOCK_BYTES
+from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
 from ckptools.plan.conversions import KeyMap, merge_entries, rules_for, split_entries
 
@@ -43,10 +44,19 @@ def split_source(
 def merge_source(
     manifest: Manifest, names: Mapping[str, str], keymap: KeyMap
 ) -> tuple[Manifest, dict[str, str]]:
-    """:func:`~ckptools.plan.conversions.merge_entries` over ``manifest``'s files."""
+    """:func:`~ckptools.plan.conversions.merge_entries` over ``manifest``'s files, CRC-checking
+    the records it cuts (a fused file tensor split by a ``Chunk`` rule).
+
+    Raises:
+        CorruptCheckpointError: a cut record's bytes do not match its stored CRC-32.
+    """
     with storage.open_reader(manifest.data_dir()) as reader:
         cache = SourceCache(reader, manifest)
-        return merge_entries(manifest, names, keymap, lambda e, c: cache.raw(e.fqn, c))
+        derived, out, cut = merge_entries(manifest, names, keymap, lambda e, c: cache.raw(e.fqn, c))
+        buffer = memoryview(bytearray(BLOCK_BYTES))
+        for fqn, raw in cut:
+            checked_copy.check(reader, raw, fqn, checked_copy.record_crc(reader, raw, buffer))
+    return derived, out
 
 
 def to_disk_names(
@@ -72,10 +82,28 @@ def to_disk_names(
     if not keymap.converted:
         return manifest, names, None
     if boxes_only:
+        _refuse_joins(keymap)
         derived, out, _ = split_entries(manifest, names, keymap, lambda e, c: c)
     else:
         derived, out = split_source(manifest, names, keymap, check=check)
     return derived, out, keymap
+
+
+def _refuse_joins(keymap: KeyMap) -> None:
+    """``save_pretrained`` from training writes each rank's shards as boxes of one stored tensor;
+    a file tensor joined from several in-memory tensors (a ``Chunk`` rule's reverse) is not that.
+
+    Raises:
+        UnsupportedCheckpointError: naming the file tensor, its parts and the rule.
+    """
+    for p in keymap.pieces:
+        if p.fused_on_disk:
+            parts = sorted(q.memory for q in keymap.pieces if q.disk == p.disk)
+            raise UnsupportedCheckpointError(
+                f"{p.disk!r}: transformers writes it joined from {parts} (rule {p.rule!r}); "
+                "ckptools.save_pretrained cannot join tensors yet: pass "
+                "keep_in_memory_names=True, or save a DCP and consolidate it"
+            )
 
 
 def to_memory_names(

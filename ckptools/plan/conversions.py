@@ -16,18 +16,19 @@ both directions are byte runs:
 
 The rules come from the installed transformers at run time (:func:`rules_for`), never from a copied
 table, and each name they produce is checked against transformers' own loading rename
-(``core_model_loading.rename_source_key``). An operation that is not a stack or a join (a
+(``core_model_loading.rename_source_key``). ``Concatenate`` alone (parts joined in memory) and
+``Chunk`` alone (one file tensor cut into in-memory parts: the fused side is on disk,
+``Piece.fused_shape``) are boxes too. An operation that is not a stack, join or cut (a
 transpose, a RoPE permutation...) is refused by name when a tensor meets it. Without transformers,
 or for a model without a conversion, :func:`rules_for` returns None and names stay as stored.
 
-Only :func:`rules_for` imports transformers (lazily; the import costs seconds, so it runs only
-when ``config.json`` names a model type or class the mapping's source text mentions); the rest is
-string and box arithmetic, no torch.
+Only :func:`rules_for` imports transformers (lazily, through
+:mod:`~ckptools.plan.conversion_lookup`, which finds the rules per sub-model as transformers
+does); the rest is string and box arithmetic, no torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ from typing import Any
 
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.plan.conversion_lookup import lookup_names, mentioned, model_transforms
 from ckptools.plan.dcp import ChunkIndex
 from ckptools.plan.safetensors import unique_chunks
 
@@ -54,6 +56,9 @@ class Piece:
         stack_dim: the in-memory dim the on-disk tensor lacks (the experts), or None when the
             on-disk tensor has the in-memory tensor's dims.
         rule: the transformers transform that relates them ("" for an unchanged name).
+        fused_shape: when not empty, the fused tensor is the on-disk one, of this shape, and the
+            box is in it: the in-memory tensor is a ``Chunk`` of a file tensor (a fused
+            ``qkv``), the reverse of the usual MoE case.
     """
 
     disk: str
@@ -62,10 +67,15 @@ class Piece:
     sizes: tuple[int, ...]
     stack_dim: int | None
     rule: str
+    fused_shape: tuple[int, ...] = ()
+
+    @property
+    def fused_on_disk(self) -> bool:
+        return bool(self.fused_shape)
 
     @property
     def disk_shape(self) -> tuple[int, ...]:
-        return _drop(self.sizes, self.stack_dim)
+        return self.fused_shape or _drop(self.sizes, self.stack_dim)
 
     @property
     def whole(self) -> bool:
@@ -100,14 +110,40 @@ def _insert(dims: tuple[int, ...], dim: int | None, value: int) -> tuple[int, ..
 
 @dataclass(frozen=True)
 class _Fusion:
-    """One transformers ``WeightConverter`` that stacks experts and perhaps joins parts."""
+    """One transformers ``WeightConverter``, classified as a byte re-arrangement or refused.
+
+    ``kind``: "stack" (``MergeModulelist`` [+ ``Concatenate``]: experts stacked on
+    ``stack_dim``, parts joined on ``join_dim``), "join" (``Concatenate`` only: the parts joined
+    on ``join_dim``), "chunk" (``Chunk`` only: one file tensor cut on ``join_dim`` into the
+    in-memory parts, the reverse of "join"), or "refused" (``refusal`` says why).
+    """
 
     converter: Any  # transformers WeightConverter (load direction: disk -> memory)
     reverse: Any  # its reverse_transform() (save direction)
-    stack_dim: int
+    kind: str
+    stack_dim: int | None
     join_dim: int | None  # in the stacked tensor
     name: str
     refusal: str | None  # why it is not a byte re-arrangement, if it is not
+
+
+def _classify(c: Any) -> tuple[str, int | None, int | None, str | None]:
+    """(kind, stack dim, join dim, refusal) of converter ``c``; see :class:`_Fusion`."""
+    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist
+
+    ops = list(c.operations)
+    sources, targets = c._original_source_patterns, c._original_target_patterns
+    plain = all(getattr(op, "num_shards_attribute", None) is None for op in ops)
+    if plain and ops and type(ops[0]) is MergeModulelist and len(targets) == 1:
+        if len(ops) == 1 and len(sources) == 1:
+            return "stack", ops[0].dim, None, None
+        if len(ops) == 2 and type(ops[1]) is Concatenate:
+            return "stack", ops[0].dim, ops[1].dim, None
+    if plain and len(ops) == 1 and type(ops[0]) is Concatenate and len(targets) == 1:
+        return "join", None, ops[0].dim, None
+    if plain and len(ops) == 1 and type(ops[0]) is Chunk and len(sources) == 1 and len(targets) > 1:
+        return "chunk", None, ops[0].dim, None
+    return "refused", None, None, f"operations {[type(op).__name__ for op in ops]}"
 
 
 class Rules:
@@ -117,12 +153,7 @@ class Rules:
     """
 
     def __init__(self, model_type: str, transforms: list[Any]) -> None:
-        from transformers.core_model_loading import (
-            Concatenate,
-            MergeModulelist,
-            WeightConverter,
-            WeightRenaming,
-        )
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
 
         self.model_type = model_type
         self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -130,23 +161,13 @@ class Rules:
         self.reverse_renamings: list[Any] = [t.reverse_transform() for t in self.renamings[::-1]]
         self.fusions: list[_Fusion] = []
         for c in self.converters:
-            ops = list(c.operations)
-            kinds = [type(op).__name__ for op in ops]
-            name = f"{' + '.join(c._original_source_patterns)} -> {c._original_target_patterns[0]}"
-            refusal = None
-            stack = join = None
-            if ops and isinstance(ops[0], MergeModulelist):
-                stack = ops[0].dim
-                if len(ops) == 2 and isinstance(ops[1], Concatenate):
-                    join = ops[1].dim
-                elif len(ops) != 1 or len(c._original_target_patterns) != 1:
-                    refusal = f"operations {kinds}"
-            else:
-                refusal = f"operations {kinds}"
-            if stack is not None and len(c._original_source_patterns) > 1 and join is None:
-                refusal = f"operations {kinds}"
-            self.fusions.append(_Fusion(c, c.reverse_transform(), stack or 0, join, name, refusal))
-        self.mapping = f"transformers {model_type} ({len(transforms)} rules)"
+            name = " + ".join(c._original_source_patterns)
+            name = f"{name} -> {' + '.join(c._original_target_patterns)}"
+            kind, stack, join, refusal = _classify(c)
+            self.fusions.append(_Fusion(c, c.reverse_transform(), kind, stack, join, name, refusal))
+        scopes = sorted({t.scope_prefix for t in transforms if t.scope_prefix})
+        scoped = f"; scoped to {', '.join(scopes)}" if scopes else ""
+        self.mapping = f"transformers {model_type} ({len(transforms)} rules{scoped})"
 
     # -- load direction -------------------------------------------------------------------------
 
@@ -166,7 +187,7 @@ class Rules:
 
         Raises:
             UnsupportedCheckpointError: a tensor meets an operation that is not a byte
-                re-arrangement, or its experts are not numbered 0..E-1.
+                re-arrangement, its experts are not numbered 0..E-1, or its parts are incomplete.
             CorruptCheckpointError: the parts of one fused tensor disagree in shape.
         """
         groups: dict[str, dict[tuple[int, int], str]] = {}
@@ -181,38 +202,48 @@ class Rules:
                 mem_shapes[memory] = shapes[disk]
                 continue
             _refuse(f, disk)
-            groups.setdefault(memory, {})[(_expert(f.converter, disk, part), part)] = disk
+            if f.kind == "chunk":
+                for p in self._chunked(f, disk, memory, shapes[disk]):
+                    pieces.append(p)
+                    mem_shapes[p.memory] = p.sizes
+                continue
+            expert = _expert(f.converter, disk, part) if f.kind == "stack" else 0
+            groups.setdefault(memory, {})[(expert, part)] = disk
             fusion_of[memory] = f
         for memory, members in groups.items():
-            f = fusion_of[memory]
-            parts = len(f.converter.source_patterns)
-            experts = 1 + max(e for e, _ in members)
-            if len(members) != experts * parts:
-                raise UnsupportedCheckpointError(
-                    f"{memory!r}: rule {f.name!r} needs {parts} part(s) of experts 0..{experts - 1}"
-                    f", found {len(members)} tensors; the experts are incomplete"
-                )
-            part_shape = shapes[members[(0, 0)]]
-            for disk in members.values():
-                if shapes[disk] != part_shape:
-                    raise CorruptCheckpointError(
-                        f"{disk!r}: shape {list(shapes[disk])} differs from {members[(0, 0)]!r} "
-                        f"{list(part_shape)}; rule {f.name!r} stacks them into {memory!r}"
-                    )
-            stacked = _insert(part_shape, f.stack_dim, experts)
-            step = stacked[f.join_dim] if f.join_dim is not None else 0
-            shape = stacked
-            if f.join_dim is not None:
-                shape = tuple(n * parts if d == f.join_dim else n for d, n in enumerate(stacked))
+            shape, made = _stacked(memory, fusion_of[memory], members, shapes)
             mem_shapes[memory] = shape
-            for (e, h), disk in sorted(members.items()):
-                offsets = [0] * len(shape)
-                offsets[f.stack_dim] = e
-                if f.join_dim is not None:
-                    offsets[f.join_dim] += h * step
-                sizes = _insert(part_shape, f.stack_dim, 1)
-                pieces.append(Piece(disk, memory, tuple(offsets), sizes, f.stack_dim, f.name))
+            pieces.extend(made)
         return KeyMap(tuple(pieces), mem_shapes, self.mapping)
+
+    def _chunked(self, f: _Fusion, disk: str, first: str, shape: tuple[int, ...]) -> list[Piece]:
+        """The in-memory parts ``Chunk`` cuts from file tensor ``disk`` (transformers names the
+        first ``first``): equal boxes on the chunked dim."""
+        from transformers.core_model_loading import apply_renamings
+
+        targets = f.converter._original_target_patterns
+        dim = f.join_dim
+        assert dim is not None
+        if dim >= len(shape) or shape[dim] % len(targets):
+            raise UnsupportedCheckpointError(
+                f"{disk!r}: shape {list(shape)} does not split on dim {dim} into {len(targets)} "
+                f"equal parts as rule {f.name!r} needs"
+            )
+        matched = f.converter._scoped_match(apply_renamings(disk, self.renamings))
+        prefix, key, match = matched
+        step = shape[dim] // len(targets)
+        sizes = tuple(step if d == dim else n for d, n in enumerate(shape))
+        out = []
+        for h, target in enumerate(targets):
+            memory = (prefix or "") + key.replace(match.group(0), target, 1)
+            if h == 0 and memory != first:
+                raise UnsupportedCheckpointError(
+                    f"{disk!r}: rule {f.name!r} names its first part {memory!r} here but "
+                    f"{first!r} in transformers; this mapping cannot be followed by name"
+                )
+            offsets = tuple(h * step if d == dim else 0 for d in range(len(shape)))
+            out.append(Piece(disk, memory, offsets, sizes, None, f.name, fused_shape=shape))
+        return out
 
     # -- save direction -------------------------------------------------------------------------
 
@@ -229,6 +260,8 @@ class Rules:
         from transformers.core_model_loading import apply_renamings
 
         pieces: list[Piece] = []
+        joined: dict[str, dict[int, str]] = {}  # "chunk" rules: file tensor -> part -> memory
+        join_of: dict[str, _Fusion] = {}
         for memory, shape in shapes.items():
             found = None
             for f in self.fusions:
@@ -243,45 +276,144 @@ class Rules:
                 continue
             f, match = found
             _refuse(f, memory)
-            parts = f.converter._original_source_patterns
-            experts = shape[f.stack_dim]
-            sizes = _insert(_drop(shape, f.stack_dim), f.stack_dim, 1)
-            step = 0
-            if f.join_dim is not None:
-                if shape[f.join_dim] % len(parts):
-                    raise UnsupportedCheckpointError(
-                        f"{memory!r}: dim {f.join_dim} of shape {list(shape)} does not split into "
-                        f"{len(parts)} equal parts as rule {f.name!r} needs"
-                    )
-                step = shape[f.join_dim] // len(parts)
-                sizes = tuple(step if d == f.join_dim else n for d, n in enumerate(sizes))
-            for e in range(experts):
-                for h, pattern in enumerate(parts):
-                    local = match.string.replace(match.group(0), pattern.replace("*", str(e)), 1)
-                    disk = apply_renamings(
-                        memory.replace(match.string, local), self.reverse_renamings
-                    )
-                    back, g, part = self._load_name(disk)
-                    if (back, g, part) != (memory, f, h):
-                        raise UnsupportedCheckpointError(
-                            f"{memory!r}: rule {f.name!r} would write expert {e} as {disk!r}, "
-                            f"which transformers loads as {back!r}; this mapping cannot be "
-                            "reversed by name"
-                        )
-                    offsets = [0] * len(shape)
-                    offsets[f.stack_dim] = e
-                    if f.join_dim is not None:
-                        offsets[f.join_dim] = h * step
-                    pieces.append(Piece(disk, memory, tuple(offsets), sizes, f.stack_dim, f.name))
+            if f.kind == "chunk":
+                part = next(int(g[1:]) for g, v in match.groupdict().items() if v is not None)
+                local = match.string.replace(
+                    match.group(0), f.converter._original_source_patterns[0], 1
+                )
+                disk = apply_renamings(memory.replace(match.string, local), self.reverse_renamings)
+                joined.setdefault(disk, {})[part] = memory
+                join_of[disk] = f
+                continue
+            pieces.extend(self._split(f, match, memory, shape))
+        for disk, members in joined.items():
+            pieces.extend(self._joined(join_of[disk], disk, members, shapes))
         return KeyMap(tuple(pieces), dict(shapes), self.mapping)
+
+    def _split(self, f: _Fusion, match: Any, memory: str, shape: tuple[int, ...]) -> list[Piece]:
+        """The file tensors a "stack" or "join" rule writes for in-memory tensor ``memory``."""
+        from transformers.core_model_loading import apply_renamings
+
+        parts = f.converter._original_source_patterns
+        experts = shape[f.stack_dim] if f.stack_dim is not None else 1
+        sizes = _insert(_drop(shape, f.stack_dim), f.stack_dim, 1)
+        step = 0
+        if f.join_dim is not None:
+            if f.join_dim >= len(shape) or shape[f.join_dim] % len(parts):
+                raise UnsupportedCheckpointError(
+                    f"{memory!r}: dim {f.join_dim} of shape {list(shape)} does not split into "
+                    f"{len(parts)} equal parts as rule {f.name!r} needs"
+                )
+            step = shape[f.join_dim] // len(parts)
+            sizes = tuple(step if d == f.join_dim else n for d, n in enumerate(sizes))
+        out = []
+        for e in range(experts):
+            for h, pattern in enumerate(parts):
+                local = match.string.replace(match.group(0), pattern.replace("*", str(e)), 1)
+                disk = apply_renamings(memory.replace(match.string, local), self.reverse_renamings)
+                back, g, part = self._load_name(disk)
+                if (back, g, part) != (memory, f, h):
+                    raise UnsupportedCheckpointError(
+                        f"{memory!r}: rule {f.name!r} would write part {h} (expert {e}) as "
+                        f"{disk!r}, which transformers loads as {back!r}; this mapping cannot be "
+                        "reversed by name"
+                    )
+                offsets = [0] * len(shape)
+                if f.stack_dim is not None:
+                    offsets[f.stack_dim] = e
+                if f.join_dim is not None:
+                    offsets[f.join_dim] = h * step
+                out.append(Piece(disk, memory, tuple(offsets), sizes, f.stack_dim, f.name))
+        return out
+
+    def _joined(
+        self, f: _Fusion, disk: str, members: dict[int, str], shapes: Shapes
+    ) -> list[Piece]:
+        """File tensor ``disk`` that a "chunk" rule's reverse joins from ``members`` (part →
+        in-memory name): equal parts, as the load's ``Chunk`` will cut them again."""
+        targets = f.converter._original_target_patterns
+        dim = f.join_dim
+        assert dim is not None
+        if sorted(members) != list(range(len(targets))):
+            raise UnsupportedCheckpointError(
+                f"{disk!r}: rule {f.name!r} joins {len(targets)} tensors into it, found only "
+                f"{sorted(members.values())}"
+            )
+        first = shapes[members[0]]
+        for h in range(len(targets)):
+            if shapes[members[h]] != first or dim >= len(first):
+                raise UnsupportedCheckpointError(
+                    f"{members[h]!r}: shape {list(shapes[members[h]])} differs from {members[0]!r} "
+                    f"{list(first)}; rule {f.name!r} joins them into {disk!r} and cuts it equally"
+                )
+        back, g, _ = self._load_name(disk)
+        if (back, g) != (members[0], f):
+            raise UnsupportedCheckpointError(
+                f"{members[0]!r}: rule {f.name!r} would write it into {disk!r}, which "
+                f"transformers loads as {back!r}; this mapping cannot be reversed by name"
+            )
+        fused = tuple(n * len(targets) if d == dim else n for d, n in enumerate(first))
+        at = [
+            tuple(h * first[dim] if d == dim else 0 for d in range(len(first)))
+            for h in sorted(members)
+        ]
+        return [Piece(disk, members[h], at[h], first, None, f.name, fused) for h in sorted(members)]
+
+
+def _stacked(
+    memory: str, f: _Fusion, members: dict[tuple[int, int], str], shapes: Shapes
+) -> tuple[tuple[int, ...], list[Piece]]:
+    """In-memory tensor ``memory`` a "stack" or "join" rule makes of file tensors ``members``
+    ((expert, part) → name): its shape and the boxes of its members. A "join" takes parts of
+    any size on the joined dim (``Concatenate`` does); a "stack" takes equal ones."""
+    parts = len(f.converter.source_patterns)
+    experts = 1 + max(e for e, _ in members)
+    if len(members) != experts * parts:
+        what = f"experts 0..{experts - 1}" if f.kind == "stack" else "one tensor each"
+        raise UnsupportedCheckpointError(
+            f"{memory!r}: rule {f.name!r} needs {parts} part(s) of {what}, found "
+            f"{len(members)} tensors; the {'experts' if f.kind == 'stack' else 'parts'} are "
+            "incomplete"
+        )
+    part_shape = shapes[members[(0, 0)]]
+    join = f.join_dim
+    ends = [0]
+    for h in range(parts):
+        for e in range(experts):
+            disk = members[(e, h)]
+            got = shapes[disk]
+            same = got == part_shape or (
+                f.kind == "join" and join is not None and len(got) == len(part_shape) > join
+                and _drop(got, join) == _drop(part_shape, join)
+            )  # fmt: skip
+            if not same:
+                raise CorruptCheckpointError(
+                    f"{disk!r}: shape {list(got)} differs from {members[(0, 0)]!r} "
+                    f"{list(part_shape)}; rule {f.name!r} joins them into {memory!r}"
+                )
+        if join is not None:
+            ends.append(ends[-1] + _insert(shapes[members[(0, h)]], f.stack_dim, 1)[join])
+    shape = _insert(part_shape, f.stack_dim, experts)
+    if join is not None:
+        shape = tuple(ends[-1] if d == join else n for d, n in enumerate(shape))
+    pieces = []
+    for (e, h), disk in sorted(members.items()):
+        offsets = [0] * len(shape)
+        if f.stack_dim is not None:
+            offsets[f.stack_dim] = e
+        if join is not None:
+            offsets[join] = ends[h]
+        sizes = _insert(shapes[disk], f.stack_dim, 1)
+        pieces.append(Piece(disk, memory, tuple(offsets), sizes, f.stack_dim, f.name))
+    return shape, pieces
 
 
 def _refuse(f: _Fusion, name: str) -> None:
     if f.refusal is not None:
         raise UnsupportedCheckpointError(
             f"{name!r}: transformers converts it with rule {f.name!r} ({f.refusal}); ckptools "
-            "turns only MergeModulelist [+ Concatenate] into byte runs; keep the stored form "
-            "(--keep-in-memory-names, or --keep-stored-names for shard)"
+            "turns only MergeModulelist [+ Concatenate], Concatenate and Chunk into byte runs; "
+            "keep the stored form (--keep-in-memory-names, or --keep-stored-names for shard)"
         )
 
 
@@ -296,31 +428,14 @@ def _expert(converter: Any, disk: str, part: int) -> int:
     return int(found.group(1))
 
 
-def _mentioned(names: list[str]) -> bool:
-    """Whether the installed transformers' mapping source mentions any of ``names`` (quoted):
-    a read of one file instead of a multi-second import for models it cannot convert."""
-    try:
-        spec = importlib.util.find_spec("transformers")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    for location in spec.submodule_search_locations:
-        try:
-            with open(f"{location}/conversion_mapping.py", encoding="utf-8") as f:
-                text = f.read()
-        except OSError:
-            continue
-        return any(f'"{n}"' in text for n in names)
-    return False
-
-
 def rules_for(config: Mapping[str, Any] | None) -> Rules | None:
     """The installed transformers' conversion rules for the model ``config`` (a config.json).
 
-    Looks the model up as transformers does (class name from ``architectures`` first, then
-    ``model_type``); returns None without transformers, for a config naming neither, or for a
-    model without a conversion. Imports transformers only when its mapping names the model.
+    Looks the model up as transformers does: every sub-model's rules, scoped to its prefix
+    (:func:`~ckptools.plan.conversion_lookup.model_transforms`); for a model that does not build
+    from ``config``, by the root's class name from ``architectures`` then ``model_type``.
+    Returns None without transformers, for a config naming neither, or for a model without a
+    conversion. Imports transformers only when its mapping names the model or a sub-model.
 
     Example:
         >>> rules_for({"model_type": "llama"}) is None  # doctest: +SKIP
@@ -332,8 +447,12 @@ def rules_for(config: Mapping[str, Any] | None) -> Rules | None:
     model_type = config.get("model_type")
     if isinstance(model_type, str):
         names.append(model_type)
-    if not names or not _mentioned(names):
+    if not names or not mentioned(lookup_names(config)):
         return None
+    transforms = model_transforms(config)
+    if transforms is not None:
+        label = model_type if isinstance(model_type, str) else names[0]
+        return Rules(label, transforms) if transforms else None
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     for name in names:
@@ -381,6 +500,69 @@ def split_fqn(fqn: str, disk: str) -> str:
     return f"{fqn}/{disk}"
 
 
+def _cut(
+    entry: TensorEntry,
+    sources: ChunkIndex,
+    p: Piece,
+    raw: Callable[[TensorEntry, Chunk], Chunk],
+    unchecked: dict[tuple[str, int], tuple[str, Chunk]],
+) -> tuple[Chunk, ...]:
+    """The chunks of the box ``p`` of stored ``entry`` (the fused side), as raw byte ranges;
+    stored records no new chunk copies whole go to ``unchecked``."""
+    chunks = []
+    for c in sources.meeting(p.offsets, p.sizes):
+        r = raw(entry, c)
+        sub = _sub_chunk(r, c, p, entry.itemsize)
+        if not r.file:  # boxes only (save_pretrained's manifest): no bytes to point at
+            sub = replace(sub, offset=0, length=0, strides=None)
+        if r.crc32 is not None and sub.crc32 is None:
+            unchecked[(r.file, r.offset)] = (entry.fqn, r)
+        chunks.append(sub)
+    return tuple(chunks)
+
+
+def _place(
+    manifest: Manifest,
+    members: list[tuple[str, Piece]],
+    raw: Callable[[TensorEntry, Chunk], Chunk],
+    key: str,
+    shape: tuple[int, ...],
+) -> TensorEntry:
+    """Entry ``key`` of ``shape`` made of stored tensors ``members`` ((stored FQN, piece)),
+    each placed at its piece's box: the chunks are theirs, moved.
+
+    Raises:
+        CorruptCheckpointError: the members differ in dtype.
+    """
+    first = manifest.tensors[members[0][0]]
+    placed = []
+    for fqn, p in members:
+        entry = manifest.tensors[fqn]
+        if entry.dtype != first.dtype:
+            raise CorruptCheckpointError(
+                f"{fqn!r} is {entry.dtype} but {first.fqn!r} is {first.dtype}; rule {p.rule!r} "
+                f"joins both into {key!r}",
+                fqn=fqn,
+            )
+        for c in unique_chunks(entry):
+            r = raw(entry, c)
+            offsets = _insert(c.offsets, p.stack_dim, 0)
+            placed.append(
+                replace(
+                    r,
+                    offsets=tuple(a + b for a, b in zip(offsets, p.offsets, strict=True)),
+                    sizes=_insert(c.sizes, p.stack_dim, 1),
+                    strides=None if r.strides is None else _insert(r.strides, p.stack_dim, 0),
+                )
+            )
+    return TensorEntry(key, first.dtype, shape, tuple(placed))
+
+
+def _free_key(manifest: Manifest, name: str) -> str:
+    # a stored tensor of the same name (never the case for a real model) is not replaced
+    return name if name not in manifest.tensors else f"{name}/fused"
+
+
 def split_entries(
     manifest: Manifest,
     names: Mapping[str, str],
@@ -392,7 +574,8 @@ def split_entries(
     A piece that is a whole tensor keeps its stored entry under its on-disk name; a piece that
     is a box of a fused tensor gets an entry ``"<stored FQN>/<on-disk name>"`` whose chunks are
     the boxes of the stored chunks inside it, as raw byte ranges (``raw`` resolves a stored
-    chunk: the one I/O step, the caller's).
+    chunk: the one I/O step, the caller's); a file tensor joined from in-memory parts (a
+    ``Chunk`` rule's reverse) gets an entry of their chunks placed at their boxes.
 
     Returns:
         The manifest with those entries added, on-disk name → FQN in it (in ``names``' order),
@@ -404,6 +587,7 @@ def split_entries(
         by_memory.setdefault(p.memory, []).append(p)
     added: dict[str, TensorEntry] = {}
     out: dict[str, str] = {}
+    joins: dict[str, list[tuple[str, Piece]]] = {}
     unchecked: dict[tuple[str, int], tuple[str, Chunk]] = {}
     for memory, fqn in names.items():
         entry = manifest.tensors[fqn]
@@ -411,20 +595,17 @@ def split_entries(
         for p in by_memory.get(memory, ()):
             if p.whole:
                 out[p.disk] = fqn
-                continue
-            new_fqn = split_fqn(fqn, p.disk)
-            chunks = []
-            sources = sources or ChunkIndex(entry)
-            for c in sources.meeting(p.offsets, p.sizes):
-                r = raw(entry, c)
-                sub = _sub_chunk(r, c, p, entry.itemsize)
-                if not r.file:  # boxes only (save_pretrained's manifest): no bytes to point at
-                    sub = replace(sub, offset=0, length=0, strides=None)
-                if r.crc32 is not None and sub.crc32 is None:
-                    unchecked[(r.file, r.offset)] = (fqn, r)
-                chunks.append(sub)
-            added[new_fqn] = TensorEntry(new_fqn, entry.dtype, p.disk_shape, tuple(chunks))
-            out[p.disk] = new_fqn
+            elif p.fused_on_disk:
+                joins.setdefault(p.disk, []).append((fqn, p))
+                out[p.disk] = _free_key(manifest, p.disk)
+            else:
+                new_fqn = split_fqn(fqn, p.disk)
+                sources = sources or ChunkIndex(entry)
+                chunks = _cut(entry, sources, p, raw, unchecked)
+                added[new_fqn] = TensorEntry(new_fqn, entry.dtype, p.disk_shape, chunks)
+                out[p.disk] = new_fqn
+    for disk, members in joins.items():
+        added[out[disk]] = _place(manifest, members, raw, out[disk], members[0][1].disk_shape)
     tensors = {**manifest.tensors, **added}
     return replace(manifest, tensors=tensors), out, list(unchecked.values())
 
@@ -434,54 +615,42 @@ def merge_entries(
     names: Mapping[str, str],
     keymap: KeyMap,
     raw: Callable[[TensorEntry, Chunk], Chunk],
-) -> tuple[Manifest, dict[str, str]]:
+) -> tuple[Manifest, dict[str, str], list[tuple[str, Chunk]]]:
     """The in-memory tensors of ``names`` (on-disk name → stored FQN) as manifest entries.
 
     A fused tensor gets an entry under its in-memory name whose chunks are its parts' stored
-    chunks (resolved to raw byte ranges by ``raw``) placed at their boxes; a whole piece keeps
-    its stored entry.
+    chunks (resolved to raw byte ranges by ``raw``) placed at their boxes; a part cut from a
+    fused file tensor (a ``Chunk`` rule) gets an entry ``"<stored FQN>/<in-memory name>"`` of
+    the boxes of its stored chunks; a whole piece keeps its stored entry.
 
     Returns:
-        The manifest with those entries added, and in-memory name → FQN in it.
+        The manifest with those entries added, in-memory name → FQN in it, and the records
+        no new chunk covers whole, as :func:`split_entries`.
 
     Raises:
         CorruptCheckpointError: the parts of one fused tensor differ in dtype.
     """
-    added: dict[str, list[Chunk]] = {}
-    dtype: dict[str, tuple[str, str]] = {}
+    added: dict[str, TensorEntry] = {}
     out: dict[str, str] = {}
+    stacks: dict[str, list[tuple[str, Piece]]] = {}
+    unchecked: dict[tuple[str, int], tuple[str, Chunk]] = {}
+    indexes: dict[str, ChunkIndex] = {}
     for p in keymap.pieces:
         fqn = names[p.disk]
         entry = manifest.tensors[fqn]
         if p.whole:
             out[p.memory] = fqn
-            continue
-        first = dtype.setdefault(p.memory, (entry.dtype, fqn))
-        if first[0] != entry.dtype:
-            raise CorruptCheckpointError(
-                f"{fqn!r} is {entry.dtype} but {first[1]!r} is {first[0]}; rule {p.rule!r} "
-                f"stacks both into {p.memory!r}",
-                fqn=fqn,
-            )
-        placed = added.setdefault(p.memory, [])
-        for c in unique_chunks(entry):
-            r = raw(entry, c)
-            placed.append(
-                replace(
-                    r,
-                    offsets=tuple(
-                        a + b
-                        for a, b in zip(_insert(c.offsets, p.stack_dim, 0), p.offsets, strict=True)
-                    ),
-                    sizes=_insert(c.sizes, p.stack_dim, 1),
-                    strides=None if r.strides is None else _insert(r.strides, p.stack_dim, 0),
-                )
-            )
-        # a stored tensor of the same name (never the case for a real model) is not replaced
-        out[p.memory] = p.memory if p.memory not in manifest.tensors else f"{p.memory}/fused"
-    tensors = dict(manifest.tensors)
-    for memory, chunks in added.items():
+        elif p.fused_on_disk:
+            key = split_fqn(fqn, p.memory)
+            sources = indexes.setdefault(fqn, ChunkIndex(entry))
+            added[key] = TensorEntry(key, entry.dtype, p.sizes,
+                                     _cut(entry, sources, p, raw, unchecked))  # fmt: skip
+            out[p.memory] = key
+        else:
+            stacks.setdefault(p.memory, []).append((fqn, p))
+            out[p.memory] = _free_key(manifest, p.memory)
+    for memory, members in stacks.items():
         key = out[memory]
-        shape = keymap.memory_shapes[memory]
-        tensors[key] = TensorEntry(key, dtype[memory][0], shape, tuple(chunks))
-    return replace(manifest, tensors=tensors), out
+        added[key] = _place(manifest, members, raw, key, keymap.memory_shapes[memory])
+    tensors = {**manifest.tensors, **added}
+    return replace(manifest, tensors=tensors), out, list(unchecked.values())

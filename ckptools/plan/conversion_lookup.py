@@ -1,0 +1,107 @@
+"""Which of the installed transformers' conversion rules apply to a model ``config.json``.
+
+transformers does not look a model's conversion up by its name alone:
+``get_model_conversion_mapping`` walks the model's modules and takes the mapping of every
+sub-model (a VLM's MoE text model, the ``Dinov2Model`` inside ``Dinov2ForImageClassification``),
+keyed by class name then ``model_type``, scoped to that sub-model's prefix (``PrefixChange``
+entries with ``model_prefix`` included). The same walk is done here, on the model built from
+``config`` on the ``meta`` device (no memory, no weights, transformers' own classes only: never
+code named by the config), so the rules are transformers' own, scopes and all
+(:func:`model_transforms`).
+
+Importing transformers costs seconds, so :func:`mentioned` first reads its mapping's source text
+for any name the config could be looked up by (:func:`lookup_names`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+_MAX_MODULES = 4096  # a count field larger than this is not built (hostile or absurd config)
+
+
+def lookup_names(config: Mapping[str, Any]) -> list[str]:
+    """The names transformers may look ``config``'s conversions up by: its architectures, their
+    base models (``XForY`` → ``XModel``), its ``model_type`` and its sub-configs' model types."""
+    names: list[str] = []
+    for arch in config.get("architectures") or []:
+        if isinstance(arch, str):
+            names.append(arch)
+            if "For" in arch:
+                names.append(arch.split("For", 1)[0] + "Model")
+    todo, depth = [config], 0
+    while todo and depth < 3:
+        nxt: list[Mapping[str, Any]] = []
+        for c in todo:
+            if isinstance(c.get("model_type"), str):
+                names.append(c["model_type"])
+            nxt.extend(v for v in c.values() if isinstance(v, Mapping))
+        todo, depth = nxt, depth + 1
+    return names
+
+
+def mentioned(names: list[str]) -> bool:
+    """Whether the installed transformers' mapping source mentions any of ``names`` (quoted):
+    a read of one file instead of a multi-second import for models it cannot convert."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for location in spec.submodule_search_locations:
+        try:
+            with open(f"{location}/conversion_mapping.py", encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            continue
+        return any(f'"{n}"' in text for n in names)
+    return False
+
+
+def _too_big(config: Mapping[str, Any]) -> bool:
+    for key, value in config.items():
+        if isinstance(value, Mapping) and _too_big(value):
+            return True
+        counts = ("layers", "depth", "experts", "blocks")
+        if isinstance(value, int) and any(c in key for c in counts) and value > _MAX_MODULES:
+            return True
+    return False
+
+
+def model_transforms(config: Mapping[str, Any]) -> list[Any] | None:
+    """transformers' own ``get_model_conversion_mapping`` (without the load-only legacy
+    renames, as ``save_pretrained`` does) of the model ``config`` names, built on ``meta``.
+
+    Returns None when no ``architectures`` entry is a transformers class or the model does not
+    build from ``config`` (the caller then looks the root name up alone); an empty list for a
+    model without conversions.
+    """
+    import torch
+    import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.utils import logging
+
+    if _too_big(config):
+        return None
+    for arch in config.get("architectures") or []:
+        cls: Any = getattr(transformers, arch, None) if isinstance(arch, str) else None
+        if not callable(getattr(cls, "_from_config", None)) or not getattr(
+            cls, "config_class", None
+        ):
+            continue
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+        try:
+            with warnings.catch_warnings(), torch.device("meta"):
+                warnings.simplefilter("ignore")
+                model = cls._from_config(cls.config_class.from_dict(dict(config)))
+            return list(get_model_conversion_mapping(model, add_legacy=False))
+        except Exception:
+            continue
+        finally:
+            logging.set_verbosity(verbosity)
+    return None
