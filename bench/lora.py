@@ -34,15 +34,18 @@ import time
 from typing import Any
 
 # Imports are timed apart (peft, which --adapter uses for LoraConfig's defaults, pulls in torch
-# and transformers: seconds on a loaded machine); rchar is counted around the call alone.
+# and transformers: seconds on a loaded machine), each mode importing what it uses (peft only
+# for --adapter: peak RSS is the command's own); rchar is counted around the call alone.
 _CHILD = r"""
 import json, resource, sys, time
 def rchar():
     return int(dict(l.split(": ") for l in open("/proc/self/io").read().splitlines())["rchar"])
-t = time.perf_counter()
-import ckptools, peft, torch
-imports = time.perf_counter() - t
 src, out, mode = sys.argv[1:4]
+t = time.perf_counter()
+import ckptools, torch
+if mode == "adapter":
+    import peft  # what --adapter imports for LoraConfig's defaults; --merge-lora does not
+imports = time.perf_counter() - t
 kw = {"adapter": dict(adapter=True, lora_alpha=32.0),
       "merge": dict(merge_lora=True, lora_alpha=32.0), "plain": {}}[mode]
 before, t = rchar(), time.perf_counter()
