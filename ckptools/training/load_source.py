@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from ckptools import _compat, collective
@@ -190,7 +189,7 @@ def _fill(
     entries outside it (``extra``) and the tensor bytes read."""
     manifest = read_manifest(path)
     named = _named(manifest, param_order, with_optimizer)
-    flat, mapping = flatten_state_dict(state)
+    flat, mapping = _compat.flatten_state_dict(state)
     _check_keys(path, named, flat, set(state), with_optimizer)
     tensors = {k: v for k, v in flat.items() if _is_tensor(v)}
     for fqn in [k for k in tensors if k not in named.tensors]:

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.utils._pytree import tree_map
 
 import ckptools
@@ -48,7 +48,7 @@ def _verl_job(world_size: int, config: str) -> tuple[torch.nn.Module, Any, Calla
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**json.loads(Path(config).read_text()))
-    model = LlamaForCausalLM(cfg).float()
+    model = LlamaForCausalLM(cfg).float()  # type: ignore[no-untyped-call]
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -78,7 +78,29 @@ def _tiny_job(world_size: int, config: str) -> tuple[torch.nn.Module, Any, Calla
     return model, opt, lambda: _train(model, DEFAULT_CONFIG, opt, steps=1)
 
 
-_JOBS = {"verl": _verl_job, "tiny": _tiny_job}
+def _zero_job(world_size: int, config: str) -> tuple[torch.nn.Module, Any, Callable[[], None]]:
+    """An FSDP2 job of the DeepSpeed producers' model (tied head, a frozen layer) and its
+    AdamW over the trainable parameters, as the producer built it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.support.deepspeed_producers import _model
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    tokens = torch.randint(0, 37, (3, 5), generator=torch.Generator().manual_seed(7))
+
+    def step() -> None:
+        model(tokens).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+_JOBS = {"verl": _verl_job, "tiny": _tiny_job, "zero": _zero_job}
 
 
 def _gather(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
@@ -87,7 +109,10 @@ def _gather(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
         "model": get_model_state_dict(model, options=_FULL),
         "optim": get_optimizer_state_dict(model, opt, options=_FULL),
     }
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, full)
+    copied: dict[str, Any] = tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, full
+    )
+    return copied
 
 
 def _job(rank: int, world_size: int, kind: str, config: str, src: str, via: str, out: str) -> None:
@@ -98,7 +123,7 @@ def _job(rank: int, world_size: int, kind: str, config: str, src: str, via: str,
         ckptools.load(src, model, opt)
     else:
         model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=src)
+        dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=src)
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     before = _gather(model, opt)
     step()
@@ -165,6 +190,28 @@ def test_a_torch_save_training_checkpoint_loads(tmp_path: Path) -> None:
     # and in one process, the other entries come back as extra
     plain = TinyLlama(DEFAULT_CONFIG)
     assert ckptools.load(src, plain, _make_optimizer(plain)[0]) == {"epoch": 2}
+
+
+def test_a_deepspeed_zero2_checkpoint_loads(tmp_path: Path) -> None:
+    from tests.support.deepspeed_producers import case_dir, deepspeed_available, produce_zero
+
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed (make setup installs it)")
+    produce_zero(str(tmp_path / "ds"), 2, [(2, "fp32")])
+    path = Path(case_dir(str(tmp_path / "ds"), 2, "fp32"))
+    got = _run("zero", "", path, 2, tmp_path)
+    live = torch.load(path / "live.pt", weights_only=True)
+    moments = torch.load(path / "live_optim.pt", weights_only=True)["moments"]
+    (step,) = {float(s) for s in torch.load(path / "live_optim.pt", weights_only=True)["steps"]}
+    state = got["before"]["optim"]["state"]
+    assert state.keys() == live.keys()
+    for name, want in live.items():
+        assert_bitwise_equal(got["before"]["model"][name], want, name)
+        assert_bitwise_equal(
+            state[name], {**moments[name], "step": torch.tensor(step)}, f"optim.state.{name}"
+        )
+    assert_bitwise_equal(got["before"]["model"]["head.weight"], live["embed.weight"], "head")
+    assert not torch.equal(got["after"]["model"]["mid.weight"], live["mid.weight"])
 
 
 def test_a_deleted_verl_rank_file_is_named(tmp_path: Path) -> None:
