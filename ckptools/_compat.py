@@ -14,6 +14,7 @@ from torch import nn
 
 # ``set_element`` rebuilds a nested state dict from DCP's ``planner_data`` key paths (lists
 # included); it is private (``torch.distributed.checkpoint._traverse``) but stable since 2.2.
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict as _flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element as _set_element
 
 __all__ = [
@@ -37,6 +38,13 @@ TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("
 CHECKPOINT_WRAPPED_SEGMENT = "_checkpoint_wrapped_module"
 COMPILED_SEGMENT = "_orig_mod"
 _FSDP1_SEGMENT = "_fsdp_wrapped_module"
+
+
+def flatten_state_dict(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state`` flattened as ``dcp.save`` flattens it: ``{fqn: value}`` and ``{fqn: key
+    path}`` (``model.<name>``, ``optim.state.<fqn>.<name>``, ``optim.param_groups.<i>.<k>``)."""
+    flat, mapping = _flatten_state_dict(state)
+    return dict(flat), dict(mapping)
 
 
 def set_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:

@@ -28,8 +28,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -38,21 +37,26 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ckptools import _compat, collective
-from ckptools.core import dtypes
-from ckptools.core.geometry import copy_runs, tiling_problems
-from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.core.manifest import Manifest, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
     HubConnectionError,
     HubNotFoundError,
-    UnsupportedCheckpointError,
     UsageError,
 )
-from ckptools.io import memory, storage
+from ckptools.io import storage
 from ckptools.layouts.safetensors import read_safetensors
+from ckptools.training.fill import (
+    Copy,
+    Filler,
+    Target,
+    check_entry,
+    dtype_name,
+    find_targets,
+    torch_dtype,
+)
 from ckptools.tunables import env_size
 
 if TYPE_CHECKING:
@@ -73,9 +77,6 @@ Conversion = Callable[[Manifest], Manifest]
 #: a read costs far more than its call, small against the 256 MiB a rank may use beyond its shard.
 READ_BUFFER_ENV = "CKPTOOLS_LOAD_BUFFER_BYTES"
 DEFAULT_READ_BUFFER_BYTES = 32 * 2**20
-#: Runs of a box closer than this in the file are read together: one read of a small gap costs
-#: less than a second call (a dim-1 shard is one run per row).
-_GAP_BYTES = 64 * 1024
 #: Files fetched from the Hub: the weights, their index and the config (never code or pickles).
 HUB_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "config.json")
 #: A Hub repo id (``name`` or ``namespace/name``), as huggingface_hub validates it.
@@ -99,98 +100,6 @@ class LoadPretrainedResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-@dataclass(frozen=True)
-class _Box:
-    """A box of a global tensor and the local tensor (row-major, same shape) that holds it."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    local: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One entry of the model's sharded state dict: global shape, dtype, this rank's boxes."""
-
-    fqn: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    boxes: tuple[_Box, ...]
-
-
-@dataclass(frozen=True)
-class _Copy:
-    """Copy the intersection of a stored chunk (of file tensor ``source``) with a box."""
-
-    target: str
-    source: str
-    chunk: Chunk
-    box: _Box
-    dtype: str  # the stored dtype
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    value = getattr(torch, dtypes.canonical(name))
-    assert isinstance(value, torch.dtype)
-    return value
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtensor_boxes(fqn: str, value: DTensor) -> tuple[_Box, ...]:
-    for placement in value.placements:
-        if type(placement) not in (Shard, Replicate):
-            raise UnsupportedCheckpointError(
-                f"{fqn!r}: placement {placement} is not supported (only Shard and Replicate "
-                "DTensors, as FSDP2 and plain tensor parallelism make)",
-                fqn=fqn,
-            )
-    chunks = value.__create_chunk_list__()  # type: ignore[no-untyped-call]  # as dcp.save
-    if len(chunks) != 1:
-        raise UnsupportedCheckpointError(
-            f"{fqn!r}: the local tensor holds {len(chunks)} boxes, expected one", fqn=fqn
-        )
-    local = value.to_local()
-    return (_Box(tuple(chunks[0].offsets), tuple(chunks[0].sizes), local),)
-
-
-def _targets(state: Mapping[str, Any]) -> dict[str, _Target]:
-    """This rank's boxes of every tensor of the model's sharded state dict."""
-    out: dict[str, _Target] = {}
-    for fqn, value in state.items():
-        if isinstance(value, DTensor):
-            boxes = _dtensor_boxes(fqn, value)
-            shape, dtype = tuple(value.shape), value.dtype
-        elif hasattr(value, "local_shards"):  # FSDP1's ShardedTensor (private class: duck-typed)
-            boxes = tuple(
-                _Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor)
-                for s in value.local_shards()
-            )
-            shape, dtype = tuple(value.size()), value.dtype
-        elif isinstance(value, torch.Tensor):
-            boxes = (_Box((0,) * value.dim(), tuple(value.shape), value),)
-            shape, dtype = tuple(value.shape), value.dtype
-        else:
-            continue  # non-tensor extra state: not in a safetensors file
-        for box in boxes:
-            if box.local.device.type == "meta":
-                raise UsageError(
-                    f"{fqn!r} is on the meta device: allocate the model first "
-                    '(model.to_empty(device="cpu") or "cuda"), then call load_pretrained',
-                    fqn=fqn,
-                )
-            if not box.local.is_contiguous():
-                raise UnsupportedCheckpointError(
-                    f"{fqn!r}: the local tensor is not contiguous; load into a model whose "
-                    "parameters are (as nn.Module, FSDP and DTensor make them)",
-                    fqn=fqn,
-                )
-        out[fqn] = _Target(fqn, shape, dtype, boxes)
-    return out
-
-
 def _clean(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
 
@@ -211,31 +120,11 @@ def _ties(model: nn.Module) -> dict[str, list[str]]:
     return ties
 
 
-def _check_entry(root: str, entry: TensorEntry) -> None:
-    """A (converted) entry's chunks are raw row-major runs that tile its shape exactly once."""
-    for chunk in entry.chunks:
-        if chunk.encoding != "raw" or chunk.strides is not None:
-            raise UnsupportedCheckpointError(
-                f"{storage.join(root, chunk.file)}: {entry.fqn!r} is not stored as raw "
-                "row-major bytes",
-                path=storage.join(root, chunk.file),
-                fqn=entry.fqn,
-            )
-    problems = tiling_problems(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
-    if problems:
-        raise UsageError(
-            f"{root}: the stored pieces of {entry.fqn!r} do not tile its shape "
-            f"{list(entry.shape)} ({problems[0].kind})",
-            path=root,
-            fqn=entry.fqn,
-        )
-
-
 def _where(root: str, entry: TensorEntry) -> str:
     return storage.join(root, entry.chunks[0].file) if entry.chunks else root
 
 
-def _check_match(root: str, target: _Target, entry: TensorEntry, strict: bool) -> None:
+def _check_match(root: str, target: Target, entry: TensorEntry, strict: bool) -> None:
     """Refuse a shape mismatch always (nothing sensible can be loaded), and with ``strict`` a
     dtype change other than floating point to floating point."""
     where = _where(root, entry)
@@ -246,12 +135,12 @@ def _check_match(root: str, target: _Target, entry: TensorEntry, strict: bool) -
             path=where,
             fqn=entry.fqn,
         )
-    stored = _torch_dtype(entry.dtype)
+    stored = torch_dtype(entry.dtype)
     floats = stored.is_floating_point and target.dtype.is_floating_point
     if strict and stored != target.dtype and not floats:
         raise UsageError(
             f"{where}: {entry.fqn!r} is {entry.dtype}, the model's {target.fqn!r} is "
-            f"{_dtype_name(target.dtype)}; pass strict=False to cast",
+            f"{dtype_name(target.dtype)}; pass strict=False to cast",
             path=where,
             fqn=entry.fqn,
         )
@@ -262,7 +151,7 @@ def _first(keys: Sequence[str]) -> str:
     return f"{keys[0]!r}{more}"
 
 
-def _same_memory(a: _Target, b: _Target) -> bool:
+def _same_memory(a: Target, b: Target) -> bool:
     """Whether two targets' local tensors are the same memory (a tie FSDP2 or a plain module
     keeps as one tensor), so filling one fills the other."""
     pa = [(x.local.data_ptr(), x.local.shape) for x in a.boxes]
@@ -273,10 +162,10 @@ def _same_memory(a: _Target, b: _Target) -> bool:
 def _plan_copies(
     root: str,
     manifest: Manifest,
-    targets: Mapping[str, _Target],
+    targets: Mapping[str, Target],
     ties: Mapping[str, Sequence[str]],
     strict: bool,
-) -> tuple[list[_Copy], LoadPretrainedResult]:
+) -> tuple[list[Copy], LoadPretrainedResult]:
     """The copies this rank makes, and the keys that did not match; validates names, shapes and
     dtypes first (no tensor byte read). Same answer on every rank (global facts only)."""
     stored = manifest.tensors
@@ -306,92 +195,16 @@ def _plan_copies(
             path=root,
             fqn=unexpected[0],
         )
-    copies: list[_Copy] = []
+    copies: list[Copy] = []
     for fqn, source in sources.items():
         entry = stored[source]
-        _check_entry(root, entry)
+        check_entry(root, entry)
         _check_match(root, targets[fqn], entry, strict)
         for box in targets[fqn].boxes:
             for chunk in entry.chunks:
-                copies.append(_Copy(fqn, source, chunk, box, entry.dtype))
+                copies.append(Copy(fqn, source, chunk, box, entry.dtype))
     copies.sort(key=lambda c: (c.chunk.file, c.chunk.offset))  # sequential reads per file
     return copies, LoadPretrainedResult(missing, unexpected)
-
-
-def _windows(
-    runs: Iterable[tuple[int, int, int]], limit: int, gap: int
-) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
-    """Group runs ``(src, dst, n)`` (elements) into reads ``(start, end, runs)`` of at most
-    ``limit`` elements, splitting longer runs and joining runs at most ``gap`` apart."""
-    start = end = 0
-    group: list[tuple[int, int, int]] = []
-    for src, dst, n in runs:
-        while n:
-            k = min(n, limit)
-            if group and (src - end > gap or src + k - start > limit):
-                yield start, end, group
-                group = []
-            if not group:
-                start = src
-            group.append((src, dst, k))
-            end = src + k
-            src, dst, n = src + k, dst + k, n - k
-    if group:
-        yield start, end, group
-
-
-def _direct(local: torch.Tensor, stored: torch.dtype) -> bool:
-    """Whether pieces can be read straight into ``local``'s memory (no buffer, no cast)."""
-    return local.dtype == stored and local.device.type == "cpu"
-
-
-def _flat_bytes(flat: torch.Tensor, start: int, n: int) -> memoryview:
-    piece: Any = flat[start : start + n].view(torch.uint8).numpy()
-    return memoryview(piece).cast("B")
-
-
-class _Filler:
-    """Executes copies through one reader and one reusable buffer; counts the bytes read."""
-
-    def __init__(self, reader: storage.Reader, buffer_bytes: int) -> None:
-        self.reader = reader
-        self.buffer_bytes = buffer_bytes
-        self.buffer: bytearray | None = None
-        self.bytes_read = 0
-
-    def _buffer(self, nbytes: int) -> bytearray:
-        if self.buffer is None or len(self.buffer) < nbytes:
-            self.buffer = bytearray(min(self.buffer_bytes, max(nbytes, 1)))
-        return self.buffer
-
-    def copy(self, c: _Copy) -> None:
-        stored = _torch_dtype(c.dtype)
-        itemsize = dtypes.dtype(c.dtype).itemsize
-        flat = c.box.local.detach().view(-1)  # contiguous: checked with the targets
-        direct = _direct(flat, stored)
-        runs = list(copy_runs(c.chunk.offsets, c.chunk.sizes, c.box.offsets, c.box.sizes))
-        if direct:
-            if runs:  # one system call faults in the pages the reads will fill (io.memory)
-                low = min(dst for _, dst, _ in runs)
-                high = max(dst + n for _, dst, n in runs)
-                memory.populate(flat.data_ptr() + low * itemsize, (high - low) * itemsize)
-            for src, dst, n in runs:  # straight into the parameter: one read per run
-                self.reader.readinto(
-                    c.chunk.file, c.chunk.offset + src * itemsize, _flat_bytes(flat, dst, n)
-                )
-                self.bytes_read += n * itemsize
-        else:
-            limit = max(1, self.buffer_bytes // itemsize)
-            for start, end, group in _windows(runs, limit, max(1, _GAP_BYTES // itemsize)):
-                nbytes = (end - start) * itemsize
-                buf = self._buffer(nbytes)
-                self.reader.readinto(
-                    c.chunk.file, c.chunk.offset + start * itemsize, memoryview(buf)[:nbytes]
-                )
-                self.bytes_read += nbytes
-                pieces = torch.frombuffer(buf, dtype=stored, count=end - start)
-                for src, dst, n in group:  # copy_ casts to the parameter's dtype
-                    flat[dst : dst + n].copy_(pieces[src - start : src - start + n])
 
 
 def _resolve_local(text: str, revision: str | None) -> str | None:
@@ -473,8 +286,8 @@ def _fill(
         raise CheckpointNotFoundError(f"{source}: holds no safetensors tensors", path=source)
     if conversion is not None:
         manifest = conversion(manifest)
-    copies, result = _plan_copies(source, manifest, _targets(state), _ties(model), strict)
-    filler = _Filler(
+    copies, result = _plan_copies(source, manifest, find_targets(state), _ties(model), strict)
+    filler = Filler(
         storage.open_reader(manifest.data_root or manifest.root),
         env_size(READ_BUFFER_ENV, DEFAULT_READ_BUFFER_BYTES),
     )

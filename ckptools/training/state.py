@@ -40,8 +40,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +67,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
+from ckptools.training.load_source import load_source
 
 if TYPE_CHECKING:
     from torch import nn
@@ -278,6 +280,43 @@ def _read_metadata(path: str) -> Any:
         ) from e
 
 
+def _written_by_dcp(path: str) -> bool:
+    """Whether ``path`` is read by ``dcp.load``: a DCP with its global ``.metadata``, or one
+    that lost it (no per-rank ``__r.metadata`` either: refused as unfinished), or no
+    checkpoint at all (refused as missing). Anything else is another layout's."""
+    if not storage.exists(path) or storage.exists(storage.join(path, ".metadata")):
+        return True
+    if not storage.isdir(path):
+        return False  # a torch.save file
+    names = storage.listdir(path)
+    rank_local = any(re.fullmatch(r"__\d+\.metadata", n) for n in names)
+    return not rank_local and any(n.endswith(".distcp") for n in names)
+
+
+def _check_tops(path: str, tops: set[str], with_optimizer: bool) -> None:
+    """Refuse a DCP without a ``model`` entry, or without ``optim`` when one is asked for."""
+    if MODEL_KEY not in tops:
+        raise IncompleteCheckpointError(
+            f"{path}: holds no 'model' entry (top-level keys: {sorted(tops)}); "
+            "it was not written by ckptools.save",
+            path=path,
+        )
+    if with_optimizer and OPTIM_KEY not in tops:
+        raise IncompleteCheckpointError(
+            f"{path}: holds no optimizer state; load with optimizer=None to restore the model only",
+            path=path,
+        )
+
+
+def _state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``{"model", "optim"?}`` as ``get_state_dict`` gives them (sharded, the live tensors)."""
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+        return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+    model_sd, _ = get_state_dict(model, [], options=_options())
+    return {MODEL_KEY: model_sd}
+
+
 def _extra_template(metadata: Any) -> tuple[dict[str, Any], set[str]]:
     """A nested dict shaped like the saved ``extra`` (empty tensors, placeholders), and the
     top-level keys the checkpoint holds."""
@@ -306,17 +345,28 @@ def load(
     extra: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
     trust_objects: bool = False,
+    param_order: Sequence[str] | None = None,
     storage_options: storage.StorageOptions | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save` (at any world size) into ``model`` and
-    ``optimizer`` in place, and return its ``extra``.
+    """Load a training checkpoint (at any world size) into ``model`` and ``optimizer`` in
+    place, and return its ``extra``.
 
     Collective: every rank calls it with its freshly built (wrapped, sharded) model and optimizer;
     each rank reads only the bytes of its own shards. Without a process group it loads in this
     process alone.
 
+    Sources: a checkpoint :func:`save` wrote (a DCP with global ``.metadata``) is read by
+    ``dcp.load``. Every other training checkpoint ``ckpt reshard`` accepts is read directly,
+    without writing a DCP first (:mod:`ckptools.training.load_source`): verl's per-rank files,
+    a DCP saved without global metadata (``use_collectives=False``), a ``torch.save`` training
+    checkpoint, DeepSpeed ZeRO. Its entries are named as ``get_state_dict`` names them; the
+    model's and optimizer's tensors must be exactly the job's (names, shapes, dtypes: a resume
+    does not cast), and each rank reads the byte ranges of its shards straight into them. Its
+    other entries are returned as ``extra``.
+
     Args:
-        path: a checkpoint directory written by :func:`save` or a manager's ``step-<n>``.
+        path: a checkpoint directory written by :func:`save` or a manager's ``step-<n>``, or
+            any training checkpoint ``ckpt reshard`` accepts.
         model: the model, wrapped as it will be trained (may differ from how it was saved).
         optimizer: the optimizer to restore (a fresh one is fine); None skips optimizer state.
         extra: objects to restore in place: for each key that is ``Stateful`` (scheduler,
@@ -324,6 +374,9 @@ def load(
         process_group: the group to load over (default: the default group).
         trust_objects: unpickle non-tensor entries without limits (only for checkpoints you
             wrote that hold custom classes in ``extra``).
+        param_order: for a source whose optimizer state is keyed by integer ids with nothing
+            saying which parameter each is: the parameters' FQNs in the order the optimizer was
+            given them (as ``ckpt reshard --param-order``).
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -331,9 +384,11 @@ def load(
         The saved ``extra`` dict, with ``Stateful`` entries as their saved ``state_dict()``.
 
     Raises:
-        CheckpointNotFoundError: ``path`` does not exist.
-        IncompleteCheckpointError: no ``.metadata``, or ``optimizer`` given and no optimizer state
-            saved.
+        CheckpointNotFoundError: ``path`` does not exist; a rank file of another source is gone.
+        IncompleteCheckpointError: a DCP with no ``.metadata``, or ``optimizer`` given and no
+            optimizer state saved.
+        UsageError: another source's model or optimizer entries, shapes or dtypes are not the
+            job's (the file and FQN named).
         UnsafeCheckpointError: an entry needs more than ``weights_only`` unpickling.
 
     Example:
@@ -344,25 +399,15 @@ def load(
         {'epoch': 1}
     """
     path = os.fspath(path)
+    if not _written_by_dcp(path):
+        return load_source(
+            path, model, optimizer, _state_of(model, optimizer), _options(),
+            param_order=param_order, process_group=process_group,
+        )  # fmt: skip
     metadata = _read_metadata(path)
     extra_template, tops = _extra_template(metadata)
-    if MODEL_KEY not in tops:
-        raise IncompleteCheckpointError(
-            f"{path}: holds no 'model' entry (top-level keys: {sorted(tops)}); "
-            "it was not written by ckptools.save",
-            path=path,
-        )
-    if optimizer is not None and OPTIM_KEY not in tops:
-        raise IncompleteCheckpointError(
-            f"{path}: holds no optimizer state; load with optimizer=None to restore the model only",
-            path=path,
-        )
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
-    else:
-        model_sd, _ = get_state_dict(model, [], options=_options())
-        state = {MODEL_KEY: model_sd}
+    _check_tops(path, tops, optimizer is not None)
+    state = _state_of(model, optimizer)
     state[EXTRA_KEY] = extra_template
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

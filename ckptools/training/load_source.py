@@ -1,0 +1,251 @@
+"""``ckptools.load`` of a training checkpoint that ``save`` did not write.
+
+Every source ``ckpt reshard`` accepts (verl's per-rank files, a DCP saved without global
+metadata, a ``torch.save`` training checkpoint, DeepSpeed ZeRO, another producer's files) loads
+straight into a job, without writing a DCP first. Every rank:
+
+1. reads the source's torch-free manifest (:func:`ckptools.layouts.read_manifest`) and names its
+   entries as ``get_state_dict`` + ``dcp.save`` name them
+   (:func:`ckptools.plan.training.training_layout`: ``model.<fqn>``,
+   ``optim.state.<fqn>.<name>``, ``optim.param_groups.<i>.<key>``; a DCP's entries already are);
+2. flattens its own ``get_state_dict(model, optimizer)`` the same way and checks both hold the
+   same tensors, with the same shapes and dtypes, before any tensor byte is read;
+3. fills its local shards from the source's chunks with ranged reads
+   (:mod:`ckptools.training.fill`, as :func:`ckptools.load_pretrained` does), sets the plain
+   values (``param_groups`` entries), and hands the result to ``set_state_dict``.
+
+Nothing is gathered: each rank reads only the bytes of its own boxes, through one bounded buffer
+when a piece cannot go straight into the local tensor. Entries outside ``model`` and ``optim``
+(``extra``, ``epoch``...) are returned as plain values, never unpickled beyond the allowlist.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+from ckptools import _compat, collective
+from ckptools.core.keys import key_path
+from ckptools.core.manifest import Manifest, TensorEntry
+from ckptools.engine.reader import SourceCache, read_object
+from ckptools.errors import IncompleteCheckpointError, UsageError
+from ckptools.io import storage
+from ckptools.layouts import read_manifest
+from ckptools.plan.training import MODEL, OPTIM, training_layout
+from ckptools.training.fill import (
+    Box,
+    Copy,
+    Filler,
+    Target,
+    check_raw,
+    check_tiling,
+    dtype_name,
+    find_targets,
+    overlaps,
+    torch_dtype,
+)
+from ckptools.training.load_pretrained import DEFAULT_READ_BUFFER_BYTES, READ_BUFFER_ENV
+from ckptools.tunables import env_size
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["load_source"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Named:
+    """The source's entries as ``dcp.save`` names them: FQN → stored tensor, → plain value,
+    → key path."""
+
+    tensors: dict[str, str]
+    values: dict[str, Any]
+    paths: dict[str, tuple[str, ...]]
+
+
+def _named(manifest: Manifest, param_order: Sequence[str] | None, with_optimizer: bool) -> _Named:
+    if manifest.format == "dcp":  # a DCP of another producer, or without global metadata
+        tensors = {fqn: fqn for fqn in manifest.tensors}
+        values = {fqn: read_object(manifest, fqn) for fqn in manifest.objects}
+        paths = {fqn: key_path(manifest, fqn) for fqn in [*tensors, *values]}
+        return _Named(tensors, values, paths)
+    layout = training_layout(manifest, param_order=param_order, drop_optimizer=not with_optimizer)
+    return _Named(layout.names, layout.values, layout.paths)
+
+
+def _first(keys: Sequence[str]) -> str:
+    more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+    return f"{keys[0]!r}{more}"
+
+
+def _where(root: str, entry: TensorEntry) -> str:
+    return storage.join(root, entry.chunks[0].file) if entry.chunks else root
+
+
+def _check_match(root: str, target: Target, entry: TensorEntry) -> None:
+    """Shape and dtype must be the model's: a resume is bit-exact or refused."""
+    where = _where(root, entry)
+    if entry.shape != target.shape:
+        raise UsageError(
+            f"{where}: {target.fqn!r} has shape {list(entry.shape)}, the job's has "
+            f"{list(target.shape)}",
+            path=where,
+            fqn=target.fqn,
+        )
+    if torch_dtype(entry.dtype) != target.dtype:
+        raise UsageError(
+            f"{where}: {target.fqn!r} is {entry.dtype}, the job's is "
+            f"{dtype_name(target.dtype)}; a resume does not cast",
+            path=where,
+            fqn=target.fqn,
+        )
+
+
+def _check_keys(
+    path: str, named: _Named, flat: Mapping[str, Any], tops: set[str], with_optimizer: bool
+) -> None:
+    """Refuse a source whose model / optimizer entries are not the job's (``param_groups``
+    settings aside: the source's are taken where the job has the key, as ``dcp.load`` takes
+    them; the job's kept where the source has none)."""
+    theirs = [k for k in [*named.tensors, *named.values] if named.paths[k][0] in tops]
+    if with_optimizer and not any(named.paths[k][0] == OPTIM for k in theirs):
+        raise IncompleteCheckpointError(
+            f"{path}: holds no optimizer state; load with optimizer=None to restore the model only",
+            path=path,
+        )
+    settings = f"{OPTIM}.param_groups."
+    missing = [k for k in flat if k not in named.tensors and k not in named.values]
+    missing = [k for k in missing if not k.startswith(settings)]
+    if missing:
+        raise UsageError(
+            f"{path}: holds no entry for the job's {_first(missing)}", path=path, fqn=missing[0]
+        )
+    unexpected = [k for k in theirs if k not in flat and not k.startswith(settings)]
+    if unexpected:
+        raise UsageError(
+            f"{path}: holds {_first(unexpected)} that the job's model and optimizer do not have",
+            path=path,
+            fqn=unexpected[0],
+        )
+    for k in theirs:
+        params = k.startswith(settings) and k.endswith(".params") and k in flat
+        if params and list(named.values.get(k, ())) != list(flat[k]):
+            raise UsageError(
+                f"{path}: {k!r} names other parameters than the job's optimizer group",
+                path=path,
+                fqn=k,
+            )
+
+
+def _copies(
+    manifest: Manifest, named: _Named, targets: Mapping[str, Target], reader: storage.Reader
+) -> list[Copy]:
+    """The copies this rank makes: each stored chunk that meets one of its boxes, resolved to
+    its raw bytes (a DCP item's archive header is read only by the ranks that need it)."""
+    root = manifest.root
+    cache = SourceCache(reader, manifest)
+    copies: list[Copy] = []
+    for fqn, target in targets.items():
+        entry = manifest.tensors[named.tensors[fqn]]
+        _check_match(root, target, entry)
+        check_tiling(root, entry)
+        for box in target.boxes:
+            for chunk in entry.chunks:
+                if not overlaps(chunk, box):
+                    continue
+                raw = cache.raw(entry.fqn, chunk)
+                check_raw(root, fqn, raw)
+                copies.append(Copy(fqn, entry.fqn, raw, box, entry.dtype))
+    copies.sort(key=lambda c: (c.chunk.file, c.chunk.offset))  # sequential reads per file
+    return copies
+
+
+def _is_tensor(value: Any) -> bool:
+    """A tensor, DTensor, or FSDP1 ``ShardedTensor`` (private class: duck-typed)."""
+    return isinstance(value, torch.Tensor) or hasattr(value, "local_shards")
+
+
+def _extra_target(fqn: str, entry: TensorEntry) -> Target:
+    """A fresh CPU tensor for a source tensor outside the model and optimizer."""
+    local = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+    box = Box((0,) * len(entry.shape), tuple(entry.shape), local)
+    return Target(fqn, tuple(entry.shape), local.dtype, (box,))
+
+
+def _fill(
+    path: str,
+    state: dict[str, Any],
+    with_optimizer: bool,
+    param_order: Sequence[str] | None,
+) -> tuple[dict[str, Any], int]:
+    """This rank's share of :func:`load_source`: fills ``state`` in place; returns the
+    entries outside it (``extra``) and the tensor bytes read."""
+    manifest = read_manifest(path)
+    named = _named(manifest, param_order, with_optimizer)
+    flat, mapping = _compat.flatten_state_dict(state)
+    _check_keys(path, named, flat, set(state), with_optimizer)
+    tensors = {k: v for k, v in flat.items() if _is_tensor(v)}
+    for fqn in [k for k in tensors if k not in named.tensors]:
+        # a plain number where the job keeps a tensor (``step`` of an older optimizer)
+        with torch.no_grad():
+            tensors.pop(fqn).copy_(torch.as_tensor(named.values[fqn]))
+    targets = find_targets(tensors)
+    extra: dict[str, Any] = {}
+    for fqn, stored in named.tensors.items():
+        if named.paths[fqn][0] not in state:
+            targets[fqn] = _extra_target(fqn, manifest.tensors[stored])
+            _compat.set_element(extra, named.paths[fqn], targets[fqn].boxes[0].local)
+    for fqn, value in named.values.items():
+        if named.paths[fqn][0] not in state:
+            _compat.set_element(extra, named.paths[fqn], value)
+        elif fqn in mapping and fqn not in tensors:
+            # the job's entries only, as dcp.load fills them (a param group's ``initial_lr``
+            # comes from a scheduler the job builds)
+            _compat.set_element(state, mapping[fqn], value)
+    filler = Filler(
+        storage.open_reader(manifest.data_dir()),
+        env_size(READ_BUFFER_ENV, DEFAULT_READ_BUFFER_BYTES),
+    )
+    with torch.no_grad(), filler.reader:
+        for c in _copies(manifest, named, targets, filler.reader):
+            filler.copy(c)
+    return extra, filler.bytes_read
+
+
+def load_source(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    options: StateDictOptions,
+    *,
+    param_order: Sequence[str] | None = None,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """Fill ``state`` (``{"model": ..., "optim"?: ...}`` from ``get_state_dict``) from the
+    checkpoint at ``path`` of any layout ckptools reads, load it into ``model`` and
+    ``optimizer``, and return the source's other entries. Collective over ``process_group``:
+    an error on any rank raises on every rank (see the module's description)."""
+    ranks = collective.of_group(process_group)
+    with_optimizer = optimizer is not None
+    found = ranks.from_all(lambda: _fill(path, state, with_optimizer, param_order), "load")
+    extra, bytes_read = found[ranks.rank]
+    if optimizer is not None:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state[MODEL],
+            optim_state_dict=state[OPTIM],
+            options=options,
+        )
+    else:
+        set_state_dict(model, [], model_state_dict=state[MODEL], optim_state_dict={})
+    log.info("load read %d bytes of %s on rank %d", bytes_read, path, ranks.rank)
+    return extra
