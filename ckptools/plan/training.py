@@ -304,7 +304,8 @@ def training_layout(
     if unreadable and not optimizers and not drop_optimizer:
         # the source has an optimizer its layout cannot place: a model alone would look whole
         raise UnsupportedCheckpointError(
-            f"{manifest.root}: {unreadable} (or pass --drop-optimizer)"
+            f"{manifest.root}: {unreadable}; to carry the model alone pass --drop-optimizer "
+            "(ckptools.load: optimizer=None)"
         )
     if len(optimizers) > 1:
         labels = ", ".join(".".join(p) or "(top)" for p in optimizers)
