@@ -127,6 +127,17 @@ def read_marker(path: str, *, peek: bool = False) -> bytes:
     return data
 
 
+def directory_names(path: str) -> list[str] | None:
+    """The names in the directory ``path``, for a probe; None when it is not a directory (or
+    stopped being one between the check and the listing)."""
+    if not storage.isdir(path):
+        return None
+    try:
+        return list(storage.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def digest(data: bytes) -> str:
     """The digest a manifest records for a marker's bytes (:attr:`Manifest.marker_digests`)."""
     return xxhash.xxh3_128_hexdigest(data)

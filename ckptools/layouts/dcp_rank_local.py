@@ -41,7 +41,7 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, Tenso
 from ckptools.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckptools.formats.torch_archive import read_archive
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, register
+from ckptools.layouts.base import Layout, directory_names, register
 from ckptools.layouts.dcp import RANK_METADATA_FILE, rank_of, read_dcp
 
 LAYOUT = "dcp_rank_local"
@@ -390,11 +390,8 @@ class DcpRankLocalLayout(Layout):
     )
 
     def probe(self, path: str) -> str | None:
-        if not storage.isdir(path):
-            return "not a directory"
-        try:
-            names = storage.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
+        names = directory_names(path)
+        if names is None:
             return "not a directory"
         if ".metadata" in names:
             return "has a global .metadata (a plain DCP directory)"

@@ -41,7 +41,7 @@ from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
 from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts.base import Layout, register
+from ckptools.layouts.base import Layout, directory_names, register
 from ckptools.layouts.deepspeed_optimizer import ZeroState, optimizer_tree
 from ckptools.layouts.deepspeed_partitions import (
     RankFlat,
@@ -571,9 +571,10 @@ class DeepSpeedLayout(Layout):
     description = "DeepSpeed ZeRO 1/2/3 checkpoint (latest + tag dir, or a tag dir)"
 
     def probe(self, path: str) -> str | None:
-        if not storage.isdir(path):
+        listed = directory_names(path)
+        if listed is None:
             return "not a directory"
-        names = set(storage.listdir(path))
+        names = set(listed)
         if dsf.LATEST in names:
             try:
                 tag_rel, _, _ = dsf.find_tag(path, names, peek=True)

@@ -39,7 +39,7 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import CkptError, CorruptCheckpointError, IncompleteCheckpointError
 from ckptools.formats import safetensors_header
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, digest, register
+from ckptools.layouts.base import Layout, digest, directory_names, register
 
 LAYOUT = "transformers_distributed"
 #: the header metadata key torch's writer puts the slices' offsets under
@@ -333,11 +333,8 @@ class HfDistributedLayout(Layout):
     )
 
     def probe(self, path: str) -> str | None:
-        if not storage.isdir(path):
-            return "not a directory"
-        try:
-            names = storage.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
+        names = directory_names(path)
+        if names is None:
             return "not a directory"
         first = _first_shard(names)
         if first is None:

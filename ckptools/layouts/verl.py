@@ -54,7 +54,7 @@ from ckptools.errors import (
 from ckptools.formats import dtensor, safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
-from ckptools.layouts.base import Layout, digest, read_marker, register
+from ckptools.layouts.base import Layout, digest, directory_names, read_marker, register
 from ckptools.layouts.torch_save import flatten
 
 LAYOUT = "verl"
@@ -339,9 +339,10 @@ class VerlLayout(Layout):
     description = "verl FSDPCheckpointManager per-rank files (*_world_size_W_rank_r.pt)"
 
     def probe(self, path: str) -> str | None:
-        if not storage.isdir(path):
+        listed = directory_names(path)
+        if listed is None:
             return "not a directory"
-        names = set(storage.listdir(path))
+        names = set(listed)
         if CONFIG not in names:
             return f"no {CONFIG}"
         if not any(RANK_FILE.match(n) for n in names):
