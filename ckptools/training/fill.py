@@ -246,3 +246,23 @@ class Filler:
                 pieces = torch.frombuffer(buf, dtype=stored, count=end - start)
                 for src, dst, n in group:  # copy_ casts to the parameter's dtype
                     flat[dst : dst + n].copy_(pieces[src - start : src - start + n])
+
+
+def entry_file(root: str, entry: TensorEntry) -> str:
+    """The file an error about ``entry`` names: its first chunk's, else the checkpoint."""
+    return storage.join(root, entry.chunks[0].file) if entry.chunks else root
+
+
+def check_shape(root: str, target: Target, entry: TensorEntry, holder: str) -> str:
+    """Refuse ``entry`` unless it has ``target``'s shape (nothing sensible can be loaded);
+    ``holder`` names whose tensor ``target`` is (``"model"``, ``"job"``). Returns the file
+    named in errors, for the caller's own checks."""
+    where = entry_file(root, entry)
+    if entry.shape != target.shape:
+        raise UsageError(
+            f"{where}: {entry.fqn!r} has shape {list(entry.shape)}, the {holder}'s "
+            f"{target.fqn!r} has {list(target.shape)}",
+            path=where,
+            fqn=entry.fqn,
+        )
+    return where

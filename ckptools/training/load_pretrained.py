@@ -53,6 +53,7 @@ from ckptools.training.fill import (
     Filler,
     Target,
     check_entry,
+    check_shape,
     dtype_name,
     find_targets,
     torch_dtype,
@@ -120,21 +121,10 @@ def _ties(model: nn.Module) -> dict[str, list[str]]:
     return ties
 
 
-def _where(root: str, entry: TensorEntry) -> str:
-    return storage.join(root, entry.chunks[0].file) if entry.chunks else root
-
-
 def _check_match(root: str, target: Target, entry: TensorEntry, strict: bool) -> None:
     """Refuse a shape mismatch always (nothing sensible can be loaded), and with ``strict`` a
     dtype change other than floating point to floating point."""
-    where = _where(root, entry)
-    if entry.shape != target.shape:
-        raise UsageError(
-            f"{where}: {entry.fqn!r} has shape {list(entry.shape)}, the model's "
-            f"{target.fqn!r} has {list(target.shape)}",
-            path=where,
-            fqn=entry.fqn,
-        )
+    where = check_shape(root, target, entry, "model")
     stored = torch_dtype(entry.dtype)
     floats = stored.is_floating_point and target.dtype.is_floating_point
     if strict and stored != target.dtype and not floats:

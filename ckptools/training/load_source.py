@@ -43,6 +43,7 @@ from ckptools.training.fill import (
     Filler,
     Target,
     check_raw,
+    check_shape,
     check_tiling,
     dtype_name,
     find_targets,
@@ -85,20 +86,9 @@ def _first(keys: Sequence[str]) -> str:
     return f"{keys[0]!r}{more}"
 
 
-def _where(root: str, entry: TensorEntry) -> str:
-    return storage.join(root, entry.chunks[0].file) if entry.chunks else root
-
-
 def _check_match(root: str, target: Target, entry: TensorEntry) -> None:
     """Shape and dtype must be the model's: a resume is bit-exact or refused."""
-    where = _where(root, entry)
-    if entry.shape != target.shape:
-        raise UsageError(
-            f"{where}: {target.fqn!r} has shape {list(entry.shape)}, the job's has "
-            f"{list(target.shape)}",
-            path=where,
-            fqn=target.fqn,
-        )
+    where = check_shape(root, target, entry, "job")
     if torch_dtype(entry.dtype) != target.dtype:
         raise UsageError(
             f"{where}: {target.fqn!r} is {entry.dtype}, the job's is "
