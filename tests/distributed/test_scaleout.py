@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -296,7 +297,11 @@ def test_verify_reports_what_one_process_reports(
 
 def _assert_all_failed(launch: Launch, world: int) -> None:
     assert all(rc != 0 for rc in launch.returncodes), launch.output
-    assert launch.worker_exitcodes() == dict.fromkeys(range(world), 1), launch.output
+    codes = launch.worker_exitcodes()
+    assert sorted(codes) == list(range(world)) and 1 in codes.values(), launch.output
+    # Every worker left with the error (1); torchrun SIGTERMs the workers still running once the
+    # first one exits, which on a loaded machine can be one still printing its own error.
+    assert set(codes.values()) <= {1, -signal.SIGTERM}, launch.output
     assert all(s.strip() == "" for s in launch.stdout)
 
 
