@@ -40,7 +40,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -67,6 +66,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
+from ckptools.layouts.dcp import RANK_METADATA_FILE
 from ckptools.training.load_source import load_source
 
 if TYPE_CHECKING:
@@ -158,14 +158,7 @@ def state_to_save(
 ) -> dict[str, Any]:
     """The state dict :func:`save` writes (``{"model", "optim"?, "extra"}``). Collective for
     FSDP1 (every rank calls it, in the same order); tensors are views of the live parameters."""
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
-    else:
-        model_sd, _ = get_state_dict(model, [], options=_options())
-        state = {MODEL_KEY: model_sd}
-    state[EXTRA_KEY] = _plain_extra(extra)
-    return state
+    return {**_state_of(model, optimizer), EXTRA_KEY: _plain_extra(extra)}
 
 
 def storage_writer(path: str) -> Any:
@@ -289,7 +282,7 @@ def _written_by_dcp(path: str) -> bool:
     if not storage.isdir(path):
         return False  # a torch.save file
     names = storage.listdir(path)
-    rank_local = any(re.fullmatch(r"__\d+\.metadata", n) for n in names)
+    rank_local = any(RANK_METADATA_FILE.match(n) for n in names)
     return not rank_local and any(n.endswith(".distcp") for n in names)
 
 
