@@ -19,10 +19,14 @@ rank 0.
 
 FSDP1 (``FSDP_version`` 1, ``SHARDED_STATE_DICT``): the model file holds ShardedTensors, each
 local shard at the offsets it records. The optimizer file is ``optimizer.state_dict()`` of
-FlatParameters, 1-D shards of each wrapped module's parameters concatenated and padded, without
-the record of which parameter lies where (FSDP keeps it in memory only): it is not read, the
-notes say so, and ``reshard`` refuses it unless ``--drop-optimizer`` (a guess would put moments
-on the wrong parameters).
+FlatParameters (verl's ``use_orig_params=False``): per wrapped module, 1-D shards of its
+parameters concatenated and padded, without the record of which parameter lies where (FSDP
+keeps it in memory only). :mod:`ckptools.layouts.fsdp1_flat` recovers it from the model's
+parameters and the shards' sizes by FSDP's own rule and places each moment on its parameter
+(``optimizer.state.<fqn>.<name>``, the groups' ``params`` as FQNs, as
+``FSDP.optim_state_dict`` names them); where the sizes fit no wrapping, or several, the
+optimizer is refused with the numbers and ``reshard`` carries it only with
+``--drop-optimizer``.
 
 A rank's missing model or optimizer file is named; the world size is ``fsdp_config.json``'s and
 must agree with the file names. ``extra_state_*.pt`` and ``huggingface/`` are auxiliary files:
@@ -34,7 +38,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptools.core import dtypes
 from ckptools.core.manifest import (
@@ -54,7 +60,9 @@ from ckptools.errors import (
 from ckptools.formats import dtensor, safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
+from ckptools.layouts import fsdp1_flat
 from ckptools.layouts.base import Layout, digest, directory_names, read_marker, register
+from ckptools.layouts.deepspeed_partitions import RankFlat
 from ckptools.layouts.torch_save import flatten
 
 LAYOUT = "verl"
@@ -62,12 +70,8 @@ CONFIG = "fsdp_config.json"
 RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 #: the key path the optimizer's entries go under (as a torch.save directory names it)
 OPTIMIZER = "optimizer"
-#: why an FSDP1 checkpoint's optimizer is not read
-FSDP1_OPTIMIZER = (
-    "verl's FSDP1 optim_world_size_*_rank_*.pt files hold FlatParameter shards without the "
-    "record of which parameter lies where (FSDP keeps it in memory only), so they cannot be "
-    "named; resume them with verl at the same world size"
-)
+#: bytes compared to tell a tied copy of the input embedding (random-looking trained values)
+_TIE_PROBE_BYTES = 4096
 #: fsdp_config.json is two numbers; anything past this is not verl's
 _CONFIG_MAX_BYTES = 64 << 10
 
@@ -108,6 +112,7 @@ class _Merged:
     paths: dict[str, tuple[str, ...]] = field(default_factory=dict)
     placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     offsets: dict[tuple[str, str], int] = field(default_factory=dict)  # (file, key) -> data
+    sharded: list[str] = field(default_factory=list)  # FSDP1's parameters, in rank 0's order
 
     def add_file(self, reader: Reader, rel: str, rank: int, under: tuple[str, ...]) -> None:
         archive = torch_archive.read_archive(reader, rel, 0, reader.size(rel))
@@ -119,6 +124,8 @@ class _Merged:
             if isinstance(leaf, dtensor.DTensorRef):
                 self._dtensor(reader, archive, rel, rank, fqn, path, leaf, where)
             elif isinstance(leaf, dtensor.ShardedTensorRef):
+                if fqn not in self.paths:
+                    self.sharded.append(fqn)
                 self.paths.setdefault(fqn, path)
                 self._put(fqn, leaf.dtype, leaf.shape, None, where)
                 for offsets, local in leaf.shards:
@@ -233,11 +240,180 @@ class _Merged:
         if chunk is not None:
             self.chunks[fqn].append(chunk)
 
+    def put_state(
+        self, fqn: str, name: str, dtype: str, shape: tuple[int, ...], chunks: Sequence[Chunk]
+    ) -> None:
+        """Optimizer state ``name`` of parameter ``fqn`` (FSDP1's, placed by FQN)."""
+        path = (OPTIMIZER, "state", fqn, name)
+        key = ".".join(path)
+        self.paths[key] = path
+        self.tensors[key] = TensorEntry(key, dtype, shape, ())
+        self.chunks[key] = list(chunks)
+
+    def put_value(self, path: tuple[str, ...], value: Any) -> None:
+        key = ".".join(path)
+        self.paths[key] = path
+        self.objects[key] = ObjectEntry(key, value=value, has_value=True, encoding="raw")
+
     def entries(self) -> dict[str, TensorEntry]:
         return {
             fqn: TensorEntry(fqn, e.dtype, e.shape, tuple(self.chunks[fqn]))
             for fqn, e in self.tensors.items()
         }
+
+
+def _flat_optimizer(merged: _Merged, reader: Reader, files: dict[int, str], world: int) -> None:
+    """FSDP1's per-rank ``optimizer.state_dict()`` of FlatParameters, placed on the parameters
+    by :mod:`ckptools.layouts.fsdp1_flat` and added to ``merged`` under ``optimizer`` keyed by
+    FQN; nothing is added when it raises.
+
+    Raises:
+        UnsupportedCheckpointError: the files are not such state dicts, or the shards fit no
+            single wrapping (the message says why).
+    """
+    ranks = [_OptimizerFile.read(merged.root, reader, files[r]) for r in range(world)]
+    first = ranks[0]
+    ids = [str(x) for g in first.groups for x in g["params"]]
+    params = [fsdp1_flat.Param(fqn, merged.tensors[fqn].shape) for fqn in merged.sharded]
+    if len(ids) == len(params) > 1:
+        raise UnsupportedCheckpointError(
+            f"{first.where}: the optimizer lists {len(ids)} parameters, one per model parameter, "
+            "not FlatParameters: FSDP1 with use_orig_params=True, whose per-rank slices of the "
+            "FlatParameters (with FSDP's alignment padding) ckptools does not place"
+        )
+    local = [_flat_size(ranks, uid) for uid in ids]
+    shared = _maybe_tied(merged, reader)
+    placement = fsdp1_flat.partition(params, world, local, first.where, shared)
+    out = _Merged(merged.root, offsets=merged.offsets)
+    names: dict[str, list[str]] = {}  # FlatParameter id -> its parameters' FQNs
+    for unit, (uid, members) in enumerate(zip(ids, placement.units, strict=True)):
+        names[uid] = [p.fqn for p, _ in members]
+        for name, value in first.state[uid].items():
+            c = local[unit]
+            if isinstance(value, safe_pickle.TensorRef) and value.shape == (c,):
+                flats = {r: f.flat(out, reader, r, uid, name, c) for r, f in enumerate(ranks)}
+                for p, start in members:
+                    chunks = fsdp1_flat.state_chunks(p, start, c, flats)
+                    out.put_state(p.fqn, name, value.dtype, p.shape, chunks)
+            elif isinstance(value, safe_pickle.TensorRef) and not value.shape:
+                chunk = out._chunk(reader, first.archive, first.rel, 0, value, ())
+                for p, _ in members:
+                    out.put_state(p.fqn, name, value.dtype, (), (chunk,))
+            elif isinstance(value, safe_pickle.TensorRef | safe_pickle.OtherTensor):
+                what = (
+                    f"{value.dtype} {list(value.shape)}"
+                    if isinstance(value, safe_pickle.TensorRef)
+                    else value.describe()
+                )
+                raise UnsupportedCheckpointError(
+                    f"{first.where}: state {name!r} of FlatParameter {uid} is {what}, neither "
+                    f"its {c} flat elements nor a scalar"
+                )
+            else:
+                for p, _ in members:
+                    out.put_value((OPTIMIZER, "state", p.fqn, name), safe_pickle.unwrap(value))
+    # the parameters in FlatParameter order, as FSDP.optim_state_dict lists them
+    groups = [
+        {**g, "params": [n for u in g["params"] for n in names[str(u)]]} for g in first.groups
+    ]
+    out.put_value((OPTIMIZER, "param_groups"), groups)
+    merged.tensors.update(out.tensors)
+    merged.chunks.update(out.chunks)
+    merged.objects.update(out.objects)
+    merged.paths.update(out.paths)
+
+
+@dataclass(frozen=True)
+class _OptimizerFile:
+    """One rank's ``optimizer.state_dict()`` of FlatParameters, as pickled."""
+
+    rel: str
+    where: str
+    archive: torch_archive.Archive
+    state: dict[str, dict[str, Any]]
+    groups: list[dict[str, Any]]
+
+    @classmethod
+    def read(cls, root: str, reader: Reader, rel: str) -> _OptimizerFile:
+        where = storage.join(root, rel)
+        archive = torch_archive.read_archive(reader, rel, 0, reader.size(rel))
+        obj = torch_archive.load_pickle(reader, archive, dtensor.GLOBALS)
+        state = obj.get("state") if isinstance(obj, dict) else None
+        groups = obj.get("param_groups") if isinstance(obj, dict) else None
+        if (
+            not isinstance(state, dict)
+            or not all(isinstance(v, dict) for v in state.values())
+            or not isinstance(groups, list)
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        ):
+            raise UnsupportedCheckpointError(
+                f"{where}: not an optimizer state_dict() ({{'state', 'param_groups'}})"
+            )
+        return cls(rel, where, archive, {str(k): v for k, v in state.items()}, groups)
+
+    def flat(
+        self, merged: _Merged, reader: Reader, rank: int, uid: str, name: str, c: int
+    ) -> RankFlat:
+        """This rank's 1-D tensor of state ``name`` of FlatParameter ``uid``."""
+        ref = self.state.get(uid, {}).get(name)
+        if not isinstance(ref, safe_pickle.TensorRef) or ref.shape != (c,):
+            raise UnsupportedCheckpointError(
+                f"{self.where}: state {name!r} of FlatParameter {uid} is "
+                f"{safe_pickle.short(ref)}, not the {c} flat elements rank 0 holds"
+            )
+        chunk = merged._chunk(reader, self.archive, self.rel, rank, ref, (0,))
+        if chunk.strides is not None:
+            raise UnsupportedCheckpointError(f"{self.where}: state {name!r} of {uid} is strided")
+        return RankFlat(((self.rel, chunk.offset, c),), ref.dtype, dtypes.dtype(ref.dtype).itemsize)
+
+
+def _flat_size(ranks: Sequence[_OptimizerFile], uid: str) -> int:
+    """``c`` of FlatParameter ``uid``: the length of its 1-D state, the same on every rank."""
+    sizes = set()
+    for f in ranks:
+        shapes = {
+            v.shape for v in f.state.get(uid, {}).values() if isinstance(v, safe_pickle.TensorRef)
+        }
+        flat = {s for s in shapes if len(s) == 1}
+        if len(flat) != 1 or shapes - flat - {()}:
+            raise UnsupportedCheckpointError(
+                f"{f.where}: FlatParameter {uid}'s state is {sorted(shapes)}, not one 1-D shard "
+                "(and scalars)"
+            )
+        sizes |= {s[0] for s in flat}
+    if len(sizes) != 1:
+        raise UnsupportedCheckpointError(
+            f"{ranks[0].where}: FlatParameter {uid} is {sorted(sizes)} elements on different "
+            "ranks; FSDP1 pads every rank's shard to one size"
+        )
+    return sizes.pop()
+
+
+def _maybe_tied(merged: _Merged, reader: Reader) -> list[str]:
+    """Parameters that may be a tied second name of the first parameter (the input embedding):
+    FSDP1's sharded state dict saves a tied weight twice, as separate bytes, while its
+    FlatParameter holds it once. A parameter of the first one's shape and dtype whose first
+    bytes on rank 0 are the same is such a candidate; :func:`fsdp1_flat.partition` decides."""
+    if not merged.sharded:
+        return []
+    head = merged.sharded[0]
+    first = merged.tensors[head]
+    prefix = _TIE_PROBE_BYTES
+
+    def start(fqn: str) -> bytes:
+        chunk = min(merged.chunks[fqn], key=lambda c: (c.rank or 0, c.offsets))
+        return reader.read(chunk.file, chunk.offset, min(prefix, chunk.length))
+
+    if not merged.chunks[head]:
+        return []
+    bytes0 = start(head)
+    return [
+        fqn
+        for fqn in merged.sharded[1:]
+        if (merged.tensors[fqn].shape, merged.tensors[fqn].dtype) == (first.shape, first.dtype)
+        and merged.chunks[fqn]
+        and start(fqn) == bytes0
+    ]
 
 
 def _rank_files(path: str, tree: dict[str, int], world: int) -> dict[str, dict[int, str]]:
@@ -289,16 +465,23 @@ def read_verl(path: str) -> Manifest:
         raise UnsupportedCheckpointError(f"{path}: FSDP_version {version}: verl writes 1 or 2")
     reader = open_reader(path)
     merged = _Merged(path)
-    read = ("model", "optim") if version == 2 else ("model",)
-    for kind, under in (("model", ()), ("optim", (OPTIMIZER,))):
-        for rank in sorted(files.get(kind, {}) if kind in read else ()):
-            merged.add_file(reader, files[kind][rank], rank, under)
-    data = {rel for kind in read for rel in files.get(kind, {}).values()}
+    for rank in sorted(files["model"]):
+        merged.add_file(reader, files["model"][rank], rank, ())
     notes = []
     unreadable = None
-    if version == 1 and files.get("optim"):
-        unreadable = FSDP1_OPTIMIZER
-        notes.append(f"optimizer not read: {FSDP1_OPTIMIZER}")
+    read = ["model"]
+    if version == 2:
+        for rank in sorted(files.get("optim", {})):
+            merged.add_file(reader, files["optim"][rank], rank, (OPTIMIZER,))
+        read.append("optim")
+    elif files.get("optim"):
+        try:
+            _flat_optimizer(merged, reader, files["optim"], world)
+            read.append("optim")
+        except UnsupportedCheckpointError as e:
+            unreadable = str(e)
+            notes.append(f"optimizer not read: {unreadable}")
+    data = {rel for kind in read for rel in files.get(kind, {}).values()}
     if files.get("extra_state"):
         notes.append(
             f"{len(files['extra_state'])} extra_state file(s) (per-rank RNG and LR scheduler "

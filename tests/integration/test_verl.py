@@ -27,6 +27,7 @@ from tests.support.reference import assert_bitwise_equal, load_reference
 
 VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
 FSDP2 = ["fsdp2_ws2", "fsdp2_ws3"]
+FSDP1 = ["fsdp1_ws2", "fsdp1_ws3_tied"]
 
 
 def _ckpt(*args: str) -> Any:
@@ -64,7 +65,7 @@ def test_uneven_split_offsets_are_torchs() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", [*FSDP2, "fsdp1_ws2"])
+@pytest.mark.parametrize("name", [*FSDP2, *FSDP1, "fsdp1_ws2_orig_params"])
 def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     # the config comes from verl's huggingface/ without --config
@@ -74,12 +75,15 @@ def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
     for f in out.glob("*.safetensors"):
         got.update(load_file(str(f)))
     ref = load_reference(VERL / f"{name}.reference.pt")["model"]
-    assert_bitwise_equal(got, ref)
     config = json.loads((out / "config.json").read_text())
+    if config["tie_word_embeddings"]:
+        # save_pretrained's own format: the tied head is not written; from_pretrained ties it
+        assert torch.equal(ref.pop("lm_head.weight"), ref["model.embed_tokens.weight"])
+    assert_bitwise_equal(got, ref)
     assert config["architectures"] == ["LlamaForCausalLM"]
 
 
-@pytest.mark.parametrize("name", [*FSDP2, "fsdp1_ws2"])
+@pytest.mark.parametrize("name", [*FSDP2, *FSDP1])
 def test_verify_and_diff(name: str) -> None:
     result = _ckpt("verify", str(VERL / name))
     assert result.exit_code == 0, result.output
@@ -141,14 +145,50 @@ def test_fsdp1_model_reads_from_its_sharded_tensors() -> None:
         ((0, 0), (64, 32), 0),
         ((64, 0), (63, 32), 1),
     ]
-    assert not any(f.startswith("optimizer") for f in manifest.tensors)
-    assert any("FlatParameter shards without" in n for n in manifest.notes)
 
 
-def test_fsdp1_reshard_refuses_the_optimizer_it_cannot_name(tmp_path: Path) -> None:
-    result = _ckpt("reshard", str(VERL / "fsdp1_ws2"), str(tmp_path / "o"), "--world-size", "2")
+def test_fsdp1_flat_moments_are_placed_where_fsdp_cut_them() -> None:
+    """Layer 0's FlatParameter at 3 ranks: 7744 elements padded to 3 x 2582; o_proj (32 x 32)
+    is elements 2048..3072 of it, so rank 0's shard ends 534 elements into it, mid-row 16."""
+    manifest = read_manifest(str(VERL / "fsdp1_ws3_tied"))
+    entry = manifest.tensors["optimizer.state.model.layers.0.self_attn.o_proj.weight.exp_avg"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in entry.chunks) == [
+        ((0, 0), (16, 32), 0),
+        ((16, 0), (1, 22), 0),
+        ((16, 22), (1, 10), 1),
+        ((17, 0), (15, 32), 1),
+    ]
+    # the tied head is flattened once, under the embedding's name, as FSDP keys its state
+    assert "optimizer.state.lm_head.weight.exp_avg" not in manifest.tensors
+    assert "optimizer.state.model.embed_tokens.weight.exp_avg" in manifest.tensors
+
+
+@pytest.mark.parametrize("name", FSDP1)
+def test_fsdp1_optimizer_reshards_bit_exactly(name: str, tmp_path: Path) -> None:
+    """Every AdamW moment and step equals what torch's FSDP.optim_state_dict gathered from the
+    live job (read back with torch's own DCP reader; the FSDP2 resume is tests/distributed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    out = tmp_path / "dcp"
+    result = _ckpt("reshard", str(VERL / name), str(out), "--world-size", "3", "-q")
+    assert result.exit_code == 0, result.output
+    with pytest.warns(UserWarning):  # torch: no process group, loading in one process
+        got = _load_state_dict_from_keys(storage_reader=FileSystemReader(str(out)))
+    ref = load_reference(VERL / f"{name}.reference.pt")
+    assert got["optim"]["state"].keys() == ref["optim"]["state"].keys()
+    assert_bitwise_equal(got["optim"]["state"], ref["optim"]["state"])
+    assert_bitwise_equal(got["model"], ref["model"])
+
+
+def test_fsdp1_use_orig_params_optimizer_is_refused_by_name(tmp_path: Path) -> None:
+    """use_orig_params=True saves per-parameter slices of the FlatParameters: not placed, said
+    so; the model still consolidates (test_consolidate_is_bit_exact)."""
+    src = VERL / "fsdp1_ws2_orig_params"
+    result = _ckpt("reshard", str(src), str(tmp_path / "o"), "--world-size", "2")
     assert result.exit_code == 1, result.output
-    assert "FlatParameter shards without" in result.output and "--drop-optimizer" in result.output
+    assert "use_orig_params=True" in result.output and "--drop-optimizer" in result.output
+    assert "optim_world_size_2_rank_0.pt" in result.output
     assert not (tmp_path / "o").exists()
 
 
