@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 
 from ckptools.io import space
 
@@ -70,7 +69,7 @@ def replace_synced(path: str, data: bytes, *, sync_dir: bool = True) -> None:
     content or the new, never a torn file under ``path`` (at worst a ``<name>.tmp-<id>`` file
     beside it). Without ``sync_dir`` a crash may bring the old content back: fine for a record
     that only saves work (a resume journal), not for a commit marker."""
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    tmp = f"{path}.tmp-{os.urandom(4).hex()}"
     try:
         write_synced(tmp, data, exclusive=True)
         os.replace(tmp, path)

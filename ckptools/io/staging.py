@@ -36,9 +36,7 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -66,6 +64,14 @@ SPOOL_DIR_ENV = "CKPTOOLS_SPOOL_DIR"
 #: Uploads queued or running before a writer waits for one to finish: local spool space is
 #: bounded by (this + the file being written) x the largest output file.
 MAX_PENDING_UPLOADS = 2
+
+
+def _hostname() -> str:
+    """This machine's name, for lock and in-progress notes (``socket`` imported only here: it
+    costs every command ~5 ms at start)."""
+    import socket
+
+    return socket.gethostname()
 
 
 def _is_marker(rel: str) -> bool:
@@ -138,7 +144,7 @@ class LocalStaging:
 
     def location(self, out: str, name: str | None = None) -> str:
         if name is None:
-            return f"{os.path.abspath(out)}.tmp-{secrets.token_hex(4)}"
+            return f"{os.path.abspath(out)}.tmp-{os.urandom(4).hex()}"
         return os.path.join(os.path.dirname(out), name)
 
     def begin(self, tmp: str) -> str:
@@ -204,7 +210,7 @@ class LocalStaging:
         """Where ``out`` is renamed before it is replaced or deleted: the same filesystem, so
         the rename is atomic, and a name that cleanup recognises as not a checkpoint."""
         if name is None:
-            return f"{os.path.abspath(out)}.old-{secrets.token_hex(4)}"
+            return f"{os.path.abspath(out)}.old-{os.urandom(4).hex()}"
         return os.path.join(os.path.dirname(out), name)
 
     def commit(self, tmp: str, out: str, *, overwrite: bool, name: str | None = None) -> bool:
@@ -285,7 +291,7 @@ class ObjectStoreStaging:
         return out.rstrip("/")
 
     def begin(self, tmp: str) -> str:
-        note = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        note = {"host": _hostname(), "pid": os.getpid(), "time": time.time()}
         storage.write_bytes(storage.join(tmp, IN_PROGRESS), json.dumps(note).encode())
         for rel in _markers_first(storage.walk_files(tmp)):
             if rel != IN_PROGRESS:
@@ -457,7 +463,7 @@ def make_spool_dir(prefix: str = "ckptools-spool-") -> str:
         os.makedirs(base, exist_ok=True)
     _clear_dead_spools(base or tempfile.gettempdir(), prefix)
     path = tempfile.mkdtemp(prefix=prefix, dir=base)
-    owner = {"host": socket.gethostname(), "pid": os.getpid()}
+    owner = {"host": _hostname(), "pid": os.getpid()}
     durable.write_synced(path + _SPOOL_OWNER, json.dumps(owner).encode())
     return path
 
@@ -480,7 +486,7 @@ def _clear_dead_spools(base: str, prefix: str) -> None:
         notes = [e for e in os.scandir(base) if e.name.startswith(prefix)]
     except OSError:
         return
-    host = socket.gethostname()
+    host = _hostname()
     for entry in notes:
         if not entry.name.endswith(_SPOOL_OWNER) or not entry.is_file(follow_symlinks=False):
             continue

@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -124,7 +123,7 @@ def new_tmp_dir(root: str, step: int, token: str | None = None) -> str:
     """A fresh name ``root/.tmp-step-<step>-<id>`` (not created). ``token`` must be the same on
     every rank, so the caller picks it on one rank and broadcasts it. On an object store, which
     cannot rename, the final ``root/step-<step>`` itself."""
-    name = f".tmp-step-{step}-{token or secrets.token_hex(6)}"
+    name = f".tmp-step-{step}-{token or os.urandom(6).hex()}"
     return staging_for(root).location(step_dir(root, step), name)
 
 
@@ -291,7 +290,7 @@ def list_checkpoints(
 def _trash_name(label: str) -> str:
     """Where a checkpoint is renamed before it is removed: a ``.tmp-`` name, so
     :func:`clean_stale` finishes the removal should the process die half-way."""
-    return f"{_TMP_PREFIX}delete-{label}-{secrets.token_hex(6)}"
+    return f"{_TMP_PREFIX}delete-{label}-{os.urandom(6).hex()}"
 
 
 def commit(tmp: str, final: str) -> None:
