@@ -13,8 +13,12 @@ attributes; nothing of theirs runs) and turns the call into a :class:`DTensorRef
 ``compute_local_shape_and_global_offset`` does for the default shard order: mesh dimensions in
 order, each ``Shard(d)`` splitting what is left of dim ``d`` in ``ceil(n / mesh size)`` pieces
 (the last ones shorter or empty: uneven splits); a ``Replicate`` dimension holds copies, so only
-coordinate 0 on it is kept (every other rank's copy is named a replica). ``Partial`` (pending
-sums) and ``_StridedShard`` (FSDP2 over tensor parallelism) are refused by name.
+coordinate 0 on it is kept (every other rank's copy is named a replica). ``_StridedShard(d,
+split_factor=k)`` (FSDP2 over tensor parallelism) cuts dim ``d`` in ``k`` pieces first and takes
+its part of each, as torch's ``_StridedShard.local_shard_size_and_offset`` does, so a local
+tensor may lie in the global one as several boxes (:attr:`LocalBox.pieces`; one again when the
+tensor-parallel ``Shard`` that follows undoes the striding, as FSDP2 + TP's does). ``Partial``
+(pending sums) is refused by name.
 
 FSDP1's ``SHARDED_STATE_DICT`` values are ``ShardedTensor``s, pickled the same way with the
 state ``(local_shards, ShardedTensorMetadata, ProcessGroupState, sharding_spec, ...)``: each
@@ -26,6 +30,8 @@ exactly that pair.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -210,41 +216,95 @@ def _mesh_shape(mesh: Any, ndim: int) -> tuple[int, ...]:
     )
 
 
-def _placement(p: Any) -> tuple[str, int | None]:
+#: a ``_StridedShard`` split factor is the tensor-parallel degree; past this a file is hostile
+MAX_SPLIT_FACTOR = 4096
+#: boxes one local tensor may be cut into (strided placements that no later Shard undoes)
+MAX_PIECES = 65536
+
+
+def _placement(p: Any) -> tuple[str, int | None, int]:
+    """``(kind, tensor dim or None, split factor)`` of a pickled placement."""
     if not isinstance(p, safe_pickle.Record):
         raise CorruptCheckpointError(f"DTensor placement {safe_pickle.short(p)} is not one")
     kind = p._qualname.rsplit(".", 1)[-1]
     if kind == "Replicate":
-        return kind, None
-    if kind == "Shard":
+        return kind, None, 1
+    if kind in ("Shard", "_StridedShard"):
         dim = getattr(p, "dim", None)
+        split = getattr(p, "split_factor", 1) if kind == "_StridedShard" else 1
         if type(dim) is not int:
-            raise CorruptCheckpointError("DTensor Shard placement without a dimension")
-        return kind, dim
+            raise CorruptCheckpointError(f"DTensor {kind} placement without a dimension")
+        if type(split) is not int or not 1 <= split <= MAX_SPLIT_FACTOR:
+            raise CorruptCheckpointError(
+                f"DTensor {kind}({dim}) split factor {safe_pickle.short(split)} is not an "
+                f"integer in 1..{MAX_SPLIT_FACTOR}"
+            )
+        return kind, dim, split
     raise UnsupportedCheckpointError(
-        f"a DTensor placed {kind} ({p!r}): ckptools reads Shard and Replicate placements "
-        "(Partial holds unreduced sums; _StridedShard comes from FSDP over tensor parallelism)"
+        f"a DTensor placed {kind} ({p!r}): ckptools reads Shard, _StridedShard and Replicate "
+        "placements (Partial holds unreduced sums)"
     )
+
+
+Intervals = list[tuple[int, int]]  # global [start, stop) runs of one dim, in local order
+
+
+def _take(runs: Intervals, at: list[int], start: int, stop: int, out: Intervals) -> None:
+    """Append local positions ``[start, stop)`` of ``runs`` (``at``: each run's first local
+    position) to ``out`` as global runs, merging a run that continues the last one."""
+    i = max(bisect.bisect_right(at, start) - 1, 0)
+    while i < len(runs) and at[i] < stop:
+        lo, hi = runs[i]
+        a, b = max(start, at[i]), min(stop, at[i] + hi - lo)
+        if a < b:
+            g0, g1 = lo + a - at[i], lo + b - at[i]
+            if out and out[-1][1] == g0:
+                out[-1] = (out[-1][0], g1)
+            else:
+                out.append((g0, g1))
+        i += 1
+
+
+def _shard(runs: Intervals, chunks: int, coord: int, split: int) -> Intervals:
+    """What coordinate ``coord`` of ``chunks`` keeps of ``runs``: ``Shard`` takes the
+    ``coord``-th ``ceil(n / chunks)`` positions; ``_StridedShard`` first cuts the ``n``
+    positions into ``split`` pieces of ``ceil(n / split)``, then each piece so, and keeps its
+    part of every piece, in order (torch's ``_StridedShard.local_shard_size_and_offset``)."""
+    at = list(itertools.accumulate((hi - lo for lo, hi in runs), initial=0))
+    n = at.pop()
+    first = -(-n // split)
+    out: Intervals = []
+    for piece in range(split):
+        start, stop = min(first * piece, n), min(first * (piece + 1), n)
+        if start >= stop:
+            break
+        per = -(-(stop - start) // chunks)
+        _take(runs, at, min(start + per * coord, stop), min(start + per * (coord + 1), stop), out)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
 class LocalBox:
-    """Where a rank's local tensor sits: ``offsets``/``sizes`` in the global shape; ``replica``
-    when another rank (coordinate 0 on a Replicate dimension) holds the same box."""
+    """Where a rank's local tensor sits: ``offsets``/``sizes`` in the global shape (its first
+    piece's offsets and the local tensor's sizes); ``pieces``, ``(global offsets, sizes,
+    local offsets)`` boxes, more than one where a ``_StridedShard`` leaves the local rows
+    apart in the global tensor; ``replica`` when another rank (coordinate 0 on a Replicate
+    dimension) holds the same box."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     replica: bool
     mesh: tuple[int, ...]
     placements: tuple[str, ...]
+    pieces: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 def local_box(ref: DTensorRef) -> LocalBox:
     """The box of ``ref``'s local tensor in its global shape (see the module's description).
 
     Raises:
-        UnsupportedCheckpointError: a placement other than Shard / Replicate, or a mesh whose
-            shape is not recorded as ckptools reads it.
+        UnsupportedCheckpointError: a placement other than Shard / _StridedShard / Replicate,
+            or a mesh whose shape is not recorded as ckptools reads it.
         CorruptCheckpointError: the spec is malformed, or the local tensor's shape is not the
             one its placements give.
     """
@@ -254,27 +314,46 @@ def local_box(ref: DTensorRef) -> LocalBox:
     if not isinstance(placements, tuple) or len(placements) != len(coord):
         raise CorruptCheckpointError("DTensor placements do not match its mesh's dimensions")
     mesh = _mesh_shape(spec.mesh, len(coord))
-    sizes, offsets = list(ref.shape), [0] * len(ref.shape)
+    runs: list[Intervals] = [[(0, s)] if s else [] for s in ref.shape]
     replica = False
     names = []
     for axis, p in enumerate(placements):
-        kind, dim = _placement(p)
-        names.append(kind if dim is None else f"{kind}({dim})")
+        kind, dim, split = _placement(p)
+        names.append(
+            kind if dim is None else f"{kind}({dim}" + (f", {split})" if split > 1 else ")")
+        )
         if coord[axis] >= mesh[axis]:
             raise CorruptCheckpointError(f"DTensor coordinate {coord} outside its mesh {mesh}")
         if dim is None:
             replica = replica or coord[axis] != 0
             continue
-        if not 0 <= dim < len(sizes):
-            raise CorruptCheckpointError(f"DTensor Shard({dim}) of a {len(sizes)}-d tensor")
-        per = math.ceil(sizes[dim] / mesh[axis]) if sizes[dim] else 0
-        start = min(coord[axis] * per, sizes[dim])
-        offsets[dim] += start
-        sizes[dim] = min(per, sizes[dim] - start)
+        if not 0 <= dim < len(runs):
+            raise CorruptCheckpointError(f"DTensor {kind}({dim}) of a {len(runs)}-d tensor")
+        runs[dim] = _shard(runs[dim], mesh[axis], coord[axis], split)
+    sizes = [sum(hi - lo for lo, hi in r) for r in runs]
     local_shape = ref.local.shape
     if isinstance(ref.local, TensorRef) and tuple(sizes) != local_shape:
         raise CorruptCheckpointError(
             f"DTensor local tensor of shape {list(local_shape or ())}, where its placements "
             f"{names} on mesh {list(mesh)} at {list(coord)} give {sizes}"
         )
-    return LocalBox(tuple(offsets), tuple(sizes), replica, mesh, tuple(names))
+    if math.prod(max(len(r), 1) for r in runs) > MAX_PIECES:
+        raise UnsupportedCheckpointError(
+            f"DTensor placements {names} cut a local tensor into more than {MAX_PIECES} boxes"
+        )
+    offsets = tuple(r[0][0] if r else 0 for r in runs)
+    return LocalBox(offsets, tuple(sizes), replica, mesh, tuple(names), _pieces(runs))
+
+
+def _pieces(
+    runs: list[Intervals],
+) -> tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...]:
+    """Every box of the cartesian product of the dims' runs, with its local offsets."""
+    out: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = [((), (), ())]
+    for dim_runs in runs:
+        local, options = 0, []
+        for lo, hi in dim_runs or [(0, 0)]:
+            options.append((lo, hi - lo, local))
+            local += hi - lo
+        out = [((*g, lo), (*s, n), (*p, at)) for g, s, p in out for lo, n, at in options]
+    return tuple(out)

@@ -36,6 +36,7 @@ state is not carried.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -182,13 +183,20 @@ class _Merged:
         if box.replica or 0 in box.sizes:
             self._put(fqn, ref.dtype, ref.shape, None, where)
             return
-        self._put(
-            fqn,
-            ref.dtype,
-            ref.shape,
-            self._chunk(reader, archive, rel, rank, ref.local, box.offsets),
-            where,
-        )
+        local = ref.local
+        for offsets, sizes, at in box.pieces:
+            # a strided placement leaves the local rows apart: each run is a box of its own
+            start = local.storage_offset + sum(
+                a * st for a, st in zip(at, local.strides, strict=True)
+            )
+            part = dataclasses.replace(local, storage_offset=start, shape=sizes)
+            self._put(
+                fqn,
+                ref.dtype,
+                ref.shape,
+                self._chunk(reader, archive, rel, rank, part, offsets),
+                where,
+            )
 
     def _chunk(
         self,

@@ -222,7 +222,7 @@ def test_a_global_outside_the_allowlist_is_refused(tmp_path: Path) -> None:
         read_manifest(str(ckpt))
 
 
-def test_a_strided_placement_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_partial_placement_is_refused_by_name(tmp_path: Path) -> None:
     ckpt = _copy("fsdp2_ws2", tmp_path)
     _rewrite_pickle(
         ckpt / "model_world_size_2_rank_0.pt",
