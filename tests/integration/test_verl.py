@@ -26,7 +26,7 @@ from ckptools.layouts import read_manifest
 from tests.support.reference import assert_bitwise_equal, load_reference
 
 VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
-FSDP2 = ["fsdp2_ws2", "fsdp2_ws3"]
+FSDP2 = ["fsdp2_ws2", "fsdp2_ws3", "fsdp2_hsdp_ws4"]
 FSDP1 = ["fsdp1_ws2", "fsdp1_ws3_tied"]
 
 
