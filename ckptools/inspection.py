@@ -82,6 +82,7 @@ class InspectReport:
             "optimizers": [o.to_dict() for o in optimizer_states(m)],
             "peft": lora.describe(m, model_tensors),
             "sharding": sharding_summary(m),
+            "mesh": _mesh(m),
             "tensors": tensors,
             "objects": objects,
             "files": [{"path": f.path, "bytes": f.size, "rank": f.rank} for f in m.files.values()],
@@ -96,6 +97,19 @@ class InspectReport:
                 "chunks_per_rank": {str(k): v for k, v in sorted(chunks_per_rank.items())},
             },
         }
+
+
+def _mesh(m: Manifest) -> dict[str, Any] | None:
+    """The device mesh a per-rank layout read from the files (its shape) and how many model
+    and optimizer tensors each combination of placements holds; None when not recorded."""
+    placements = m.details.get("placements") or {}
+    if "mesh" not in m.details and not placements:
+        return None
+    counts: dict[str, int] = {}
+    for names in placements.values():
+        key = "(" + ", ".join(names) + ")"
+        counts[key] = counts.get(key, 0) + 1
+    return {"shape": m.details.get("mesh"), "placements": counts}
 
 
 @storage.accepts_storage_options

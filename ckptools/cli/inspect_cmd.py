@@ -55,6 +55,30 @@ def _optimizer_line(opt: dict[str, Any]) -> str:
     )
 
 
+def _mesh_line(d: dict[str, Any]) -> list[str]:
+    """The mesh a per-rank checkpoint was sharded on, and its placements."""
+    mesh = d.get("mesh")
+    if not mesh:
+        return []
+    shape = " x ".join(str(n) for n in mesh["shape"]) if mesh["shape"] else "?"
+    placed = ", ".join(f"{k} {v}" for k, v in mesh["placements"].items())
+    return [f"  mesh: {shape}" + (f"; placements: {placed} tensors" if placed else "")]
+
+
+def _idle_ranks(d: dict[str, Any]) -> list[str]:
+    """Ranks with files but no chunk read from them."""
+    per_rank = d["totals"]["bytes_per_rank"]
+    idle = sorted(
+        {f["rank"] for f in d["files"] if f["rank"] is not None} - {int(r) for r in per_rank}
+    )
+    if not per_rank or not idle:
+        return []
+    return [
+        f"  ranks {', '.join(map(str, idle[:16]))}{' ...' if len(idle) > 16 else ''}: no tensor "
+        "bytes read from their files (HSDP replicas, say, repeat other ranks' shards)"
+    ]
+
+
 def _render(d: dict[str, Any], limit: int | None) -> str:
     out = []
     ws = d["world_size"]
@@ -82,6 +106,7 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.extend(_peft_lines(d["peft"]))
     if d["sharding"]:
         out.append("  sharding: " + ", ".join(f"{k}: {v}" for k, v in d["sharding"].items()))
+    out.extend(_mesh_line(d))
     out.append("")
     tensors = d["tensors"] if limit is None else d["tensors"][:limit]
     rows = [
@@ -126,6 +151,7 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
             + ", ".join(f"{r}: {human_bytes(b)} ({chunks.get(r, 0)} chunks)" for r, b in first)
             + (f", ... ({len(per_rank)} ranks)" if len(per_rank) > 16 else "")
         )
+        out.extend(_idle_ranks(d))
     return "\n".join(out)
 
 

@@ -112,6 +112,7 @@ class _Merged:
     objects: dict[str, ObjectEntry] = field(default_factory=dict)
     paths: dict[str, tuple[str, ...]] = field(default_factory=dict)
     placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    mesh: tuple[int, ...] | None = None  # the DeviceMesh's shape (FSDP2: from the first DTensor)
     offsets: dict[tuple[str, str], int] = field(default_factory=dict)  # (file, key) -> data
     sharded: list[str] = field(default_factory=list)  # FSDP1's parameters, in rank 0's order
 
@@ -180,6 +181,8 @@ class _Merged:
             )
         self.paths.setdefault(fqn, path)
         self.placements.setdefault(fqn, box.placements)
+        if self.mesh is None:
+            self.mesh = box.mesh
         if box.replica or 0 in box.sizes:
             self._put(fqn, ref.dtype, ref.shape, None, where)
             return
@@ -512,6 +515,7 @@ def read_verl(path: str) -> Manifest:
             MODEL_FILES_DIR: "huggingface",
             **({OPTIMIZER_UNREADABLE: unreadable} if unreadable else {}),
             "placements": merged.placements,
+            **({"mesh": list(merged.mesh)} if merged.mesh is not None else {}),
         },
         data_root=path,
         aux_files=tuple(sorted(rel for rel in tree if rel not in data and rel != CONFIG)),

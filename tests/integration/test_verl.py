@@ -242,3 +242,14 @@ def test_huggingface_dir_linked_outside_is_refused(tmp_path: Path) -> None:
     assert result.exit_code != 0
     assert "huggingface" in result.output and "outside" in result.output, result.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_inspect_names_the_mesh_and_what_each_rank_holds() -> None:
+    src = str(VERL / "fsdp2_hsdp_ws4")
+    data = json.loads(_ckpt("inspect", src, "--json").output)
+    assert data["mesh"] == {"shape": [2, 2], "placements": {"(Replicate, Shard(0))": 63}}
+    assert set(data["totals"]["chunks_per_rank"]) == {"0", "1"}  # 2 and 3 are replicas
+    text = _ckpt("inspect", src).output
+    assert "mesh: 2 x 2; placements: (Replicate, Shard(0)) 63 tensors" in text
+    assert "by rank: 0: 139.0 KiB (84 chunks)" in text
+    assert "ranks 2, 3: no tensor bytes read" in text
