@@ -8,8 +8,13 @@ reads a DCP item's archive directory, never its tensor), maps them to output run
 * a chunk that lands as one contiguous run is copied in the kernel with ``os.copy_file_range``
   (no user-space buffer at all), falling back to positional reads and writes where the kernel
   or filesystem refuses;
-* a chunk that lands as many runs (a box sharded on dim 1: one run per row) is read in blocks into
-  a per-thread buffer and each run is written with ``os.pwrite``;
+* a tensor whose chunks land as many runs each (sharded on dim 1: tensor parallelism) is
+  written a block of whole rows at a time: each chunk's part of those rows is read (one
+  contiguous read per chunk), the rows are assembled in the thread's buffer and written with one
+  ``os.pwrite`` (one write per run instead: a syscall per row per rank, and output pages
+  written partly, twice);
+* any other chunk that lands as many runs is read in blocks into a per-thread buffer and each
+  run is written with ``os.pwrite``;
 * a cast (``dtype``) converts each block with torch, elementwise, so memory stays one block;
 * a strided chunk (a transposed view saved as is) is read whole and made contiguous with torch:
   the only case whose memory is the chunk's size rather than a block.
@@ -29,13 +34,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from ckptools.core import dtypes
-from ckptools.core.crc32 import crc32
+from ckptools.core.crc32 import crc32, crc32_combine
 from ckptools.core.manifest import Chunk, Manifest
 from ckptools.engine import checked_copy
 from ckptools.engine.reader import resolve_chunk
@@ -86,6 +92,64 @@ def pieces(
         yield block
 
 
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """A task writing rows ``[first, stop)`` (dim 0) of a tensor assembled from all its chunks;
+    ``rows`` is the block height every such task of the tensor uses, ``numel`` its elements."""
+
+    first: int
+    stop: int
+    rows: int
+    numel: int
+
+
+Task = tuple[FilePlan, TensorPlan, Chunk | _Rows]
+
+
+def _tasks(f: FilePlan, t: TensorPlan, half_block: int, rows_ok: bool) -> Iterator[Task]:
+    """The tasks writing ``t``: blocks of whole rows when its chunks all land as many runs
+    (sharded on a trailing dim) and a row fits half a buffer; else one task per chunk.
+    ``rows_ok`` False (ranks sharing the tasks: a chunk's CRC is checked only where one
+    process reads every block of it): one task per chunk always."""
+    isz = dtypes.dtype(t.src_dtype).itemsize
+    row = math.prod(t.shape[1:]) if len(t.shape) >= 2 else 0
+    gather = (
+        rows_ok
+        and row
+        and len(t.chunks) > 1
+        and not t.is_cast
+        and row * isz <= half_block
+        and all(c.strides is None and c.sizes[1:] != t.shape[1:] for c in t.chunks)
+    )
+    if not gather:
+        yield from ((f, t, c) for c in t.chunks)
+        return
+    rows = max(1, half_block // (row * isz))
+    for first in range(0, t.shape[0], rows):
+        stop = min(first + rows, t.shape[0])
+        yield f, t, _Rows(first, stop, rows, (stop - first) * row)
+
+
+class _PartCrcs:
+    """CRC-32s of a record read in parts by several tasks: the whole once all are in."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: tuple[str, int], expected: int, at: int, crc: int, n: int) -> int | None:
+        with self._lock:
+            parts = self._parts.setdefault(key, [])
+            parts.append((at, crc, n))
+            if len(parts) < expected:
+                return None
+            del self._parts[key]
+        whole = 0
+        for _, part, length in sorted(parts):
+            whole = crc32_combine(whole, part, length)
+        return whole
+
+
 class _Copier:
     """Shared state of one execution: descriptors, buffers per thread, the stop flag."""
 
@@ -108,6 +172,8 @@ class _Copier:
         self.kernel_copied = 0
         self.copy_range_ok = hasattr(os, "copy_file_range")
         self.early_writeback = hasattr(os, "posix_fadvise")
+        self._resolved: dict[tuple[str, int], Chunk] = {}
+        self._part_crcs = _PartCrcs()
 
     def buffer(self) -> memoryview:
         buf = getattr(self._local, "buf", None)
@@ -116,26 +182,74 @@ class _Copier:
             self._local.buf = buf
         return buf
 
-    def copy_chunk(self, file: FilePlan, tensor: TensorPlan, chunk: Chunk) -> None:
+    def copy_chunk(self, file: FilePlan, tensor: TensorPlan, chunk: Chunk | _Rows) -> None:
         if self.stop.is_set():
             return
-        raw = resolve_chunk(
-            self.reader, self.manifest.tensors[tensor.fqn], chunk, reading_data=True
-        )
         fd = self.out_fds[file.name]
-        if raw.strides is not None or tensor.is_cast:
-            self._copy_with_torch(fd, tensor, raw)
+        isz = dtypes.dtype(tensor.dtype).itemsize
+        if isinstance(chunk, _Rows):
+            self._gather_rows(fd, tensor, chunk)
+            row = math.prod(tensor.shape[1:])
+            start, end = chunk.first * row, chunk.stop * row
         else:
-            self._copy_bytes(fd, tensor, raw)
-        if self.early_writeback and raw.numel:
+            raw = resolve_chunk(
+                self.reader, self.manifest.tensors[tensor.fqn], chunk, reading_data=True
+            )
+            if raw.strides is not None or tensor.is_cast:
+                self._copy_with_torch(fd, tensor, raw)
+            else:
+                self._copy_bytes(fd, tensor, raw)
+            start, end = chunk_span(tensor.shape, raw.offsets, raw.sizes) if raw.numel else (0, 0)
+        if self.early_writeback and end > start:
             # Start writing this chunk's pages to disk now (DONTNEED begins writeback of dirty
             # pages without waiting), so the fsync the atomic commit needs overlaps the copy
             # instead of following it; clean output pages also leave the page cache.
-            isz = dtypes.dtype(tensor.dtype).itemsize
-            start, end = chunk_span(tensor.shape, raw.offsets, raw.sizes)
             os.posix_fadvise(
                 fd, tensor.begin + start * isz, (end - start) * isz, os.POSIX_FADV_DONTNEED
             )
+
+    def _raw(self, tensor: TensorPlan, index: int) -> Chunk:
+        """Chunk ``index`` of ``tensor`` resolved to its raw bytes, once per execution."""
+        key = (tensor.fqn, index)
+        raw = self._resolved.get(key)
+        if raw is None:
+            entry = self.manifest.tensors[tensor.fqn]
+            raw = resolve_chunk(self.reader, entry, tensor.chunks[index], reading_data=True)
+            with self._lock:
+                self._resolved[key] = raw
+        return raw
+
+    def _gather_rows(self, fd: int, tensor: TensorPlan, task: _Rows) -> None:
+        """Rows ``[first, stop)`` of ``tensor``: each chunk's part read into the first half of
+        the thread's buffer, placed run by run into the second, written once."""
+        isz = dtypes.dtype(tensor.dtype).itemsize
+        row = math.prod(tensor.shape[1:])
+        buf = self.buffer()
+        half = len(buf) // 2
+        out = buf[half : half + task.numel * isz]
+        base = task.first * row
+        for index, chunk in enumerate(tensor.chunks):
+            c0, cn = chunk.offsets[0], chunk.sizes[0]
+            a, b = max(task.first, c0), min(task.stop, c0 + cn)
+            if a >= b or not chunk.numel:
+                continue
+            raw = self._raw(tensor, index)
+            per_row = chunk.numel // cn
+            part = buf[: (b - a) * per_row * isz]
+            at = (a - c0) * per_row * isz
+            self.reader.readinto(raw.file, raw.offset + at, part)
+            if raw.crc32 is not None:
+                blocks = (c0 + cn - 1) // task.rows - c0 // task.rows + 1
+                key = (tensor.fqn, index)
+                whole = self._part_crcs.add(key, blocks, at, crc32(part, 0), len(part))
+                if whole is not None:
+                    checked_copy.check(self.reader, raw, tensor.fqn, whole)
+            box = (a, *chunk.offsets[1:]), (b - a, *chunk.sizes[1:])
+            for src, dst, n in runs(tensor.shape, *box):
+                o = (dst - base) * isz
+                out[o : o + n * isz] = part[src * isz : (src + n) * isz]
+        pwrite_all(fd, out, tensor.begin + base * isz)
+        self.progress.update(len(out))
 
     def _copy_bytes(self, fd: int, tensor: TensorPlan, raw: Chunk) -> None:
         isz = dtypes.dtype(tensor.dtype).itemsize
@@ -259,9 +373,7 @@ def create_files(
             os.close(fd)
 
 
-def share_of(
-    tasks: Sequence[tuple[FilePlan, TensorPlan, Chunk]], rank: int, world_size: int
-) -> list[tuple[FilePlan, TensorPlan, Chunk]]:
+def share_of(tasks: Sequence[Task], rank: int, world_size: int) -> list[Task]:
     """The tasks ``rank`` copies: consecutive tasks holding about 1/world_size of the bytes.
 
     Every rank computes the same split from the same plan, so no communication is needed;
@@ -325,7 +437,10 @@ def execute(
         )  # fmt: skip
     root = manifest.data_dir()
     todo = [f for f in plan.files if f.name not in skip]
-    tasks = [(f, t, c) for f in todo for t in f.tensors for c in t.chunks]
+    block = block_bytes(memory_budget, workers)
+    tasks = [
+        task for f in todo for t in f.tensors for task in _tasks(f, t, block // 2, share is None)
+    ]
     if share is None:
         create_files(plan, out_dir, todo)
     else:
@@ -339,8 +454,8 @@ def execute(
         for f in todo:
             fds[f.name] = os.open(os.path.join(out_dir, f.name), os.O_WRONLY)
         with ByteProgress(total, "consolidate", quiet=quiet) as bar:
-            copier = _Copier(manifest, reader, fds, block_bytes(memory_budget, workers), bar)
-            copy: Callable[[FilePlan, TensorPlan, Chunk], None] = copier.copy_chunk
+            copier = _Copier(manifest, reader, fds, block, bar)
+            copy: Callable[[FilePlan, TensorPlan, Chunk | _Rows], None] = copier.copy_chunk
             if on_file_done is None:
                 run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
             else:
@@ -414,7 +529,7 @@ class _FileCompletion:
 
     def __init__(
         self,
-        tasks: Sequence[tuple[FilePlan, TensorPlan, Chunk]],
+        tasks: Sequence[Task],
         fds: dict[str, int],
         syncer: FileSyncer[str],
     ) -> None:
@@ -429,9 +544,9 @@ class _FileCompletion:
                 syncer.submit(name, fds[name])
 
     def wrap(
-        self, copy: Callable[[FilePlan, TensorPlan, Chunk], None]
-    ) -> Callable[[FilePlan, TensorPlan, Chunk], None]:
-        def run(f: FilePlan, t: TensorPlan, c: Chunk) -> None:
+        self, copy: Callable[[FilePlan, TensorPlan, Chunk | _Rows], None]
+    ) -> Callable[[FilePlan, TensorPlan, Chunk | _Rows], None]:
+        def run(f: FilePlan, t: TensorPlan, c: Chunk | _Rows) -> None:
             copy(f, t, c)
             with self._lock:
                 self._left[f.name] -= 1

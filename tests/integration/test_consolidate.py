@@ -140,14 +140,20 @@ def test_fsdp2_nested_app_and_optimizer_select(
 
 
 @pytest.mark.distributed
-def test_tp_fsdp_dim1_sharded(produced: Callable[..., Produced], tmp_path: Path) -> None:
+@pytest.mark.parametrize("budget", [None, 512])
+def test_tp_fsdp_dim1_sharded(
+    produced: Callable[..., Produced], tmp_path: Path, budget: int | None
+) -> None:
+    """Chunks sharded on dim 1 are assembled into whole rows, a block of rows at a time (512
+    bytes of buffers: blocks of one or two rows, so every chunk is read in several parts and
+    its CRC-32 combined from them)."""
     p = produced("tp_fsdp", optimizer=False)
     manifest = ckptools.read_manifest(str(p.path))
     assert any(
         any(o != 0 for o in c.offsets[1:]) for t in manifest.tensors.values() for c in t.chunks
     ), "expected chunks sharded on dim 1 (RowwiseParallel)"
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True, workers=2)
+    ckptools.consolidate(str(p.path), out, quiet=True, workers=2, memory_budget=budget)
     _assert_bit_exact(_read_dir(out), p.reference()["model"])
 
 

@@ -140,18 +140,32 @@ def test_damaged_record_stops_the_copy(
     _refused([verb, *extra], src, tmp_path / "out", fqn)
 
 
-@pytest.mark.parametrize("verb", ["consolidate", "reshard"])
+@pytest.mark.parametrize(
+    ("verb", "extra", "budget"),
+    [
+        ("consolidate", [], None),
+        # blocks of one or two rows: each record read in parts, their CRCs combined
+        ("consolidate", [], "512"),
+        ("reshard", ["--world-size", "2"], None),
+    ],
+)
 def test_damaged_record_sharded_on_dim1_stops_the_copy(
-    produced: Callable[..., Produced], tmp_path: Path, verb: str
+    produced: Callable[..., Produced],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    verb: str,
+    extra: list[str],
+    budget: str | None,
 ) -> None:
-    # TP shards split dim 1: consolidate copies them row by row through the block buffer, and
-    # reshard fills its pieces from parts of them (each record checked whole, once, in place).
+    if budget is not None:
+        monkeypatch.setenv("CKPTOOLS_MEMORY_BUDGET", budget)
+    # TP shards split dim 1: consolidate assembles whole rows from every rank's part, a block
+    # of rows at a time, and reshard fills its pieces from parts of them (each record checked
+    # whole, once).
     src = tmp_path / "src"
     shutil.copytree(produced("tp_fsdp", world_size=4).path, src)
     fqn = _damage(src, _sharded_on_dim1, "middle")
-    _refused(
-        [verb, *(["--world-size", "2"] if verb == "reshard" else [])], src, tmp_path / "out", fqn
-    )
+    _refused([verb, *extra], src, tmp_path / "out", fqn)
 
 
 def test_damaged_record_cast_on_the_way(produced: Callable[..., Produced], tmp_path: Path) -> None:
