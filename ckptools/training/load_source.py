@@ -125,8 +125,10 @@ def _check_keys(
             fqn=unexpected[0],
         )
     for k in theirs:
+        # the same parameters, in any order (FSDP.optim_state_dict lists FSDP1's FlatParameter
+        # by FlatParameter; a group's settings apply to each alike)
         params = k.startswith(settings) and k.endswith(".params") and k in flat
-        if params and list(named.values.get(k, ())) != list(flat[k]):
+        if params and sorted(named.values.get(k, ())) != sorted(flat[k]):
             raise UsageError(
                 f"{path}: {k!r} names other parameters than the job's optimizer group",
                 path=path,
