@@ -380,20 +380,27 @@ def _report(
         floor = (
             "floor: cp -r tag dir + sync" if reshaping else "floor: master bytes -> 1 file + fsync"
         )
-        walls = [r[0] for r in runs]
         lines.append(
-            f"| {name} | {statistics.median(walls):.2f} | {min(walls):.2f} | "
-            f"{statistics.median(r[2] for r in runs):.2f} | {max(r[1] for r in runs) / 2**20:.0f} "
-            f"| {ratio(name, floor):.2f} | {ratio(name, 'zero_to_fp32 --safe_serialization'):.2f} |"
+            f"{row_head(name, runs)} | {ratio(name, floor):.2f} | "
+            f"{ratio(name, 'zero_to_fp32 --safe_serialization'):.2f} |"
         )
-    lines += [
-        "",
-        "each round's wall s: "
-        + "; ".join(
-            f"{name} " + " ".join(f"{r[0]:.2f}" for r in runs) for name, runs in results.items()
-        ),
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", each_round(results)])
+
+
+def row_head(name: str, runs: list[Run]) -> str:
+    """``| tool | wall s (median) | min s | CPU s (median) | peak RSS MiB`` of one table row."""
+    walls = [r[0] for r in runs]
+    return (
+        f"| {name} | {statistics.median(walls):.2f} | {min(walls):.2f} | "
+        f"{statistics.median(r[2] for r in runs):.2f} | {max(r[1] for r in runs) / 2**20:.0f}"
+    )
+
+
+def each_round(results: dict[str, list[Run]]) -> str:
+    """Every round's wall time per tool, after a table."""
+    return "each round's wall s: " + "; ".join(
+        f"{name} " + " ".join(f"{r[0]:.2f}" for r in runs) for name, runs in results.items()
+    )
 
 
 def main() -> None:

@@ -327,20 +327,11 @@ def _report(
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, runs in results.items():
-        walls = [r[0] for r in runs]
         lines.append(
-            f"| {name} | {statistics.median(walls):.2f} | {min(walls):.2f} | "
-            f"{statistics.median(r[2] for r in runs):.2f} | {max(r[1] for r in runs) / 2**20:.0f} "
-            f"| {ratio(name, floors[name]):.2f} | {floors[name].removeprefix('floor: ')} |"
+            f"{ds_bench.row_head(name, runs)} | {ratio(name, floors[name]):.2f} | "
+            f"{floors[name].removeprefix('floor: ')} |"
         )
-    lines += [
-        "",
-        "each round's wall s: "
-        + "; ".join(
-            f"{name} " + " ".join(f"{r[0]:.2f}" for r in runs) for name, runs in results.items()
-        ),
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", ds_bench.each_round(results)])
 
 
 def main() -> None:
