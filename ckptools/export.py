@@ -236,6 +236,33 @@ def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
     return None
 
 
+def trainer_optimizer_order(manifest: Manifest) -> list[str] | None:
+    """For a transformers ``Trainer`` checkpoint whose ``optimizer.pt`` is keyed by integer ids
+    in several unnamed groups (``create_optimizer``'s weight decay / none), the order in which
+    the Trainer gave the model of its ``config.json`` its parameters (transformers' own rule on
+    a ``meta`` model: :func:`ckptools.plan.conversion_lookup.trainer_param_order`); None for
+    any other source, or without a config that builds. Only a suggestion: it is used where
+    the groups' counts and every state's shape match it."""
+    from ckptools.core.manifest import MODEL_FILES_DIR
+    from ckptools.layouts.optimizer_state import optimizer_states
+
+    if manifest.layout != "trainer":
+        return None
+    states = optimizer_states(manifest)
+    if not any(o.keyed == "integer" and not o.param_names and o.param_groups > 1 for o in states):
+        return None
+    try:
+        files = find_model_files(manifest.data_dir(), None, manifest.details.get(MODEL_FILES_DIR))
+        config = model_config(files)
+    except UsageError:
+        return None
+    if config is None:
+        return None
+    from ckptools.plan.conversion_lookup import trainer_param_order
+
+    return trainer_param_order(config)
+
+
 def tie_setting(files: list[tuple[str, str]]) -> bool | None:
     cfg = model_config(files)
     if cfg is None:

@@ -38,6 +38,7 @@ from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.converted import to_memory_names
 from ckptools.engine.dcp_writer import write_dcp
 from ckptools.errors import UsageError
+from ckptools.export import trainer_optimizer_order
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
@@ -244,8 +245,14 @@ def _reshard_training_state(
 ) -> ReshardResult:
     """:func:`reshard` of a source that is not DCP: one DCP named as ``get_state_dict`` +
     ``dcp.save`` name it, from :func:`ckptools.plan.training.training_layout`."""
+    suggested = (
+        None if options.param_order or options.drop_optimizer else trainer_optimizer_order(manifest)
+    )
     layout = training_layout(
-        manifest, param_order=options.param_order, drop_optimizer=options.drop_optimizer
+        manifest,
+        param_order=options.param_order,
+        drop_optimizer=options.drop_optimizer,
+        suggested_order=suggested,
     )
     plan = plan_dcp(
         manifest, options.world_size, layout.names, layout.paths, objects=[], values=layout.values

@@ -72,17 +72,11 @@ def _too_big(config: Mapping[str, Any]) -> bool:
     return False
 
 
-def model_transforms(config: Mapping[str, Any]) -> list[Any] | None:
-    """transformers' own ``get_model_conversion_mapping`` (without the load-only legacy
-    renames, as ``save_pretrained`` does) of the model ``config`` names, built on ``meta``.
-
-    Returns None when no ``architectures`` entry is a transformers class or the model does not
-    build from ``config`` (the caller then looks the root name up alone); an empty list for a
-    model without conversions.
-    """
+def _meta_model(config: Mapping[str, Any]) -> Any:
+    """The model ``config`` names (its first ``architectures`` entry that is a transformers
+    class and builds), on the ``meta`` device; None when none does."""
     import torch
     import transformers
-    from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.utils import logging
 
     if _too_big(config):
@@ -98,10 +92,47 @@ def model_transforms(config: Mapping[str, Any]) -> list[Any] | None:
         try:
             with warnings.catch_warnings(), torch.device("meta"):
                 warnings.simplefilter("ignore")
-                model = cls._from_config(cls.config_class.from_dict(dict(config)))
-            return list(get_model_conversion_mapping(model, add_legacy=False))
+                return cls._from_config(cls.config_class.from_dict(dict(config)))
         except Exception:
             continue
         finally:
             logging.set_verbosity(verbosity)
     return None
+
+
+def model_transforms(config: Mapping[str, Any]) -> list[Any] | None:
+    """transformers' own ``get_model_conversion_mapping`` (without the load-only legacy
+    renames, as ``save_pretrained`` does) of the model ``config`` names, built on ``meta``.
+
+    Returns None when no ``architectures`` entry is a transformers class or the model does not
+    build from ``config`` (the caller then looks the root name up alone); an empty list for a
+    model without conversions.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    model = _meta_model(config)
+    if model is None:
+        return None
+    try:
+        return list(get_model_conversion_mapping(model, add_legacy=False))
+    except Exception:
+        return None
+
+
+def trainer_param_order(config: Mapping[str, Any]) -> list[str] | None:
+    """The order in which a transformers ``Trainer`` gives the model ``config`` names its
+    parameters to the optimizer (``create_optimizer``: the parameters with weight decay, by
+    the Trainer's own ``get_decay_parameter_names``, in model order, then the others); None
+    when the model does not build."""
+    model = _meta_model(config)
+    if model is None:
+        return None
+    try:
+        from transformers import Trainer
+
+        # an instance method that reads nothing of the instance: the Trainer's own rule
+        decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    except Exception:
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    return [n for n in names if n in decay] + [n for n in names if n not in decay]

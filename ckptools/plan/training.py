@@ -13,7 +13,10 @@ their key tree (:func:`ckptools.core.keys.find_model_part`) and an optimizer ``s
 the rest as plain values. Integer ids become FQNs only where the checkpoint says which is which
 (:func:`map_state_keys`): the groups' ``param_names`` (torch >= 2.5 with named parameters),
 an order the user gives, or the model's parameter order when there is one group whose ids,
-counts and shapes all match the model's parameters; otherwise the answer would be a guess, and
+counts and shapes all match the model's parameters, or an order the producer's own rule
+gives (``suggested``: a transformers ``Trainer``'s two groups, from
+:func:`ckptools.plan.conversion_lookup.trainer_param_order`) when counts and shapes match it;
+otherwise the answer would be a guess, and
 guessing puts moments on the wrong parameters, so it is refused with the numbers. The commonest
 wrong file, an FSDP1 ``optimizer.state_dict()`` saved beside a FULL_STATE_DICT model (one rank's
 flat-parameter shard: 1-D state of a fraction of the model's elements), is named as such.
@@ -154,6 +157,7 @@ def map_state_keys(
     opt: OptimizerState,
     params: Sequence[_Param],
     param_order: Sequence[str] | None = None,
+    suggested: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """Each parameter key of ``opt`` (the groups' ``params`` and the state's keys, as strings)
     → the model FQN it stands for (see the module's description).
@@ -190,6 +194,13 @@ def map_state_keys(
     if len(opt.groups) == 1 and len(ids) == len(params):
         named = {i: p.fqn for i, p in zip(ids, params, strict=True)}
         if _check_shapes(manifest, where, opt, named, by_name, raise_on=False):
+            return named
+    if suggested is not None and len(suggested) == len(ids):
+        try:
+            named = _named(where, dict(zip(ids, suggested, strict=True)), by_name)
+        except UnsupportedCheckpointError:
+            named = {}
+        if named and _check_shapes(manifest, where, opt, named, by_name, raise_on=False):
             return named
     raise UnsupportedCheckpointError(_why_unplaceable(manifest, where, opt, params))
 
@@ -285,9 +296,12 @@ def training_layout(
     *,
     param_order: Sequence[str] | None = None,
     drop_optimizer: bool = False,
+    suggested_order: Sequence[str] | None = None,
 ) -> TrainingLayout:
     """Name ``manifest``'s model, optimizer and other values as ``get_state_dict`` +
-    ``dcp.save`` would (see the module's description).
+    ``dcp.save`` would (see the module's description). ``suggested_order``: the order the
+    producer's own rule gives the optimizer its parameters, used only where counts and shapes
+    match it (see :func:`map_state_keys`).
 
     Raises:
         UnsupportedCheckpointError: the optimizer cannot be placed, or its layout could not
@@ -320,7 +334,8 @@ def training_layout(
         if drop_optimizer:
             out.notes.append(f"the optimizer ({opt.label}) was left out (--drop-optimizer)")
         else:
-            _optimizer(out, manifest, opt, model_parameters(manifest, model), param_order)
+            params = model_parameters(manifest, model)
+            _optimizer(out, manifest, opt, params, param_order, suggested_order)
     elif not drop_optimizer:
         out.notes.append("the source holds no optimizer state: the checkpoint has the model only")
     _others(out, manifest, taken)
@@ -355,8 +370,9 @@ def _optimizer(
     opt: OptimizerState,
     params: Sequence[_Param],
     param_order: Sequence[str] | None,
+    suggested: Sequence[str] | None,
 ) -> None:
-    placed = map_state_keys(manifest, opt, params, param_order)
+    placed = map_state_keys(manifest, opt, params, param_order, suggested)
     for key, names in opt.state.items():
         for name, src in names.items():
             path = (OPTIM, "state", placed[key], name)

@@ -34,6 +34,7 @@ from ckptools.core.keys import key_path
 from ckptools.core.manifest import Manifest, TensorEntry
 from ckptools.engine.reader import SourceCache, read_object
 from ckptools.errors import IncompleteCheckpointError, UsageError
+from ckptools.export import trainer_optimizer_order
 from ckptools.io import storage
 from ckptools.layouts import read_manifest
 from ckptools.plan.training import MODEL, OPTIM, training_layout
@@ -77,7 +78,15 @@ def _named(manifest: Manifest, param_order: Sequence[str] | None, with_optimizer
         values = {fqn: read_object(manifest, fqn) for fqn in manifest.objects}
         paths = {fqn: key_path(manifest, fqn) for fqn in [*tensors, *values]}
         return _Named(tensors, values, paths)
-    layout = training_layout(manifest, param_order=param_order, drop_optimizer=not with_optimizer)
+    suggested = (
+        trainer_optimizer_order(manifest) if with_optimizer and param_order is None else None
+    )
+    layout = training_layout(
+        manifest,
+        param_order=param_order,
+        drop_optimizer=not with_optimizer,
+        suggested_order=suggested,
+    )
     return _Named(layout.names, layout.values, layout.paths)
 
 

@@ -100,7 +100,38 @@ def _zero_job(world_size: int, config: str) -> tuple[torch.nn.Module, Any, Calla
     return model, opt, step
 
 
-_JOBS = {"verl": _verl_job, "tiny": _tiny_job, "zero": _zero_job}
+def _trainer_job(world_size: int, config: str) -> tuple[torch.nn.Module, Any, Callable[[], None]]:
+    """An FSDP2 job of the Trainer producer's Llama with the Trainer's two AdamW groups (its
+    own ``get_decay_parameter_names``: weight decay 0.01, then none)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Trainer
+
+    from tests.support.producers import _hf_llama
+
+    model = _hf_llama()
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=5e-5)
+    tokens = torch.arange(12).reshape(2, 6) % 37
+
+    def step() -> None:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+_JOBS = {"verl": _verl_job, "tiny": _tiny_job, "zero": _zero_job, "trainer": _trainer_job}
 
 
 def _gather(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
@@ -221,6 +252,24 @@ def test_a_deepspeed_checkpoint_loads(tmp_path: Path, stage: int, dtype: str) ->
         )
     assert_bitwise_equal(got["before"]["model"]["head.weight"], live["embed.weight"], "head")
     assert not torch.equal(got["after"]["model"]["mid.weight"], live["mid.weight"])
+
+
+def test_a_trainer_checkpoint_loads_with_its_two_optimizer_groups(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """``optimizer.pt`` of a real Trainer run: integer ids in two unnamed groups, placed by
+    the Trainer's own rule on the model of its config.json (sizes and shapes checked)."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    p = produced("trainer_full")
+    got = _run("trainer", "", p.path / "checkpoint-2", 2, tmp_path)
+    ref = p.reference()
+    assert_bitwise_equal(got["before"]["model"], ref["model"], "model")
+    assert got["before"]["optim"]["state"].keys() == ref["optim"]["state"].keys()
+    assert_bitwise_equal(got["before"]["optim"]["state"], ref["optim"]["state"], "optim.state")
+    # the groups' settings are the run's own: its linear schedule ends at lr 0
+    groups = got["before"]["optim"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0]
+    assert [g["lr"] for g in groups] == [0.0, 0.0]
 
 
 def test_a_deleted_verl_rank_file_is_named(tmp_path: Path) -> None:

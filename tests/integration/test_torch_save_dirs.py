@@ -160,3 +160,30 @@ def test_links_out_of_the_directory_are_never_followed(tmp_path: Path) -> None:
     (ckpt / "optimizer.pt").symlink_to(tmp_path / "elsewhere.pt")
     with pytest.raises(OutsideCheckpointError):
         ckptools.read_manifest(str(ckpt))
+
+
+def test_trainer_optimizer_groups_are_placed_by_the_trainers_rule(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """The Trainer's optimizer.pt has two unnamed groups (weight decay, then none); reshard
+    places them by the Trainer's own rule, sizes and shapes checked: every AdamW moment equals
+    the live optimizer's, read back with torch's DCP reader."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    p = produced("trainer_full")
+    out = tmp_path / "dcp"
+    ckptools.reshard(str(p.path / "checkpoint-2"), str(out), world_size=2, quiet=True)
+    with pytest.warns(UserWarning):  # torch: no process group, loading in one process
+        got = _load_state_dict_from_keys(storage_reader=FileSystemReader(str(out)))
+    ref = p.reference()["optim"]
+    decay, no_decay = ref["param_groups"]
+    assert decay and no_decay and all("norm" in n for n in no_decay)  # two real groups
+    assert got["optim"]["state"].keys() == ref["state"].keys()
+    for fqn, moments in ref["state"].items():
+        for name, want in moments.items():
+            assert torch.equal(got["optim"]["state"][fqn][name], want), (fqn, name)
+    groups = got["optim"]["param_groups"]  # read without a template: keyed "0", "1"
+    assert sorted(groups["1"]["params"]) == sorted(no_decay)
+    assert groups["1"]["weight_decay"] == 0.0 and groups["0"]["weight_decay"] == 0.01

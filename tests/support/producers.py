@@ -1655,9 +1655,22 @@ def trainer_full(
         report_to=[],
         weight_decay=0.01,
     )
-    Trainer(model=model, args=args, train_dataset=Tokens()).train()
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train()
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    _save_reference(ref_path, sd, None, {"model": None, "optim": None, "extra": None})
+    # the live optimizer's state by FQN (what the job held, not what the files say)
+    names = {id(p): n for n, p in model.named_parameters()}
+    live = trainer.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps torch's AdamW
+    state = {
+        names[id(p)]: {k: v.detach().clone() for k, v in live.state[p].items()}
+        for g in live.param_groups
+        for p in g["params"]
+    }
+    optim = {
+        "state": state,
+        "param_groups": [[names[id(p)] for p in g["params"]] for g in live.param_groups],
+    }
+    _save_reference(ref_path, sd, optim, {"model": None, "optim": None, "extra": None})
 
 
 def lightning_ckpt(out: str | os.PathLike[str], ref_path: str | os.PathLike[str]) -> None:
