@@ -17,9 +17,9 @@ under one name prefix, in order, none inside another but the root, which holds w
 :func:`partition` finds every wrapping of that kind whose FlatParameter sizes give the saved
 ``c`` at ``W`` (a search, bounded in steps and pruned by the elements still needed) and accepts
 exactly one; none, or two that place elements differently, is refused with the numbers, since a
-guess would put moments on the wrong parameters. Nested wrapping below the root's children and
-``use_orig_params=True`` (per-parameter state, no FlatParameters) fit no such wrapping and are
-refused by it.
+guess would put moments on the wrong parameters. Nested wrapping below the root's children fits
+no such wrapping and is refused by it. (``use_orig_params=True`` keeps per-parameter state,
+each rank's slice of a parameter: no FlatParameters to place; the verl layout reads it as is.)
 
 :func:`state_chunks` then turns one moment's per-rank flat tensors into a parameter's chunks:
 the parameter's range of the FlatParameter met with each rank's range, each piece a few boxes
@@ -206,8 +206,7 @@ def partition(
             f"{where}: {len(local)} FlatParameter shards of [{sizes}] elements per rank at "
             f"world size {world}, over {len(params)} parameters / "
             f"{sum(p.numel for p in params):,} elements: {why}, so which moment belongs to which "
-            "parameter is not known (FSDP1 use_orig_params=True and nested wrapping are not "
-            "read)"
+            "parameter is not known (nested wrapping is not read)"
         )
     return next(iter(placements.values()))
 

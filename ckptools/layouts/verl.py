@@ -26,7 +26,9 @@ parameters and the shards' sizes by FSDP's own rule and places each moment on it
 (``optimizer.state.<fqn>.<name>``, the groups' ``params`` as FQNs, as
 ``FSDP.optim_state_dict`` names them); where the sizes fit no wrapping, or several, the
 optimizer is refused with the numbers and ``reshard`` carries it only with
-``--drop-optimizer``.
+``--drop-optimizer``. With ``use_orig_params=True`` the optimizer holds the original
+parameters instead, each rank's state its 1-D slice of the parameter, which the ranks' slices
+in rank order make whole (:func:`_orig_params_optimizer`).
 
 A rank's missing model or optimizer file is named; the world size is ``fsdp_config.json``'s and
 must agree with the file names. ``extra_state_*.pt`` and ``huggingface/`` are auxiliary files:
@@ -63,7 +65,7 @@ from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
 from ckptools.layouts import fsdp1_flat
 from ckptools.layouts.base import Layout, digest, directory_names, read_marker, register
-from ckptools.layouts.deepspeed_partitions import RankFlat
+from ckptools.layouts.deepspeed_partitions import RankFlat, Segment, chunks_of
 from ckptools.layouts.torch_save import flatten
 
 LAYOUT = "verl"
@@ -286,12 +288,9 @@ def _flat_optimizer(merged: _Merged, reader: Reader, files: dict[int, str], worl
     first = ranks[0]
     ids = [str(x) for g in first.groups for x in g["params"]]
     params = [fsdp1_flat.Param(fqn, merged.tensors[fqn].shape) for fqn in merged.sharded]
-    if len(ids) == len(params) > 1:
-        raise UnsupportedCheckpointError(
-            f"{first.where}: the optimizer lists {len(ids)} parameters, one per model parameter, "
-            "not FlatParameters: FSDP1 with use_orig_params=True, whose per-rank slices of the "
-            "FlatParameters (with FSDP's alignment padding) ckptools does not place"
-        )
+    if len(ids) > 1 and len(ids) in (len(params), len(params) - len(_maybe_tied(merged, reader))):
+        _orig_params_optimizer(merged, reader, ranks, params, ids)
+        return
     local = [_flat_size(ranks, uid) for uid in ids]
     shared = _maybe_tied(merged, reader)
     placement = fsdp1_flat.partition(params, world, local, first.where, shared)
@@ -332,6 +331,89 @@ def _flat_optimizer(merged: _Merged, reader: Reader, files: dict[int, str], worl
     merged.chunks.update(out.chunks)
     merged.objects.update(out.objects)
     merged.paths.update(out.paths)
+
+
+def _orig_params_optimizer(
+    merged: _Merged,
+    reader: Reader,
+    ranks: Sequence[_OptimizerFile],
+    params: list[fsdp1_flat.Param],
+    ids: list[str],
+) -> None:
+    """FSDP1 with ``use_orig_params=True``: the optimizer holds the original parameters, in
+    model order (a tied one once), each rank's state the 1-D slice of the parameter its part of
+    the FlatParameter holds (none where it holds no element). The ranks' parts follow each other
+    in the FlatParameter, so a parameter's slices in rank order, back to back, are the
+    parameter flattened: no wrapping or padding needs knowing. Every parameter's slices must
+    add up to its elements.
+
+    Raises:
+        UnsupportedCheckpointError: a parameter's slices do not add up, or a state is neither
+            1-D slices nor a scalar.
+    """
+    first = ranks[0]
+    if len(ids) < len(params):
+        tied = set(_maybe_tied(merged, reader))
+        params = [p for p in params if p.fqn not in tied]
+    out = _Merged(merged.root, offsets=merged.offsets)
+    for uid, param in zip(ids, params, strict=True):
+        held = [(r, f) for r, f in enumerate(ranks) if f.state.get(uid)]
+        if not held:
+            raise UnsupportedCheckpointError(
+                f"{first.where}: no rank holds optimizer state {uid} ({param.fqn!r})"
+            )
+        for name, value in held[0][1].state[uid].items():
+            if isinstance(value, safe_pickle.TensorRef) and len(value.shape) == 1:
+                chunks = _slices(out, reader, held, uid, name, param)
+                out.put_state(param.fqn, name, value.dtype, param.shape, chunks)
+            elif isinstance(value, safe_pickle.TensorRef) and not value.shape:
+                r, f = held[0]
+                chunk = out._chunk(reader, f.archive, f.rel, r, value, ())
+                out.put_state(param.fqn, name, value.dtype, (), (chunk,))
+            elif isinstance(value, safe_pickle.TensorRef | safe_pickle.OtherTensor):
+                raise UnsupportedCheckpointError(
+                    f"{first.where}: state {name!r} of {param.fqn!r} is neither 1-D slices nor "
+                    "a scalar"
+                )
+            else:
+                out.put_value((OPTIMIZER, "state", param.fqn, name), safe_pickle.unwrap(value))
+    names = dict(zip(ids, (p.fqn for p in params), strict=True))
+    groups = [{**g, "params": [names[str(u)] for u in g["params"]]} for g in first.groups]
+    out.put_value((OPTIMIZER, "param_groups"), groups)
+    merged.tensors.update(out.tensors)
+    merged.chunks.update(out.chunks)
+    merged.objects.update(out.objects)
+    merged.paths.update(out.paths)
+
+
+def _slices(
+    out: _Merged,
+    reader: Reader,
+    held: list[tuple[int, _OptimizerFile]],
+    uid: str,
+    name: str,
+    param: fsdp1_flat.Param,
+) -> tuple[Chunk, ...]:
+    """``param``'s chunks of state ``name`` from the ranks' 1-D slices, in rank order."""
+    segments, flats, at = [], {}, 0
+    for r, f in held:
+        ref = f.state[uid].get(name)
+        if not isinstance(ref, safe_pickle.TensorRef) or len(ref.shape) != 1:
+            raise UnsupportedCheckpointError(
+                f"{f.where}: state {name!r} of {param.fqn!r} is {safe_pickle.short(ref)}, not "
+                "a 1-D slice"
+            )
+        chunk = out._chunk(reader, f.archive, f.rel, r, ref, (0,))
+        itemsize = dtypes.dtype(ref.dtype).itemsize
+        flats[r] = RankFlat(((f.rel, chunk.offset, ref.shape[0]),), ref.dtype, itemsize)
+        segments.append(Segment(r, 0, at, ref.shape[0]))
+        at += ref.shape[0]
+    if at != param.numel:
+        raise UnsupportedCheckpointError(
+            f"{held[0][1].where}: the ranks' slices of {param.fqn!r}'s {name!r} hold {at} "
+            f"elements, the parameter {param.numel}: not FSDP1's use_orig_params layout"
+        )
+    return chunks_of(param.shape, segments, flats)
 
 
 @dataclass(frozen=True)

@@ -62,11 +62,20 @@ def _resume_and_gather(
 
 @pytest.mark.parametrize("target", [2, 3])
 @pytest.mark.parametrize(
-    "name", ["fsdp2_ws2", "fsdp2_ws3", "fsdp2_hsdp_ws4", "fsdp1_ws2", "fsdp1_ws3_tied"]
+    "name",
+    [
+        "fsdp2_ws2",
+        "fsdp2_ws3",
+        "fsdp2_hsdp_ws4",
+        "fsdp1_ws2",
+        "fsdp1_ws3_tied",
+        "fsdp1_ws3_tied_orig_params",
+    ],
 )
 def test_resharded_verl_checkpoint_resumes_in_fsdp2(name: str, target: int, tmp_path: Path) -> None:
     """FSDP1 runs included: their optimizer files hold FlatParameter shards, placed on the
-    parameters by FSDP's own flattening rule (padding at 3 ranks, the tied embedding once)."""
+    parameters by FSDP's own flattening rule (padding at 3 ranks, the tied embedding once), or,
+    with use_orig_params=True, each rank's slice of every parameter."""
     src, out = VERL / name, tmp_path / "dcp"
     result = CliRunner().invoke(
         cli, ["reshard", str(src), str(out), "--world-size", str(target), "--json", "-q"]

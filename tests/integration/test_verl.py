@@ -27,7 +27,7 @@ from tests.support.reference import assert_bitwise_equal, load_reference
 
 VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
 FSDP2 = ["fsdp2_ws2", "fsdp2_ws3", "fsdp2_hsdp_ws4"]
-FSDP1 = ["fsdp1_ws2", "fsdp1_ws3_tied"]
+FSDP1 = ["fsdp1_ws2", "fsdp1_ws3_tied", "fsdp1_ws2_orig_params", "fsdp1_ws3_tied_orig_params"]
 
 
 def _ckpt(*args: str) -> Any:
@@ -65,7 +65,7 @@ def test_uneven_split_offsets_are_torchs() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", [*FSDP2, *FSDP1, "fsdp1_ws2_orig_params"])
+@pytest.mark.parametrize("name", [*FSDP2, *FSDP1])
 def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     # the config comes from verl's huggingface/ without --config
@@ -181,15 +181,19 @@ def test_fsdp1_optimizer_reshards_bit_exactly(name: str, tmp_path: Path) -> None
     assert_bitwise_equal(got["model"], ref["model"])
 
 
-def test_fsdp1_use_orig_params_optimizer_is_refused_by_name(tmp_path: Path) -> None:
-    """use_orig_params=True saves per-parameter slices of the FlatParameters: not placed, said
-    so; the model still consolidates (test_consolidate_is_bit_exact)."""
-    src = VERL / "fsdp1_ws2_orig_params"
-    result = _ckpt("reshard", str(src), str(tmp_path / "o"), "--world-size", "2")
+def test_fsdp1_slices_that_do_not_add_up_are_refused_and_the_model_still_reads(
+    tmp_path: Path,
+) -> None:
+    """use_orig_params=True: a rank's optimizer file copied over another's (the same world
+    size and names) gives slices that do not add up to the parameters: reshard refuses the
+    optimizer by name, consolidate still writes the model."""
+    ckpt = _copy("fsdp1_ws2_orig_params", tmp_path)
+    shutil.copy(ckpt / "optim_world_size_2_rank_0.pt", ckpt / "optim_world_size_2_rank_1.pt")
+    result = _ckpt("reshard", str(ckpt), str(tmp_path / "o"), "--world-size", "2")
     assert result.exit_code == 1, result.output
-    assert "use_orig_params=True" in result.output and "--drop-optimizer" in result.output
-    assert "optim_world_size_2_rank_0.pt" in result.output
+    assert "slices of" in result.output and "--drop-optimizer" in result.output
     assert not (tmp_path / "o").exists()
+    assert _ckpt("consolidate", str(ckpt), str(tmp_path / "hf"), "-q").exit_code == 0
 
 
 def test_only_the_sharded_tensor_getattr_is_admitted(tmp_path: Path) -> None:
