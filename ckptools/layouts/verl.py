@@ -268,6 +268,13 @@ class _Merged:
         self.paths[key] = path
         self.objects[key] = ObjectEntry(key, value=value, has_value=True, encoding="raw")
 
+    def add_to(self, merged: _Merged) -> None:
+        """Add this one's entries (read into a fresh one, so that a refusal adds none)."""
+        merged.tensors.update(self.tensors)
+        merged.chunks.update(self.chunks)
+        merged.objects.update(self.objects)
+        merged.paths.update(self.paths)
+
     def entries(self) -> dict[str, TensorEntry]:
         return {
             fqn: TensorEntry(fqn, e.dtype, e.shape, tuple(self.chunks[fqn]))
@@ -276,21 +283,46 @@ class _Merged:
 
 
 def _flat_optimizer(merged: _Merged, reader: Reader, files: dict[int, str], world: int) -> None:
-    """FSDP1's per-rank ``optimizer.state_dict()`` of FlatParameters, placed on the parameters
-    by :mod:`ckptools.layouts.fsdp1_flat` and added to ``merged`` under ``optimizer`` keyed by
-    FQN; nothing is added when it raises.
+    """FSDP1's per-rank ``optimizer.state_dict()``, placed on the parameters and added to
+    ``merged`` under ``optimizer`` keyed by FQN; nothing is added when it raises. One entry
+    per parameter is ``use_orig_params=True``'s slices (:func:`_orig_params_optimizer`),
+    else FlatParameter shards (:func:`_place_flat`, :mod:`ckptools.layouts.fsdp1_flat`).
 
     Raises:
         UnsupportedCheckpointError: the files are not such state dicts, or the shards fit no
-            single wrapping (the message says why).
+            single wrapping, or the slices do not add up (the message says why).
     """
     ranks = [_OptimizerFile.read(merged.root, reader, files[r]) for r in range(world)]
     first = ranks[0]
     ids = [str(x) for g in first.groups for x in g["params"]]
     params = [fsdp1_flat.Param(fqn, merged.tensors[fqn].shape) for fqn in merged.sharded]
+    orig_error = None
     if len(ids) > 1 and len(ids) in (len(params), len(params) - len(_maybe_tied(merged, reader))):
-        _orig_params_optimizer(merged, reader, ranks, params, ids)
-        return
+        # one entry per parameter: use_orig_params=True (or every FlatParameter one
+        # parameter, which the FlatParameter reading below also places)
+        try:
+            _orig_params_optimizer(merged, reader, ranks, params, ids)
+            return
+        except UnsupportedCheckpointError as e:
+            orig_error = e
+    try:
+        _place_flat(merged, reader, ranks, params, ids)
+    except UnsupportedCheckpointError:
+        if orig_error is not None:
+            raise orig_error from None
+        raise
+
+
+def _place_flat(
+    merged: _Merged,
+    reader: Reader,
+    ranks: Sequence[_OptimizerFile],
+    params: list[fsdp1_flat.Param],
+    ids: list[str],
+) -> None:
+    """FlatParameter shards placed by :func:`fsdp1_flat.partition` (see :func:`_flat_optimizer`)."""
+    first = ranks[0]
+    world = len(ranks)
     local = [_flat_size(ranks, uid) for uid in ids]
     shared = _maybe_tied(merged, reader)
     placement = fsdp1_flat.partition(params, world, local, first.where, shared)
@@ -327,10 +359,7 @@ def _flat_optimizer(merged: _Merged, reader: Reader, files: dict[int, str], worl
         {**g, "params": [n for u in g["params"] for n in names[str(u)]]} for g in first.groups
     ]
     out.put_value((OPTIMIZER, "param_groups"), groups)
-    merged.tensors.update(out.tensors)
-    merged.chunks.update(out.chunks)
-    merged.objects.update(out.objects)
-    merged.paths.update(out.paths)
+    out.add_to(merged)
 
 
 def _orig_params_optimizer(
@@ -380,10 +409,7 @@ def _orig_params_optimizer(
     names = dict(zip(ids, (p.fqn for p in params), strict=True))
     groups = [{**g, "params": [names[str(u)] for u in g["params"]]} for g in first.groups]
     out.put_value((OPTIMIZER, "param_groups"), groups)
-    merged.tensors.update(out.tensors)
-    merged.chunks.update(out.chunks)
-    merged.objects.update(out.objects)
-    merged.paths.update(out.paths)
+    out.add_to(merged)
 
 
 def _slices(
