@@ -91,6 +91,7 @@ class InspectReport:
                 "objects": len(m.objects),
                 "parameters": m.total_params,
                 "bytes": m.total_bytes,
+                "tied_aliases": sorted(m.aliases()),
                 "bytes_per_dtype": m.bytes_per_dtype(),
                 "bytes_per_file": bytes_per_file,
                 "bytes_per_rank": {str(k): v for k, v in sorted(bytes_per_rank.items())},

@@ -137,6 +137,11 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
     out.append(
         f"  {tot['tensors']} tensors, {tot['objects']} objects, "
         f"{human_count(tot['parameters'])} parameters, {human_bytes(tot['bytes'])}"
+        + (
+            f" ({len(tot['tied_aliases'])} tied name(s) sharing another's bytes counted once)"
+            if tot.get("tied_aliases")
+            else ""
+        )
     )
     out.append(
         "  by dtype: "

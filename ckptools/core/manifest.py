@@ -166,19 +166,41 @@ class Manifest:
         """The directory that ``files`` (and every chunk's ``file``) are relative to."""
         return self.root if self.data_root is None else self.data_root
 
+    def aliases(self) -> set[str]:
+        """FQNs whose bytes are an earlier tensor's: a tied weight a ``torch.save`` state dict
+        keeps once under two names (same dtype, shape and stored chunks)."""
+        seen: set[tuple[Any, ...]] = set()
+        out: set[str] = set()
+        for fqn, t in self.tensors.items():
+            if not t.chunks or not t.numel:
+                continue
+            where = tuple(sorted((c.file, c.offset, c.length, c.encoding) for c in t.chunks))
+            key = (t.dtype, t.shape, where)
+            if key in seen:
+                out.add(fqn)
+            else:
+                seen.add(key)
+        return out
+
     @property
     def total_bytes(self) -> int:
-        """Bytes of all tensors at their global shapes."""
-        return sum(t.nbytes for t in self.tensors.values())
+        """Bytes of all tensors at their global shapes, a tied alias (:meth:`aliases`) once."""
+        aliases = self.aliases()
+        return sum(t.nbytes for fqn, t in self.tensors.items() if fqn not in aliases)
 
     @property
     def total_params(self) -> int:
-        return sum(t.numel for t in self.tensors.values())
+        """Elements of all tensors, a tied alias (:meth:`aliases`) once, as
+        ``model.num_parameters()`` counts them."""
+        aliases = self.aliases()
+        return sum(t.numel for fqn, t in self.tensors.items() if fqn not in aliases)
 
     def bytes_per_dtype(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for t in self.tensors.values():
-            out[t.dtype] = out.get(t.dtype, 0) + t.nbytes
+        aliases = self.aliases()
+        for fqn, t in self.tensors.items():
+            if fqn not in aliases:
+                out[t.dtype] = out.get(t.dtype, 0) + t.nbytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def bytes_per_file(self) -> dict[str, int]:

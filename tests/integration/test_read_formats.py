@@ -4,6 +4,7 @@ safetensors directories and torch.save files, bit-exactly against the producer's
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -68,3 +69,21 @@ def test_torch_save_shared_storage_and_views(tmp_path: object) -> None:
     assert manifest.tensors["a"].chunks[0].offset == manifest.tensors["tied"].chunks[0].offset
     for fqn, expected in sd.items():
         assert torch.equal(ckptools.read_tensor(manifest, fqn), expected.contiguous()), fqn
+
+
+def test_inspect_counts_a_tied_weight_once(tmp_path: Path) -> None:
+    """``torch.save`` keeps a tied weight once under two names: inspect's totals count its
+    elements and bytes once, as ``model.num_parameters()`` does, and name the alias."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=50, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    totals = ckptools.inspect(str(path)).to_dict()["totals"]
+    assert totals["parameters"] == model.num_parameters()
+    assert totals["bytes"] == model.num_parameters() * 4
+    assert totals["tied_aliases"] == ["lm_head.weight"]
