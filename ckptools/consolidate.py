@@ -293,7 +293,8 @@ class _Run:
     @classmethod
     def planned(cls, src: str, out: str, options: ConsolidateOptions, started: float) -> _Run:
         """Read the source once, find the model files, choose the tensors and plan the files."""
-        manifest = read_manifest(src, options.format)
+        # exporting the model (not a --select'ed sub-tree): per-rank optimizer files unread
+        manifest = read_manifest(src, options.format, model_only=options.select is None)
         model_files = find_model_files(src, options.config, manifest.details.get(MODEL_FILES_DIR))
         tie = tie_setting(model_files)
         export = plan_export(manifest, options, tie, model_config(model_files),

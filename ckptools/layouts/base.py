@@ -85,14 +85,28 @@ def detect(path: str, format: str | None = None) -> Layout:
     )
 
 
-def read_manifest(path: str, format: str | None = None) -> Manifest:
+def read_manifest(path: str, format: str | None = None, *, model_only: bool = False) -> Manifest:
     """Detect the layout of ``path`` and read its :class:`~ckptools.core.manifest.Manifest`.
 
     Each marker file is read from storage once, even when a probe looked inside it first
-    (:func:`read_marker`).
+    (:func:`read_marker`). ``model_only``: the caller exports the model and nothing else, so a
+    layout that keeps the optimizer in files of its own (one per rank) may leave them unread
+    (:func:`model_only`; it says so in the notes).
     """
-    with _markers_read_once():
-        return detect(path, format).read_manifest(path)
+    token = _MODEL_ONLY.set(model_only)
+    try:
+        with _markers_read_once():
+            return detect(path, format).read_manifest(path)
+    finally:
+        _MODEL_ONLY.reset(token)
+
+
+_MODEL_ONLY: ContextVar[bool] = ContextVar("ckptools_model_only", default=False)
+
+
+def model_only() -> bool:
+    """Whether the :func:`read_manifest` under way may leave optimizer-only files unread."""
+    return _MODEL_ONLY.get()
 
 
 #: Marker bytes a probe read during the current :func:`read_manifest`, kept for the layout's

@@ -64,7 +64,14 @@ from ckptools.formats import dtensor, safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
 from ckptools.layouts import fsdp1_flat
-from ckptools.layouts.base import Layout, digest, directory_names, read_marker, register
+from ckptools.layouts.base import (
+    Layout,
+    digest,
+    directory_names,
+    model_only,
+    read_marker,
+    register,
+)
 from ckptools.layouts.deepspeed_partitions import RankFlat, Segment, chunks_of
 from ckptools.layouts.torch_save import flatten
 
@@ -589,7 +596,12 @@ def read_verl(path: str) -> Manifest:
     notes = []
     unreadable = None
     read = ["model"]
-    if version == 2:
+    if files.get("optim") and model_only():
+        # the caller exports the model: W optimizer pickles left unparsed
+        notes.append(
+            f"{len(files['optim'])} optimizer file(s) not read: the model alone is exported"
+        )
+    elif version == 2:
         for rank in sorted(files.get("optim", {})):
             merged.add_file(reader, files["optim"][rank], rank, (OPTIMIZER,))
         read.append("optim")

@@ -257,3 +257,17 @@ def test_inspect_names_the_mesh_and_what_each_rank_holds() -> None:
     assert "mesh: 2 x 2; placements: (Replicate, Shard(0)) 63 tensors" in text
     assert "by rank: 0: 139.0 KiB (84 chunks)" in text
     assert "ranks 2, 3: no tensor bytes read" in text
+
+
+def test_consolidate_leaves_the_optimizer_files_unread(tmp_path: Path) -> None:
+    """Exporting the model, consolidate parses no optimizer pickle (one per rank: at hundreds
+    of ranks, most of the metadata), even a damaged one, and says so; --select optimizer
+    still reads them."""
+    ckpt = _copy("fsdp2_ws3", tmp_path)
+    for rank in range(3):
+        (ckpt / f"optim_world_size_3_rank_{rank}.pt").write_bytes(b"not a pickle")
+    result = _ckpt("consolidate", str(ckpt), str(tmp_path / "hf"), "--json", "-q")
+    assert result.exit_code == 0, result.output
+    assert any("3 optimizer file(s) not read" in n for n in json.loads(result.output)["notes"])
+    again = _ckpt("consolidate", str(ckpt), str(tmp_path / "opt"), "--select", "optimizer")
+    assert again.exit_code == 1 and "optim_world_size_3_rank_0.pt" in again.output
