@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -67,8 +67,34 @@ def _rank_and_world() -> tuple[int, int] | None:
         tdist.init_process_group("gloo")
         # The group is ours: tear it down at exit (the caller may still use it until then).
         atexit.register(tdist.destroy_process_group)
+        global _GROUP_STARTED_HERE
+        _GROUP_STARTED_HERE = True
         return int(tdist.get_rank()), int(tdist.get_world_size())
     return None
+
+
+#: Whether :func:`current` initialised the process group (a command run under torchrun).
+_GROUP_STARTED_HERE = False
+
+
+def leave_if_launched(code: int) -> None:
+    """End this process now with ``code`` when it is one rank of a command run under torchrun
+    (its process group initialised here); otherwise return.
+
+    Every rank has the same result once the last all-gather returns; ending at once, without the
+    interpreter's teardown and gloo's (which sometimes aborts), makes the ranks leave together.
+    torchrun stops the workers still running when the first one fails, so a rank slow to tear
+    down would otherwise end killed rather than with the code it decided.
+    """
+    if not _GROUP_STARTED_HERE:
+        return
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def current(distributed: bool = True) -> Ranks:

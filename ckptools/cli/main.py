@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ckptools import collective
 from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_USAGE
 from ckptools.errors import CkptError, UsageError
 
@@ -84,7 +85,12 @@ _register()
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli.main(args=argv, prog_name="ckpt")
+    try:
+        cli.main(args=argv, prog_name="ckpt")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            collective.leave_if_launched(e.code or 0)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover
