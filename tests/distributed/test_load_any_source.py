@@ -290,3 +290,30 @@ def test_another_model_is_refused_naming_the_fqn(tmp_path: Path) -> None:
         ckptools.load(src, other)
     with pytest.raises(CkptError, match="holds no optimizer state"):
         ckptools.load(src, model, _make_optimizer(model)[0])
+
+
+def test_a_bf16_deepspeed_run_into_an_fp32_job_is_refused_by_name(tmp_path: Path) -> None:
+    """A bf16 ZeRO run keeps fp32 masters of its trainable parameters only: the frozen layer
+    exists in bf16 alone, and a resume into an fp32 model must refuse it rather than cast."""
+    from tests.support.deepspeed_producers import (
+        _model,
+        case_dir,
+        deepspeed_available,
+        produce_zero,
+    )
+
+    if not deepspeed_available():
+        pytest.skip("DeepSpeed is not installed (make setup installs it)")
+    produce_zero(str(tmp_path / "ds"), 2, [(3, "bf16")])
+    path = Path(case_dir(str(tmp_path / "ds"), 3, "bf16"))
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        UsageError,
+        match=r"'model\.frozen\.(weight|bias)' is bfloat16, the job's is "
+        r"float32; a resume does not cast",
+    ) as err:
+        ckptools.load(path, model)
+    assert str(err.value).startswith(str(path))  # the file that holds it is named
+    # refused before anything was placed: the model is as it was
+    assert_bitwise_equal(dict(model.state_dict()), before, "model")
