@@ -295,7 +295,9 @@ class _Run:
         """Read the source once, find the model files, choose the tensors and plan the files."""
         # exporting the model (not a --select'ed sub-tree): per-rank optimizer files unread
         manifest = read_manifest(src, options.format, model_only=options.select is None)
-        model_files = find_model_files(src, options.config, manifest.details.get(MODEL_FILES_DIR))
+        model_files = find_model_files(
+            src, options.config, manifest.details.get(MODEL_FILES_DIR), data_dir=manifest.data_dir()
+        )
         tie = tie_setting(model_files)
         export = plan_export(manifest, options, tie, model_config(model_files),
                              check=not options.dry_run)  # fmt: skip

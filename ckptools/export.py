@@ -181,15 +181,17 @@ def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
 
 
 def find_model_files(
-    src: str, config: str | None, inside: str | None = None
+    src: str, config: str | None, inside: str | None = None, *, data_dir: str | None = None
 ) -> list[tuple[str, str]]:
     """``(source path, name in OUT)`` of the config and tokenizer files to copy.
 
     ``config`` may be a ``config.json`` file (copied alone) or a directory; by default the
     checkpoint's own model-files subdirectory ``inside`` (``MODEL_FILES_DIR`` in its manifest's
     details: verl's ``huggingface/``), the checkpoint directory, then its parent, are searched,
-    and the first holding ``config.json`` is used. A file of a directory must lie inside it
-    (:func:`ckptools.io.storage.contained`).
+    and the first holding ``config.json`` is used. ``data_dir``: the directory the checkpoint's
+    files lie in when the layout found it below ``src`` (a run directory's newest checkpoint),
+    searched (with ``inside`` below it, and its parent) before ``src``. A file of a directory
+    must lie inside it (:func:`ckptools.io.storage.contained`).
 
     Raises:
         UsageError: ``config`` names nothing usable.
@@ -206,15 +208,18 @@ def find_model_files(
                 )
             return _copied_from(config, found)
         raise UsageError(f"--config {config}: no such file or directory")
-    if storage.is_url(src):
-        here = src.rstrip("/") if storage.isdir(src) else storage.dirname(src)
-        parent = storage.dirname(here)
-    else:
-        here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
-        parent = os.path.dirname(os.path.abspath(here))
-    directories = [here, parent]
-    if inside:  # named by the layout, and kept inside the checkpoint like any name in it
-        directories.insert(0, storage.contained(here, inside, named_by=here, entry="holds"))
+    directories: list[str] = []
+    for start in (data_dir, src) if data_dir not in (None, src) else (src,):
+        assert start is not None
+        if storage.is_url(start):
+            here = start.rstrip("/") if storage.isdir(start) else storage.dirname(start)
+            parent = storage.dirname(here)
+        else:
+            here = start if os.path.isdir(start) else os.path.dirname(os.path.abspath(start))
+            parent = os.path.dirname(os.path.abspath(here))
+        if inside and not directories:  # named by the layout, kept inside the checkpoint
+            directories.append(storage.contained(here, inside, named_by=here, entry="holds"))
+        directories += [d for d in (here, parent) if d not in directories]
     for directory in directories:
         found = _config_dir_files(directory)
         if "config.json" in found:

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, replace
 from typing import Any
 
 import xxhash
 
 from ckptools.core.manifest import Manifest
-from ckptools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnknownFormatError
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnknownFormatError,
+)
 from ckptools.io import storage
 
 
@@ -150,6 +157,67 @@ def directory_names(path: str) -> list[str] | None:
         return list(storage.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The numbered checkpoint directory a run's outer directory resolves to."""
+
+    parent: str
+    name: str  # the entry of ``parent`` chosen
+    total: int  # how many numbered entries there were
+    skipped: tuple[str, ...]  # incomplete ones, newer or older, ignored
+    why: str = "the newest complete"
+
+    def note(self) -> str:
+        """Which directory was read, and why."""
+        note = f"{self.parent}: using {self.name}, {self.why} of {self.total} checkpoints"
+        if self.skipped:
+            note += f" (incomplete, ignored: {', '.join(self.skipped)})"
+        return note
+
+    def noted(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with :meth:`note` added to its notes."""
+        return replace(manifest, notes=(*manifest.notes, self.note()))
+
+
+def newest_numbered(
+    path: str,
+    pattern: re.Pattern[str],
+    complete: Callable[[str], bool],
+    missing: str,
+    *,
+    prefer: tuple[str, str] | None = None,
+) -> Chosen | None:
+    """The newest complete directory of ``path`` whose name ``pattern`` matches (its group 1 is
+    the number): what a run's output directory resolves to. None when there is none at all.
+
+    Args:
+        complete: whether a matching directory holds a whole checkpoint.
+        missing: what an incomplete one lacks, for the error.
+        prefer: (name, file): the entry the producer's own record of its last completed save
+            (``file``) names, used instead of the newest when it is among the complete ones.
+
+    Raises:
+        IncompleteCheckpointError: there are some, none complete.
+    """
+    found = []
+    for name in directory_names(path) or ():
+        m = pattern.match(name)
+        if m and storage.isdir(storage.join(path, name)):
+            found.append((int(m.group(1)), name))
+    if not found:
+        return None
+    found.sort()
+    usable = [n for _, n in found if complete(storage.join(path, n))]
+    skipped = tuple(n for _, n in found if n not in usable)
+    if not usable:
+        raise IncompleteCheckpointError(
+            f"{path}: none of {', '.join(n for _, n in found)} is complete ({missing})", path=path
+        )
+    if prefer is not None and prefer[0] in usable:
+        return Chosen(path, prefer[0], len(found), skipped, f"the last save {prefer[1]} records,")
+    return Chosen(path, usable[-1], len(found), skipped)
 
 
 def digest(data: bytes) -> str:

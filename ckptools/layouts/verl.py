@@ -30,6 +30,12 @@ optimizer is refused with the numbers and ``reshard`` carries it only with
 parameters instead, each rank's state its 1-D slice of the parameter, which the ranks' slices
 in rank order make whole (:mod:`ckptools.layouts.fsdp1_optim`).
 
+verl's trainers save each step as ``<default_local_dir>/global_step_N/actor/`` (and ``critic/``
+for PPO's value model), recording the last completed save's ``N`` in
+``latest_checkpointed_iteration.txt``: a ``global_step_N`` directory reads as its ``actor/``
+(the policy; a note names the ``critic/`` beside it), and the outer directory as the
+``global_step_N`` that file records, else the newest complete one.
+
 A rank's missing model or optimizer file is named; the world size is ``fsdp_config.json``'s and
 must agree with the file names. ``extra_state_*.pt`` and ``huggingface/`` are auxiliary files:
 ``consolidate`` copies ``huggingface/``; ``reshard`` notes that the per-rank RNG and scheduler
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 from ckptools.core.manifest import (
     MODEL_FILES_DIR,
@@ -60,6 +67,7 @@ from ckptools.layouts.base import (
     digest,
     directory_names,
     model_only,
+    newest_numbered,
     read_marker,
     register,
 )
@@ -71,6 +79,10 @@ CONFIG = "fsdp_config.json"
 RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 #: fsdp_config.json is two numbers; anything past this is not verl's
 _CONFIG_MAX_BYTES = 64 << 10
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+#: the roles a verl trainer saves under global_step_N/, the one read first
+ROLES = ("actor", "critic")
+LATEST = "latest_checkpointed_iteration.txt"
 
 
 def rank_file(kind: str, world_size: int, rank: int) -> str:
@@ -203,25 +215,89 @@ def _rank_of(rel: str) -> int | None:
     return int(m.group(3)) if m else None
 
 
+def _reason(path: str) -> str | None:
+    """Why ``path`` is not one verl checkpoint directory (None when it is)."""
+    listed = directory_names(path)
+    if listed is None:
+        return "not a directory"
+    names = set(listed)
+    if CONFIG not in names:
+        return f"no {CONFIG}"
+    if not any(RANK_FILE.match(n) for n in names):
+        return "no *_world_size_W_rank_r.pt rank files"
+    return None
+
+
+def _roles(step_dir: str) -> list[str]:
+    """The roles (``actor``, ``critic``) saved under ``step_dir`` as verl checkpoints."""
+    return [
+        r
+        for r in ROLES
+        if storage.outside_reason(step_dir, r) is None
+        and _reason(storage.join(step_dir, r)) is None
+    ]
+
+
+def _recorded_step(path: str) -> tuple[str, str] | None:
+    """``global_step_N`` as ``latest_checkpointed_iteration.txt`` in ``path`` records it."""
+    where = storage.join(path, LATEST)
+    if storage.outside_reason(path, LATEST) is not None or not storage.isfile(where):
+        return None
+    if storage.size(where) > _CONFIG_MAX_BYTES:
+        return None
+    text = storage.read_bytes(where).decode("ascii", "replace").strip()
+    return (f"global_step_{int(text)}", LATEST) if text.isdigit() else None
+
+
+def _resolve(path: str) -> tuple[str, list[str]]:
+    """The verl checkpoint directory ``path`` stands for (itself, its ``actor/``, or that of the
+    ``global_step_N`` it holds) and the notes saying which was chosen."""
+    if _reason(path) is None:
+        return path, []
+    notes = []
+    step_dir = path
+    found = newest_numbered(
+        path,
+        STEP_DIR,
+        lambda p: bool(_roles(p)),
+        "no actor/ or critic/ holding fsdp_config.json and rank files",
+        prefer=_recorded_step(path),
+    )
+    if found is not None:
+        step_dir = storage.contained(path, found.name, named_by=path, entry="holds")
+        notes.append(found.note())
+    roles = _roles(step_dir)
+    role = roles[0]
+    if len(roles) > 1:
+        notes.append(
+            f"{step_dir}: reading {role}/ ({', '.join(r + '/' for r in roles[1:])} beside it: "
+            "pass that directory to read it)"
+        )
+    return storage.contained(step_dir, role, named_by=step_dir, entry="holds"), notes
+
+
 class VerlLayout(Layout):
     # Before torch_save (25): a one-rank verl directory is also a directory of .pt files.
     priority = 22
     name = LAYOUT
-    description = "verl FSDPCheckpointManager per-rank files (*_world_size_W_rank_r.pt)"
+    description = (
+        "verl FSDPCheckpointManager per-rank files (*_world_size_W_rank_r.pt), or the "
+        "global_step_N/ (actor/, critic/) and the run directory holding them"
+    )
 
     def probe(self, path: str) -> str | None:
-        listed = directory_names(path)
-        if listed is None:
-            return "not a directory"
-        names = set(listed)
-        if CONFIG not in names:
-            return f"no {CONFIG}"
-        if not any(RANK_FILE.match(n) for n in names):
-            return "no *_world_size_W_rank_r.pt rank files"
-        return None
+        reason = _reason(path)
+        if reason is None or _roles(path):
+            return None
+        names = directory_names(path) or []
+        if any(STEP_DIR.match(n) for n in names):
+            return None  # reading it says which global_step_N is complete
+        return f"{reason}, no actor/ holding one, no global_step_N/"
 
     def read_manifest(self, path: str) -> Manifest:
-        return read_verl(path)
+        inner, notes = _resolve(path)
+        manifest = read_verl(inner)
+        return replace(manifest, notes=(*notes, *manifest.notes)) if notes else manifest
 
 
 register(VerlLayout())

@@ -18,9 +18,8 @@ import re
 from dataclasses import replace
 
 from ckptools.core.manifest import Manifest
-from ckptools.errors import IncompleteCheckpointError
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, read_marker, register
+from ckptools.layouts.base import Layout, newest_numbered, read_marker, register
 from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
 from ckptools.layouts.torch_save import directory_reason, read_torch_save, read_torch_save_file
 
@@ -72,35 +71,6 @@ def _trainer_checkpoint_complete(path: str) -> bool:
     return directory_reason(set(_listdir(path))) is None
 
 
-def _newest(path: str, pattern: re.Pattern[str], complete: object) -> tuple[str, list[str]] | None:
-    found = []
-    for name in _listdir(path):
-        m = pattern.match(name)
-        if m and storage.isdir(storage.join(path, name)):
-            found.append((int(m.group(1)), name))
-    if not found:
-        return None
-    found.sort()
-    usable = [n for _, n in found if complete(storage.join(path, n))]  # type: ignore[operator]
-    skipped = [n for _, n in found if n not in usable]
-    if not usable:
-        raise IncompleteCheckpointError(
-            f"{path}: none of {', '.join(n for _, n in found)} is complete (no DCP .metadata, "
-            "no model file)",
-            path=path,
-        )
-    return usable[-1], skipped
-
-
-def _with_note(
-    manifest: Manifest, parent: str, chosen: str, total: int, skipped: list[str]
-) -> Manifest:
-    note = f"{parent}: using {chosen}, the newest complete of {total} checkpoints"
-    if skipped:
-        note += f" (incomplete, ignored: {', '.join(skipped)})"
-    return replace(manifest, notes=(*manifest.notes, note))
-
-
 class TrainerLayout(Layout):
     priority = 10
     name = "trainer"
@@ -117,18 +87,14 @@ class TrainerLayout(Layout):
         parts = _accelerate_parts(path)
         if parts:
             return read_dcp_tree(path, parts, layout=self.name)
-        names = [n for n in _listdir(path) if _TRAINER_CKPT.match(n)]
-        found = _newest(path, _TRAINER_CKPT, _trainer_checkpoint_complete)
+        found = newest_numbered(
+            path, _TRAINER_CKPT, _trainer_checkpoint_complete, "no DCP .metadata, no model file"
+        )
         assert found is not None
-        chosen, skipped = found
-        inner = storage.contained(path, chosen, named_by=path, entry="holds")
+        inner = storage.contained(path, found.name, named_by=path, entry="holds")
         parts = _accelerate_parts(inner)
-        return _with_note(
-            read_dcp_tree(inner, parts, layout=self.name) if parts else read_torch_save(inner),
-            path,
-            chosen,
-            len(names),
-            skipped,
+        return found.noted(
+            read_dcp_tree(inner, parts, layout=self.name) if parts else read_torch_save(inner)
         )
 
 
@@ -199,14 +165,10 @@ class TorchtitanLayout(Layout):
         base = storage.basename(path)
         if _TITAN_STEP.match(base):
             return read_dcp_tree(path, layout=self.name)
-        names = [n for n in _listdir(path) if _TITAN_STEP.match(n)]
-        found = _newest(path, _TITAN_STEP, _is_dcp)
+        found = newest_numbered(path, _TITAN_STEP, _is_dcp, "no DCP .metadata")
         assert found is not None
-        chosen, skipped = found
-        inner = read_dcp_tree(
-            storage.contained(path, chosen, named_by=path, entry="holds"), layout=self.name
-        )
-        return _with_note(inner, path, chosen, len(names), skipped)
+        inner = storage.contained(path, found.name, named_by=path, entry="holds")
+        return found.noted(read_dcp_tree(inner, layout=self.name))
 
 
 register(TrainerLayout())

@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 from ckptools.cli.main import cli
 from ckptools.errors import (
     CheckpointNotFoundError,
+    CkptError,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
@@ -271,3 +273,80 @@ def test_consolidate_leaves_the_optimizer_files_unread(tmp_path: Path) -> None:
     assert any("3 optimizer file(s) not read" in n for n in json.loads(result.output)["notes"])
     again = _ckpt("consolidate", str(ckpt), str(tmp_path / "opt"), "--select", "optimizer")
     assert again.exit_code == 1 and "optim_world_size_3_rank_0.pt" in again.output
+
+
+def _run_dir(tmp_path: Path, latest: int | None) -> Path:
+    """A verl trainer's ``default_local_dir``: ``global_step_1/actor`` (world size 3),
+    ``global_step_2/{actor,critic}`` (FSDP2 policy, FSDP1 value model), ``global_step_3/actor``
+    cut off before rank 0 wrote fsdp_config.json, and ``latest_checkpointed_iteration.txt``."""
+    run = tmp_path / "run"
+    for step, role, name in [(1, "actor", "fsdp2_ws3"), (2, "actor", "fsdp2_ws2"),
+                             (2, "critic", "fsdp1_ws2"), (3, "actor", "fsdp2_ws2")]:  # fmt: skip
+        shutil.copytree(VERL / name, run / f"global_step_{step}" / role)
+    (run / "global_step_3" / "actor" / "fsdp_config.json").unlink()
+    (run / "global_step_3" / "actor" / "huggingface").rename(run / "global_step_3" / "hf")
+    if latest is not None:
+        (run / "latest_checkpointed_iteration.txt").write_text(str(latest))
+    return run
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize(
+    ("latest", "expected"),
+    [(2, "fsdp2_ws2"), (1, "fsdp2_ws3"), (None, "fsdp2_ws2"), (3, "fsdp2_ws2")],
+)
+def test_a_run_directory_reads_as_its_last_saved_actor(
+    tmp_path: Path, latest: int | None, expected: str
+) -> None:
+    """verl's trainer layout: the step latest_checkpointed_iteration.txt records (else the
+    newest complete; never the cut-off global_step_3), its actor/ (the critic/ beside it named),
+    consolidated exactly as that actor/ directory is, its huggingface/ config included."""
+    run = _run_dir(tmp_path, latest)
+    result = _ckpt("consolidate", str(run), str(tmp_path / "hf"), "--json", "-q")
+    assert result.exit_code == 0, result.output
+    direct = _ckpt("consolidate", str(VERL / expected), str(tmp_path / "direct"), "-q")
+    assert direct.exit_code == 0, direct.output
+    assert _files(tmp_path / "hf") == _files(tmp_path / "direct")
+    assert "config.json" in _files(tmp_path / "hf")
+    notes = json.loads(result.output)["notes"]
+    step = "global_step_1" if expected == "fsdp2_ws3" else "global_step_2"
+    why = "the last save latest_checkpointed_iteration.txt records" if latest in (1, 2) else (
+        "the newest complete")  # fmt: skip
+    assert any(f"using {step}, {why}" in n and "ignored: global_step_3" in n for n in notes), notes
+    assert any("reading actor/ (critic/ beside it" in n for n in notes) == (step != "global_step_1")
+
+
+def test_a_global_step_directory_reads_as_its_actor(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, None)
+    manifest = read_manifest(str(run / "global_step_2"))
+    assert (manifest.layout, manifest.world_size) == ("verl_fsdp2", 2)
+    assert manifest.root == str(run / "global_step_2" / "actor")
+    critic = read_manifest(str(run / "global_step_2" / "critic"))
+    assert critic.layout == "verl_fsdp1"
+    verify = _ckpt("verify", str(run / "global_step_2"), "-q")
+    assert verify.exit_code == 0, verify.output
+
+
+def test_a_run_with_no_complete_step_is_refused_naming_them(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, 3)
+    shutil.rmtree(run / "global_step_1")
+    shutil.rmtree(run / "global_step_2")
+    with pytest.raises(IncompleteCheckpointError, match=r"none of global_step_3 is complete"):
+        read_manifest(str(run))
+
+
+def test_an_actor_linked_outside_the_run_is_not_followed(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, 2)
+    outside = tmp_path / "outside"
+    shutil.move(str(run / "global_step_2" / "actor"), outside)
+    (run / "global_step_2" / "actor").symlink_to(outside, target_is_directory=True)
+    # the critic is the only role inside global_step_2: read, never the linked actor
+    manifest = read_manifest(str(run / "global_step_2"))
+    assert manifest.layout == "verl_fsdp1"
+    assert manifest.root == str(run / "global_step_2" / "critic")
+    shutil.rmtree(run / "global_step_2" / "critic")
+    with pytest.raises(CkptError):
+        read_manifest(str(run / "global_step_2"))
