@@ -241,20 +241,26 @@ def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
     return None
 
 
-def trainer_optimizer_order(manifest: Manifest) -> list[str] | None:
-    """For a transformers ``Trainer`` checkpoint whose ``optimizer.pt`` is keyed by integer ids
-    in several unnamed groups (``create_optimizer``'s weight decay / none), the order in which
-    the Trainer gave the model of its ``config.json`` its parameters (transformers' own rule on
-    a ``meta`` model: :func:`ckptools.plan.conversion_lookup.trainer_param_order`); None for
-    any other source, or without a config that builds. Only a suggestion: it is used where
-    the groups' counts and every state's shape match it."""
-    from ckptools.core.manifest import MODEL_FILES_DIR
+def suggested_optimizer_order(manifest: Manifest) -> list[str] | None:
+    """The order the producer gave the optimizer the parameters of the model of its
+    ``config.json``, where the checkpoint's integer-keyed ``optimizer.state_dict()`` (no
+    ``param_names``) cannot be placed by its own stored order:
+
+    * a transformers ``Trainer`` checkpoint's several unnamed groups (weight decay / none):
+      the Trainer's own rule (:func:`ckptools.plan.conversion_lookup.trainer_param_order`);
+    * one group beside a model stored out of its order (``model.safetensors``, sorted by
+      name): the model's ``named_parameters()`` order.
+
+    None for any other source, or without a config that builds on ``meta``. Only a suggestion:
+    it is used where the groups' counts and every state's shape match it.
+    """
+    from ckptools.core.manifest import MODEL_FILES_DIR, MODEL_ORDER_UNKNOWN
     from ckptools.layouts.optimizer_state import optimizer_states
 
-    if manifest.layout != "trainer":
-        return None
-    states = optimizer_states(manifest)
-    if not any(o.keyed == "integer" and not o.param_names and o.param_groups > 1 for o in states):
+    unnamed = [o for o in optimizer_states(manifest) if o.keyed == "integer" and not o.param_names]
+    trainer = manifest.layout == "trainer" and any(o.param_groups > 1 for o in unnamed)
+    unordered = bool(manifest.details.get(MODEL_ORDER_UNKNOWN)) and bool(unnamed)
+    if not (trainer or unordered):
         return None
     try:
         files = find_model_files(manifest.data_dir(), None, manifest.details.get(MODEL_FILES_DIR))
@@ -263,9 +269,9 @@ def trainer_optimizer_order(manifest: Manifest) -> list[str] | None:
         return None
     if config is None:
         return None
-    from ckptools.plan.conversion_lookup import trainer_param_order
+    from ckptools.plan.conversion_lookup import model_param_order, trainer_param_order
 
-    return trainer_param_order(config)
+    return trainer_param_order(config) if trainer else model_param_order(config)
 
 
 def tie_setting(files: list[tuple[str, str]]) -> bool | None:

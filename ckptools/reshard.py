@@ -38,7 +38,7 @@ from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.converted import to_memory_names
 from ckptools.engine.dcp_writer import write_dcp
 from ckptools.errors import UsageError
-from ckptools.export import trainer_optimizer_order
+from ckptools.export import suggested_optimizer_order
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
@@ -246,7 +246,9 @@ def _reshard_training_state(
     """:func:`reshard` of a source that is not DCP: one DCP named as ``get_state_dict`` +
     ``dcp.save`` name it, from :func:`ckptools.plan.training.training_layout`."""
     suggested = (
-        None if options.param_order or options.drop_optimizer else trainer_optimizer_order(manifest)
+        None
+        if options.param_order or options.drop_optimizer
+        else suggested_optimizer_order(manifest)
     )
     layout = training_layout(
         manifest,

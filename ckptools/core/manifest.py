@@ -106,6 +106,10 @@ OPTIMIZER_UNREADABLE = "optimizer_unreadable"
 #: and tokenizer in a subdirectory of the checkpoint (verl's ``huggingface/``): relative to
 #: ``root``, searched first for the files a conversion copies
 MODEL_FILES_DIR = "model_files_dir"
+#: ``Manifest.details`` key a layout sets (True) when the order of its model's tensors is not
+#: the model's own (safetensors stores them sorted by name): integer optimizer ids, which are
+#: in ``model.parameters()`` order, are then never placed by the stored order
+MODEL_ORDER_UNKNOWN = "model_order_unknown"
 
 
 @dataclass(frozen=True)

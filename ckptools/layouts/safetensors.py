@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
+from ckptools.core.manifest import MODEL_ORDER_UNKNOWN, Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -144,7 +144,7 @@ def read_safetensors(path: str) -> Manifest:
         files=infos,
         world_size=None,
         markers=(index_name,) if index_name else (),
-        details={"metadata": metadata},
+        details={"metadata": metadata, MODEL_ORDER_UNKNOWN: True},
         data_root=root,
         marker_digests=digests,
     )

@@ -119,6 +119,13 @@ def model_transforms(config: Mapping[str, Any]) -> list[Any] | None:
         return None
 
 
+def model_param_order(config: Mapping[str, Any]) -> list[str] | None:
+    """The names ``model.named_parameters()`` yields, in order, for the transformers model
+    ``config`` names (built on ``meta``); None when it does not build."""
+    model = _meta_model(config)
+    return None if model is None else [n for n, _ in model.named_parameters()]
+
+
 def trainer_param_order(config: Mapping[str, Any]) -> list[str] | None:
     """The order in which a transformers ``Trainer`` gives the model ``config`` names its
     parameters to the optimizer (``create_optimizer``: the parameters with weight decay, by

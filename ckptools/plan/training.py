@@ -13,9 +13,12 @@ their key tree (:func:`ckptools.core.keys.find_model_part`) and an optimizer ``s
 the rest as plain values. Integer ids become FQNs only where the checkpoint says which is which
 (:func:`map_state_keys`): the groups' ``param_names`` (torch >= 2.5 with named parameters),
 an order the user gives, or the model's parameter order when there is one group whose ids,
-counts and shapes all match the model's parameters, or an order the producer's own rule
-gives (``suggested``: a transformers ``Trainer``'s two groups, from
-:func:`ckptools.plan.conversion_lookup.trainer_param_order`) when counts and shapes match it;
+counts and shapes all match the model's parameters (the stored order, where it is the model's:
+not a safetensors file's, sorted by name, where ``layer.10`` comes before ``layer.2`` with the
+same shapes), or an order the producer's own rule gives (``suggested``: a transformers
+``Trainer``'s two groups, from :func:`ckptools.plan.conversion_lookup.trainer_param_order`, or
+the ``named_parameters()`` of the model of the checkpoint's ``config.json``) when counts and
+shapes match it;
 otherwise the answer would be a guess, and
 guessing puts moments on the wrong parameters, so it is refused with the numbers. The commonest
 wrong file, an FSDP1 ``optimizer.state_dict()`` saved beside a FULL_STATE_DICT model (one rank's
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools.core.keys import find_model_part, key_path, model_keys, own_names
-from ckptools.core.manifest import OPTIMIZER_UNREADABLE, Manifest
+from ckptools.core.manifest import MODEL_ORDER_UNKNOWN, OPTIMIZER_UNREADABLE, Manifest
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.layouts.optimizer_state import optimizer_states
 
@@ -191,7 +194,7 @@ def map_state_keys(
         named = _named(where, dict(zip(ids, param_order, strict=True)), by_name)
         _check_shapes(manifest, where, opt, named, by_name, raise_on=True)
         return named
-    if len(opt.groups) == 1 and len(ids) == len(params):
+    if len(opt.groups) == 1 and len(ids) == len(params) and not unordered(manifest):
         named = {i: p.fqn for i, p in zip(ids, params, strict=True)}
         if _check_shapes(manifest, where, opt, named, by_name, raise_on=False):
             return named
@@ -203,6 +206,12 @@ def map_state_keys(
         if named and _check_shapes(manifest, where, opt, named, by_name, raise_on=False):
             return named
     raise UnsupportedCheckpointError(_why_unplaceable(manifest, where, opt, params))
+
+
+def unordered(manifest: Manifest) -> bool:
+    """Whether the manifest's model tensors are stored out of the model's order (safetensors
+    sorts them by name), so that their order says nothing of ``model.parameters()``'s."""
+    return bool(manifest.details.get(MODEL_ORDER_UNKNOWN))
 
 
 def _named(where: str, mapping: Mapping[str, str], by_name: Mapping[str, _Param]) -> dict[str, str]:
@@ -263,10 +272,20 @@ def _why_unplaceable(
             "optimizer) for one); pass --drop-optimizer for a checkpoint of the model alone"
         )
     ids = sum(len(g["params"]) for g in opt.groups)
+    if len(opt.groups) > 1:
+        why = "; with several groups the order is not the model's"
+    elif unordered(manifest):
+        why = (
+            "; the model's safetensors file keeps its tensors sorted by name, not in the "
+            "model's order, and no config.json beside it builds the model to give that order "
+            "(copy the model's config.json there)"
+        )
+    else:
+        why = ""
     return (
         f"{where} is keyed by integer ids ({ids} in {len(opt.groups)} param group(s)) with no "
         f"param_names, and the model has {len(params)} parameters"
-        + ("" if len(opt.groups) == 1 else "; with several groups the order is not the model's")
+        + why
         + ": which state belongs to which parameter cannot be known; pass --param-order FILE "
         "(the parameters' FQNs, one per line, in the order the optimizer was given them), or "
         "--drop-optimizer"

@@ -34,7 +34,7 @@ from ckptools.core.keys import key_path
 from ckptools.core.manifest import Manifest, TensorEntry
 from ckptools.engine.reader import SourceCache, read_object
 from ckptools.errors import IncompleteCheckpointError, UsageError
-from ckptools.export import trainer_optimizer_order
+from ckptools.export import suggested_optimizer_order
 from ckptools.io import storage
 from ckptools.layouts import read_manifest
 from ckptools.plan.training import MODEL, OPTIM, training_layout
@@ -79,7 +79,7 @@ def _named(manifest: Manifest, param_order: Sequence[str] | None, with_optimizer
         paths = {fqn: key_path(manifest, fqn) for fqn in [*tensors, *values]}
         return _Named(tensors, values, paths)
     suggested = (
-        trainer_optimizer_order(manifest) if with_optimizer and param_order is None else None
+        suggested_optimizer_order(manifest) if with_optimizer and param_order is None else None
     )
     layout = training_layout(
         manifest,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,76 @@ def test_trainer_optimizer_groups_are_placed_by_the_trainers_rule(
     groups = got["optim"]["param_groups"]  # read without a template: keyed "0", "1"
     assert sorted(groups["1"]["params"]) == sorted(no_decay)
     assert groups["1"]["weight_decay"] == 0.0 and groups["0"]["weight_decay"] == 0.01
+
+
+def _accelerate_save_state(model: torch.nn.Module, out: Path) -> dict[str, dict[str, Any]]:
+    """``Accelerator(cpu=True).save_state(out)`` after one AdamW step of ``model`` (accelerate
+    without FSDP: ``model.safetensors`` + ``optimizer.bin`` keyed by integer ids, one group);
+    returns each parameter's optimizer state by FQN, as the live optimizer holds it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    names = [n for n, _ in model.named_parameters()]
+    try:
+        acc = Accelerator(cpu=True)
+        prepared, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        inputs = torch.arange(12).reshape(2, 6) % 37
+        loss = prepared(input_ids=inputs, labels=inputs).loss if hasattr(
+            prepared, "config") else prepared(torch.randn(2, 8)).square().sum()  # fmt: skip
+        loss.backward()
+        opt.step()
+        acc.save_state(str(out))
+        state = opt.state_dict()["state"]
+    finally:
+        AcceleratorState._reset_state(True)
+    return {n: {k: v.clone() for k, v in state[i].items()} for i, n in enumerate(names)}
+
+
+def _resharded_optimizer(src: Path, out: Path, **kwargs: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckptools.reshard(str(src), str(out), world_size=2, quiet=True, **kwargs)
+    dcp_to_torch_save(str(out), str(out) + ".pt")
+    full = torch.load(str(out) + ".pt", weights_only=False)
+    state: dict[str, Any] = full["optim"]["state"]
+    return state
+
+
+def test_accelerate_optimizer_beside_a_sorted_safetensors_model_is_never_placed_by_its_order(
+    tmp_path: Path,
+) -> None:
+    """model.safetensors keeps its tensors sorted by name ('10.weight' before '2.weight', all
+    [8, 8]): placing the integer ids by that order would put layer 10's moments on layer 2 with
+    every shape agreeing. Refused, naming why; --param-order places them."""
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(12)])
+    live = _accelerate_save_state(model, tmp_path / "state")
+    with pytest.raises(UnsupportedCheckpointError, match="sorted by name, not in the model's"):
+        ckptools.reshard(str(tmp_path / "state"), str(tmp_path / "no"), world_size=2, quiet=True)
+    assert not (tmp_path / "no").exists()
+    got = _resharded_optimizer(tmp_path / "state", tmp_path / "dcp", param_order=list(live))
+    assert got.keys() == live.keys()
+    for fqn, want in live.items():
+        for name, value in want.items():
+            assert torch.equal(got[fqn][name], value), (fqn, name)
+
+
+def test_accelerate_optimizer_is_placed_by_the_model_its_config_builds(tmp_path: Path) -> None:
+    """With the model's config.json beside it, the ids are placed in the order that model's
+    named_parameters() gives (built on meta), and each state lands on its own parameter."""
+    pytest.importorskip("accelerate")
+    from tests.support.producers import _hf_llama
+
+    model = _hf_llama()
+    live = _accelerate_save_state(model, tmp_path / "state")
+    with pytest.raises(UnsupportedCheckpointError, match=r"no config\.json beside it"):
+        ckptools.reshard(str(tmp_path / "state"), str(tmp_path / "no"), world_size=2, quiet=True)
+    # the model's config.json as save_pretrained / the Hub give it (naming its architecture)
+    model.config.architectures = [type(model).__name__]
+    model.config.to_json_file(str(tmp_path / "state" / "config.json"))
+    got = _resharded_optimizer(tmp_path / "state", tmp_path / "dcp")
+    assert got.keys() == live.keys()
+    for fqn, want in live.items():
+        for name, value in want.items():
+            assert torch.equal(got[fqn][name], value), (fqn, name)
