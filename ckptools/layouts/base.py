@@ -166,7 +166,8 @@ class Chosen:
     parent: str
     name: str  # the entry of ``parent`` chosen
     total: int  # how many numbered entries there were
-    skipped: tuple[str, ...]  # incomplete ones, newer or older, ignored
+    skipped: tuple[str, ...]  # incomplete ones, ignored
+    linked: tuple[str, ...] = ()  # links leading out of ``parent``, never followed
     why: str = "the newest complete"
 
     def note(self) -> str:
@@ -174,6 +175,8 @@ class Chosen:
         note = f"{self.parent}: using {self.name}, {self.why} of {self.total} checkpoints"
         if self.skipped:
             note += f" (incomplete, ignored: {', '.join(self.skipped)})"
+        if self.linked:
+            note += f" (links leading elsewhere, not followed: {', '.join(self.linked)})"
         return note
 
     def noted(self, manifest: Manifest) -> Manifest:
@@ -209,15 +212,21 @@ def newest_numbered(
     if not found:
         return None
     found.sort()
-    usable = [n for _, n in found if complete(storage.join(path, n))]
-    skipped = tuple(n for _, n in found if n not in usable)
+    # a link leading out of ``path`` is never looked into (nor chosen: reading it refuses)
+    inside = [n for _, n in found if storage.outside_reason(path, n) is None]
+    linked = tuple(n for _, n in found if n not in inside)
+    usable = [n for n in inside if complete(storage.join(path, n))]
+    skipped = tuple(n for n in inside if n not in usable)
     if not usable:
+        if linked:
+            storage.contained(path, linked[-1], named_by=path, entry="holds")  # raises
         raise IncompleteCheckpointError(
             f"{path}: none of {', '.join(n for _, n in found)} is complete ({missing})", path=path
         )
+    chosen = Chosen(path, usable[-1], len(found), skipped, linked)
     if prefer is not None and prefer[0] in usable:
-        return Chosen(path, prefer[0], len(found), skipped, f"the last save {prefer[1]} records,")
-    return Chosen(path, usable[-1], len(found), skipped)
+        return replace(chosen, name=prefer[0], why=f"the last save {prefer[1]} records,")
+    return chosen
 
 
 def digest(data: bytes) -> str:

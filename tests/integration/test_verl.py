@@ -21,6 +21,7 @@ from ckptools.errors import (
     CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    OutsideCheckpointError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
@@ -350,3 +351,18 @@ def test_an_actor_linked_outside_the_run_is_not_followed(tmp_path: Path) -> None
     shutil.rmtree(run / "global_step_2" / "critic")
     with pytest.raises(CkptError):
         read_manifest(str(run / "global_step_2"))
+
+
+def test_a_step_linked_outside_the_run_is_not_followed(tmp_path: Path) -> None:
+    """A newer global_step_N that is a link out of the run directory is never looked into:
+    the newest step inside is read, the link named; a run of links only is refused."""
+    run = _run_dir(tmp_path, None)
+    shutil.copytree(VERL / "fsdp2_ws3", tmp_path / "elsewhere" / "actor")
+    (run / "global_step_9").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    manifest = read_manifest(str(run))
+    assert manifest.root == str(run / "global_step_2" / "actor")
+    assert any("links leading elsewhere, not followed: global_step_9" in n for n in manifest.notes)
+    for step in (1, 2, 3):
+        shutil.rmtree(run / f"global_step_{step}")
+    with pytest.raises(OutsideCheckpointError, match="global_step_9"):
+        read_manifest(str(run))
