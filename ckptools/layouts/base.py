@@ -166,15 +166,16 @@ class Chosen:
     parent: str
     name: str  # the entry of ``parent`` chosen
     total: int  # how many numbered entries there were
-    skipped: tuple[str, ...]  # incomplete ones, ignored
-    linked: tuple[str, ...] = ()  # links leading out of ``parent``, never followed
+    skipped: tuple[str, ...] = ()  # newer ones, ignored (incomplete, or not recorded)
+    linked: tuple[str, ...] = ()  # newer links leading out of ``parent``, never followed
     why: str = "the newest complete"
+    skipped_as: str = "incomplete"
 
     def note(self) -> str:
         """Which directory was read, and why."""
         note = f"{self.parent}: using {self.name}, {self.why} of {self.total} checkpoints"
         if self.skipped:
-            note += f" (incomplete, ignored: {', '.join(self.skipped)})"
+            note += f" ({self.skipped_as}, ignored: {', '.join(self.skipped)})"
         if self.linked:
             note += f" (links leading elsewhere, not followed: {', '.join(self.linked)})"
         return note
@@ -195,14 +196,18 @@ def newest_numbered(
     """The newest complete directory of ``path`` whose name ``pattern`` matches (its group 1 is
     the number): what a run's output directory resolves to. None when there is none at all.
 
+    Only the chosen directory and those newer are looked into (a run of hundreds of saves costs
+    one listing), and never one that is a link leading out of ``path``.
+
     Args:
         complete: whether a matching directory holds a whole checkpoint.
         missing: what an incomplete one lacks, for the error.
         prefer: (name, file): the entry the producer's own record of its last completed save
-            (``file``) names, used instead of the newest when it is among the complete ones.
+            (``file``) names, used instead of the newest when it is complete.
 
     Raises:
         IncompleteCheckpointError: there are some, none complete.
+        OutsideCheckpointError: none complete inside, and one is a link leading elsewhere.
     """
     found = []
     for name in directory_names(path) or ():
@@ -211,22 +216,40 @@ def newest_numbered(
             found.append((int(m.group(1)), name))
     if not found:
         return None
-    found.sort()
-    # a link leading out of ``path`` is never looked into (nor chosen: reading it refuses)
-    inside = [n for _, n in found if storage.outside_reason(path, n) is None]
-    linked = tuple(n for _, n in found if n not in inside)
-    usable = [n for n in inside if complete(storage.join(path, n))]
-    skipped = tuple(n for n in inside if n not in usable)
-    if not usable:
+    names = [n for _, n in sorted(found)]
+    inside: dict[str, bool] = {}
+
+    def stays(name: str) -> bool:
+        if name not in inside:
+            inside[name] = storage.outside_reason(path, name) is None
+        return inside[name]
+
+    def usable(name: str) -> bool:
+        return stays(name) and complete(storage.join(path, name))
+
+    if prefer is not None and prefer[0] in names and usable(prefer[0]):
+        at: int | None = names.index(prefer[0])
+        why, skipped_as = f"the last save {prefer[1]} records,", "newer than that record"
+    else:
+        at = next((i for i in range(len(names) - 1, -1, -1) if usable(names[i])), None)
+        why, skipped_as = "the newest complete", "incomplete"
+    if at is None:
+        linked = [n for n in names if not stays(n)]
         if linked:
             storage.contained(path, linked[-1], named_by=path, entry="holds")  # raises
         raise IncompleteCheckpointError(
-            f"{path}: none of {', '.join(n for _, n in found)} is complete ({missing})", path=path
+            f"{path}: none of {', '.join(names)} is complete ({missing})", path=path
         )
-    chosen = Chosen(path, usable[-1], len(found), skipped, linked)
-    if prefer is not None and prefer[0] in usable:
-        return replace(chosen, name=prefer[0], why=f"the last save {prefer[1]} records,")
-    return chosen
+    newer = names[at + 1 :]
+    return Chosen(
+        path,
+        names[at],
+        len(names),
+        skipped=tuple(n for n in newer if stays(n)),
+        linked=tuple(n for n in newer if not stays(n)),
+        why=why,
+        skipped_as=skipped_as,
+    )
 
 
 def digest(data: bytes) -> str:
