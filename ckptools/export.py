@@ -241,7 +241,7 @@ def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
     return None
 
 
-def suggested_optimizer_order(manifest: Manifest) -> list[str] | None:
+def suggested_optimizer_order(manifest: Manifest, config: str | None = None) -> list[str] | None:
     """The order the producer gave the optimizer the parameters of the model of its
     ``config.json``, where the checkpoint's integer-keyed ``optimizer.state_dict()`` (no
     ``param_names``) cannot be placed by its own stored order:
@@ -251,8 +251,12 @@ def suggested_optimizer_order(manifest: Manifest) -> list[str] | None:
     * one group beside a model stored out of its order (``model.safetensors``, sorted by
       name): the model's ``named_parameters()`` order.
 
+    ``config``: the user's ``config.json`` (file or directory) instead of the checkpoint's own.
     None for any other source, or without a config that builds on ``meta``. Only a suggestion:
     it is used where the groups' counts and every state's shape match it.
+
+    Raises:
+        UsageError: ``config`` is given and names nothing usable.
     """
     from ckptools.core.manifest import MODEL_FILES_DIR, MODEL_ORDER_UNKNOWN
     from ckptools.layouts.optimizer_state import optimizer_states
@@ -262,16 +266,19 @@ def suggested_optimizer_order(manifest: Manifest) -> list[str] | None:
     unordered = bool(manifest.details.get(MODEL_ORDER_UNKNOWN)) and bool(unnamed)
     if not (trainer or unordered):
         return None
-    try:
-        files = find_model_files(manifest.data_dir(), None, manifest.details.get(MODEL_FILES_DIR))
-        config = model_config(files)
-    except UsageError:
-        return None
-    if config is None:
+    if config is not None:  # the user's: a bad one is an error, not a silent refusal later
+        cfg = model_config(find_model_files(manifest.data_dir(), config))
+    else:
+        try:
+            inside = manifest.details.get(MODEL_FILES_DIR)
+            cfg = model_config(find_model_files(manifest.data_dir(), None, inside))
+        except UsageError:
+            return None
+    if cfg is None:
         return None
     from ckptools.plan.conversion_lookup import model_param_order, trainer_param_order
 
-    return trainer_param_order(config) if trainer else model_param_order(config)
+    return trainer_param_order(cfg) if trainer else model_param_order(cfg)
 
 
 def tie_setting(files: list[tuple[str, str]]) -> bool | None:

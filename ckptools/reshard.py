@@ -83,6 +83,9 @@ class ReshardOptions:
         param_order: the parameters' FQNs in the order the optimizer was given them, for an
             integer-keyed optimizer state that does not say (reshard of a non-DCP source).
         drop_optimizer: leave a non-DCP source's optimizer state out (reshard).
+        config: the model's ``config.json`` (a file or its directory) for a non-DCP source
+            whose optimizer is keyed by integer ids: the model it builds gives their order
+            (reshard; default: the checkpoint's own).
         prefix: the key prefix of every tensor (shard).
         overwrite: replace an existing OUT.
         dry_run: plan only; write nothing.
@@ -101,6 +104,7 @@ class ReshardOptions:
     rank_state: RankState = "keep"
     param_order: tuple[str, ...] | None = None
     drop_optimizer: bool = False
+    config: str | None = None
     prefix: str = "model."
     overwrite: bool = False
     dry_run: bool = False
@@ -171,6 +175,7 @@ def reshard(
     distributed: bool = True,
     param_order: Sequence[str] | None = None,
     drop_optimizer: bool = False,
+    config: str | None = None,
     storage_options: storage.StorageOptions | None = None,
 ) -> ReshardResult:
     """Rewrite the training checkpoint ``src`` into ``out`` as a DCP checkpoint laid out for
@@ -189,6 +194,9 @@ def reshard(
         param_order: for a ``torch.save`` optimizer keyed by integer ids that neither names its
             parameters nor has one group matching the model's: their FQNs, in optimizer order.
         drop_optimizer: write the model (and other values) without the optimizer state.
+        config: the model's ``config.json`` (file or directory; default: the checkpoint's
+            own): for an optimizer keyed by integer ids beside a ``model.safetensors`` (sorted
+            by name) or a Trainer's two groups, the model it builds on ``meta`` gives the order.
         dry_run: plan only; write nothing.
         distributed: under torchrun, or called by every rank of an initialised process group,
             split the output files over the ranks (:func:`_write`; every rank must call it);
@@ -204,7 +212,7 @@ def reshard(
         world_size=world_size, rank_state=rank_state, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
         param_order=None if param_order is None else tuple(param_order),
-        drop_optimizer=drop_optimizer,
+        drop_optimizer=drop_optimizer, config=config,
     )  # fmt: skip
     manifest = _read_source(
         src, out, options, lambda format: format not in MODEL_ONLY_FORMATS,
@@ -248,7 +256,7 @@ def _reshard_training_state(
     suggested = (
         None
         if options.param_order or options.drop_optimizer
-        else suggested_optimizer_order(manifest)
+        else suggested_optimizer_order(manifest, options.config)
     )
     layout = training_layout(
         manifest,

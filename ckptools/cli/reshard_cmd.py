@@ -54,6 +54,14 @@ def _common(f: shared.F) -> shared.F:
     is_flag=True,
     help="Leave a torch.save source's optimizer state out (e.g. one rank's FSDP1 flat shard).",
 )
+@click.option(
+    "--config",
+    type=click.Path(),
+    default=None,
+    help="The model's config.json (file or directory; default: the checkpoint's own): for an "
+    "optimizer keyed by integer ids beside a model.safetensors (accelerate's save_state) or in "
+    "a Trainer's two groups, the model it builds gives their order.",
+)
 def reshard_command(
     src: str, out: str, quiet: bool, as_json: bool, param_order: Any, **options: Any
 ) -> None:

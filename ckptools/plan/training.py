@@ -278,7 +278,7 @@ def _why_unplaceable(
         why = (
             "; the model's safetensors file keeps its tensors sorted by name, not in the "
             "model's order, and no config.json beside it builds the model to give that order "
-            "(copy the model's config.json there)"
+            "(pass it with --config)"
         )
     else:
         why = ""

@@ -9,6 +9,7 @@ state dict bit for bit and no input byte changes.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -253,11 +254,16 @@ def test_accelerate_optimizer_is_placed_by_the_model_its_config_builds(tmp_path:
     live = _accelerate_save_state(model, tmp_path / "state")
     with pytest.raises(UnsupportedCheckpointError, match=r"no config\.json beside it"):
         ckptools.reshard(str(tmp_path / "state"), str(tmp_path / "no"), world_size=2, quiet=True)
-    # the model's config.json as save_pretrained / the Hub give it (naming its architecture)
+    # the model's config.json as save_pretrained / the Hub give it (naming its architecture),
+    # given with --config, then beside the checkpoint
     model.config.architectures = [type(model).__name__]
-    model.config.to_json_file(str(tmp_path / "state" / "config.json"))
-    got = _resharded_optimizer(tmp_path / "state", tmp_path / "dcp")
-    assert got.keys() == live.keys()
-    for fqn, want in live.items():
-        for name, value in want.items():
-            assert torch.equal(got[fqn][name], value), (fqn, name)
+    (tmp_path / "cfg").mkdir()
+    model.config.to_json_file(str(tmp_path / "cfg" / "config.json"))
+    given = _resharded_optimizer(tmp_path / "state", tmp_path / "dcp", config=str(tmp_path / "cfg"))
+    shutil.copy(tmp_path / "cfg" / "config.json", tmp_path / "state" / "config.json")
+    beside = _resharded_optimizer(tmp_path / "state", tmp_path / "dcp2")
+    for got in (given, beside):
+        assert got.keys() == live.keys()
+        for fqn, want in live.items():
+            for name, value in want.items():
+                assert torch.equal(got[fqn][name], value), (fqn, name)
