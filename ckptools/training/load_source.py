@@ -7,7 +7,10 @@ straight into a job, without writing a DCP first. Every rank:
 1. reads the source's torch-free manifest (:func:`ckptools.layouts.read_manifest`) and names its
    entries as ``get_state_dict`` + ``dcp.save`` name them
    (:func:`ckptools.plan.training.training_layout`: ``model.<fqn>``,
-   ``optim.state.<fqn>.<name>``, ``optim.param_groups.<i>.<key>``; a DCP's entries already are);
+   ``optim.state.<fqn>.<name>``, ``optim.param_groups.<i>.<key>``; a DCP's entries already are).
+   Integer optimizer ids that do not name their parameters are placed, where the source's
+   groups hold as many parameters as the job's, in the job's optimizer's order, as torch's own
+   ``Optimizer.load_state_dict`` places them (shapes checked);
 2. flattens its own ``get_state_dict(model, optimizer)`` the same way and checks both hold the
    same tensors, with the same shapes and dtypes, before any tensor byte is read;
 3. fills its local shards from the source's chunks with ranged reads
@@ -33,11 +36,17 @@ from ckptools import _compat, collective
 from ckptools.core.keys import key_path
 from ckptools.core.manifest import Manifest, TensorEntry
 from ckptools.engine.reader import SourceCache, read_object
-from ckptools.errors import IncompleteCheckpointError, UsageError
+from ckptools.errors import IncompleteCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptools.export import suggested_optimizer_order
 from ckptools.io import storage
 from ckptools.layouts import read_manifest
-from ckptools.plan.training import MODEL, OPTIM, training_layout
+from ckptools.plan.training import (
+    MODEL,
+    OPTIM,
+    find_optimizers,
+    read_optimizer,
+    training_layout,
+)
 from ckptools.training.fill import (
     Box,
     Copy,
@@ -72,15 +81,39 @@ class _Named:
     paths: dict[str, tuple[str, ...]]
 
 
-def _named(manifest: Manifest, param_order: Sequence[str] | None, with_optimizer: bool) -> _Named:
+def _job_order(manifest: Manifest, flat: Mapping[str, Any]) -> list[str] | None:
+    """The job's optimizer's parameters, group by group (``optim.param_groups.<i>.params`` of
+    its ``get_state_dict``), when its groups hold as many as the source's: the order in which
+    torch's own ``Optimizer.load_state_dict`` would place the source's integer ids."""
+    job: list[list[str]] = []
+    while isinstance(flat.get(f"{OPTIM}.param_groups.{len(job)}.params"), list | tuple):
+        job.append([str(f) for f in flat[f"{OPTIM}.param_groups.{len(job)}.params"]])
+    paths = find_optimizers(manifest)
+    if not job or len(paths) != 1:
+        return None
+    try:
+        groups = read_optimizer(manifest, paths[0]).groups
+    except UnsupportedCheckpointError:
+        return None  # training_layout names what is wrong with it
+    if [len(g["params"]) for g in groups] != [len(g) for g in job]:
+        return None
+    return [fqn for g in job for fqn in g]
+
+
+def _named(
+    manifest: Manifest,
+    param_order: Sequence[str] | None,
+    with_optimizer: bool,
+    flat: Mapping[str, Any],
+) -> _Named:
     if manifest.format == "dcp":  # a DCP of another producer, or without global metadata
         tensors = {fqn: fqn for fqn in manifest.tensors}
         values = {fqn: read_object(manifest, fqn) for fqn in manifest.objects}
         paths = {fqn: key_path(manifest, fqn) for fqn in [*tensors, *values]}
         return _Named(tensors, values, paths)
-    suggested = (
-        suggested_optimizer_order(manifest) if with_optimizer and param_order is None else None
-    )
+    suggested = None
+    if with_optimizer and param_order is None:
+        suggested = _job_order(manifest, flat) or suggested_optimizer_order(manifest)
     layout = training_layout(
         manifest,
         param_order=param_order,
@@ -189,8 +222,8 @@ def _fill(
     """This rank's share of :func:`load_source`: fills ``state`` in place; returns the
     entries outside it (``extra``) and the tensor bytes read."""
     manifest = read_manifest(path)
-    named = _named(manifest, param_order, with_optimizer)
     flat, mapping = _compat.flatten_state_dict(state)
+    named = _named(manifest, param_order, with_optimizer, flat)
     _check_keys(path, named, flat, set(state), with_optimizer)
     tensors = {k: v for k, v in flat.items() if _is_tensor(v)}
     for fqn in [k for k in tensors if k not in named.tensors]:

@@ -267,3 +267,31 @@ def test_accelerate_optimizer_is_placed_by_the_model_its_config_builds(tmp_path:
         for fqn, want in live.items():
             for name, value in want.items():
                 assert torch.equal(got[fqn][name], value), (fqn, name)
+
+
+def test_load_places_the_ids_in_the_jobs_optimizer_order(tmp_path: Path) -> None:
+    """ckptools.load into a job places accelerate's integer ids as torch's own
+    Optimizer.load_state_dict would: in the job's optimizer's order (its groups as large as
+    the source's), needing no config; a job whose groups differ is refused."""
+    pytest.importorskip("accelerate")
+
+    def layers() -> torch.nn.Sequential:
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(12)])
+
+    torch.manual_seed(0)
+    saved = layers()
+    live = _accelerate_save_state(saved, tmp_path / "state")
+    torch.manual_seed(1)
+    job = layers()
+    opt = torch.optim.AdamW(job.parameters(), lr=1e-2)
+    ckptools.load(str(tmp_path / "state"), job, opt)
+    for fqn, tensor in saved.state_dict().items():
+        assert torch.equal(job.state_dict()[fqn], tensor), fqn
+    state = opt.state_dict()["state"]
+    for i, (fqn, _) in enumerate(job.named_parameters()):
+        for name, value in live[fqn].items():
+            assert torch.equal(state[i][name], value), (fqn, name)
+    params = list(job.parameters())
+    split = torch.optim.AdamW([{"params": params[:6]}, {"params": params[6:]}], lr=1e-2)
+    with pytest.raises(UnsupportedCheckpointError, match="sorted by name"):
+        ckptools.load(str(tmp_path / "state"), job, split)
