@@ -14,9 +14,12 @@ Reported per command: wall time (median), the child's peak RSS, and the bytes it
 ``read``-family calls (``rchar`` of ``/proc/self/io``: page-cache hits included, python's own
 counted around the call alone, after the imports). The page cache is warm.
 
+With ``--base REV``, ``--merge-lora`` also runs from revision ``REV`` (exported as files,
+``PYTHONPATH`` pointing at them) in every round, beside the current tree's: a same-run A/B.
+
 Usage::
 
-    python bench/lora.py --size-gb 2 --repeat 3 [--workdir /tmp/lorabench] [--keep]
+    python bench/lora.py --size-gb 2 --repeat 3 [--base REV] [--workdir /tmp/lorabench] [--keep]
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 # Imports are timed apart (peft, which --adapter uses for LoraConfig's defaults, pulls in torch
 # and transformers: seconds on a loaded machine), each mode importing what it uses (peft only
@@ -105,8 +110,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     info = json.loads(made.stdout.strip().splitlines()[-1])
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    times: dict[str, list[dict[str, Any]]] = {"cp": [], "adapter": [], "merge": [], "plain": []}
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"": here}
+    if args.base:
+        from ab import _export  # bench/ab.py: the package at a revision, as files
+
+        trees["_base"] = _export(args.base, work)
+    modes = [("adapter", ""), ("merge", ""), ("plain", "")] + [("merge", "_base")] * bool(args.base)
+    times: dict[str, list[dict[str, Any]]] = {"cp": [], **{m + t: [] for m, t in modes}}
     for _ in range(args.repeat):
         dst = os.path.join(work, "cp")
         shutil.rmtree(dst, ignore_errors=True)
@@ -114,13 +125,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         subprocess.run(["bash", "-c", f"cp -r {src} {dst} && sync {dst}"], check=True)
         times["cp"].append({"wall_s": time.perf_counter() - t})
         shutil.rmtree(dst)
-        for mode in ("adapter", "merge", "plain"):
-            out = os.path.join(work, mode)
+        for mode, tree in modes:
+            out = os.path.join(work, mode + tree)
             done = subprocess.run(
                 [sys.executable, "-c", _CHILD, src, out, mode],
-                check=True, capture_output=True, text=True, env=env,
+                check=True, capture_output=True, text=True,
+                env={**os.environ, "PYTHONPATH": trees[tree]},
             )  # fmt: skip
-            times[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            times[mode + tree].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(out)
     summary = {}
     for mode, runs in times.items():
         row: dict[str, Any] = {"wall_s": round(statistics.median(r["wall_s"] for r in runs), 3)}
@@ -132,6 +145,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cp_over_adapter": round(summary["cp"]["wall_s"] / summary["adapter"]["wall_s"], 2),
         "merge_over_cp": round(summary["merge"]["wall_s"] / summary["cp"]["wall_s"], 2),
     }
+    if args.base:
+        summary["ratios"]["merge_over_base"] = round(
+            statistics.median(
+                a["wall_s"] / b["wall_s"]
+                for a, b in zip(times["merge"], times["merge_base"], strict=True)
+            ),
+            2,
+        )
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -150,6 +171,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/lorabench")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--base", help="also run --merge-lora from this git revision (A/B)")
     parser.add_argument("--make", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.make:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools import collective, lora, tunables
 from ckptools.collective import Ranks
 from ckptools.core.manifest import MODEL_FILES_DIR, Manifest
-from ckptools.engine.executor import create_files, execute
+from ckptools.engine.executor import block_bytes, create_files, execute, in_row_blocks
 from ckptools.errors import UsageError
 from ckptools.export import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -349,13 +350,24 @@ class _Run:
             notes=tuple(self.notes) + tuple(self.manifest.notes),
         )
 
-    def merge(self, tmp: str, name: str) -> None:
-        """Merge the LoRA adapter into the weights of the written file ``name`` (if any)."""
-        if self.export.merge:
+    def merge(self, tmp: str, name: str, merged: Collection[str] = ()) -> None:
+        """Merge the LoRA adapter into the weights of the written file ``name`` (if any) that
+        were not ``merged`` as they were written (:meth:`row_merges`)."""
+        targets = [t for t in self.export.merge if t.name not in merged]
+        if targets:
             (f,) = [f for f in self.export.plan.files if f.name == name]
             where = {t.name: t for t in f.tensors}
-            lora.merge_into(storage.join(tmp, name), where, list(self.export.merge),
-                            self.source)  # fmt: skip
+            lora.merge_into(storage.join(tmp, name), where, targets, self.source)
+
+    def row_merges(self) -> dict[str, Any]:
+        """The LoRA targets this process merges while writing them (each weight written once,
+        already merged): those the executor writes in row blocks with this run's buffers."""
+        if not self.export.merge:
+            return {}
+        block = block_bytes(self.options.memory_budget_bytes, self.options.worker_count)
+        plans = {t.name: t for f in self.export.plan.files for t in f.tensors}
+        fit = {n: p for n, p in plans.items() if in_row_blocks(p, block)}
+        return lora.row_transforms(list(self.export.merge), fit, self.source)
 
     def finish(self, tmp: str) -> tuple[tuple[str, str], ...]:
         """After every byte is written: tied-weight check, model files, index, rename."""
@@ -402,14 +414,16 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
                 f"resumed: {len(kept)} file(s) written by an interrupted run were kept"
             )
 
+        transforms = run.row_merges()
+
         def done(name: str) -> None:  # merged before journaled: a resumed run never merges twice
-            run.merge(tmp, name)
+            run.merge(tmp, name, merged=transforms)
             journal.record(name, size=sizes[name])
 
         stats = execute(
             plan, run.source, tmp, workers=options.worker_count,
             memory_budget=options.memory_budget_bytes, quiet=options.quiet, skip=kept,
-            on_file_done=done,
+            on_file_done=done, transforms=transforms,
         )  # fmt: skip
         journal.discard()  # never part of the model directory
         tied = run.finish(tmp)

@@ -22,7 +22,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -339,21 +340,79 @@ def config_json(cfg: Mapping[str, Any]) -> bytes:
     return json.dumps(dict(cfg), indent=2, sort_keys=True, default=str).encode()
 
 
-def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget],
-               manifest: Manifest) -> None:  # fmt: skip
-    """Add ``(B @ A) * scale`` to each target weight written in the safetensors file ``path``.
+class _Delta:
+    """``(B @ A) * scale`` of one target, row block by row block, as peft's ``merge`` computes
+    it on CPU: a bf16/fp16 adapter multiplied in float32 and cast back to its dtype, then added
+    in place in the weight's dtype. ``A`` and ``B`` are read once, on first use."""
 
-    ``tensors``: output name → its :class:`~ckptools.plan.safetensors.TensorPlan` in this file.
-    One module at a time and, inside it, blocks of rows of the weight (at most
-    :data:`MERGE_BLOCK_ELEMENTS` elements): the rows read from the written bytes, ``B``'s same rows
-    times ``A`` computed as peft's ``merge`` does on CPU (a bf16/fp16 adapter multiplied in
-    float32 and cast back to its dtype, then added in place in the weight's dtype), written back
-    over the same bytes; the file is fsynced. Memory: an adapter and one block, whatever the
-    weight's size (each output row is the same dot products as in one whole product).
+    def __init__(self, target: MergeTarget, manifest: Manifest) -> None:
+        self.target = target
+        self.manifest = manifest
+        self._ab: tuple[Any, Any, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _factors(self) -> tuple[Any, Any, Any]:
+        with self._lock:
+            if self._ab is None:
+                import torch
+
+                from ckptools.engine.reader import read_tensor
+
+                a = read_tensor(self.manifest, self.target.a)
+                b = read_tensor(self.manifest, self.target.b)
+                low = b.dtype in (torch.float16, torch.bfloat16)
+                self._ab = (a.float(), b.float(), b.dtype) if low else (a, b, None)
+            return self._ab
+
+    def add(self, weight: Any, first: int, stop: int) -> None:
+        """Add rows ``[first, stop)`` of the delta to ``weight`` (those rows), in place."""
+        a, b, low = self._factors()
+        delta = (b[first:stop] @ a) * self.target.scale
+        weight += delta.to(low) if low is not None else delta
+
+
+def row_transforms(
+    targets: list[MergeTarget], plans: Mapping[str, Any], manifest: Manifest
+) -> dict[str, Callable[[int, int, memoryview], None]]:
+    """Output name -> a row transform (``engine.executor.RowTransform``) merging its adapter
+    while the executor writes the weight: each weight is written once, already merged.
+
+    ``plans``: output name -> its :class:`~ckptools.plan.safetensors.TensorPlan`.
     """
     import torch
 
-    from ckptools.engine.reader import read_tensor
+    out: dict[str, Callable[[int, int, memoryview], None]] = {}
+    for t in targets:
+        plan = plans.get(t.name)
+        if plan is None:
+            continue
+        delta, dtype, cols = _Delta(t, manifest), getattr(torch, plan.dtype), plan.shape[1]
+
+        def merge(
+            first: int, stop: int, rows: memoryview, delta: _Delta = delta, dtype: Any = dtype,
+            cols: int = cols,
+        ) -> None:  # fmt: skip
+            weight = torch.frombuffer(rows, dtype=dtype).view(stop - first, cols)
+            delta.add(weight, first, stop)
+
+        out[t.name] = merge
+    return out
+
+
+def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget],
+               manifest: Manifest) -> None:  # fmt: skip
+    """Add ``(B @ A) * scale`` to each target weight written in the safetensors file ``path``
+    (where :func:`row_transforms` could not merge it while it was written: ranks sharing the
+    copy, a cast, a row past the copy buffer).
+
+    ``tensors``: output name → its :class:`~ckptools.plan.safetensors.TensorPlan` in this file.
+    One module at a time and, inside it, blocks of rows of the weight (at most
+    :data:`MERGE_BLOCK_ELEMENTS` elements): the rows read from the written bytes, added to as
+    :class:`_Delta` computes, written back over the same bytes; the file is fsynced. Memory: an
+    adapter and one block, whatever the weight's size (each output row is the same dot products
+    as in one whole product).
+    """
+    import torch
 
     fd = os.open(path, os.O_RDWR)
     try:
@@ -361,9 +420,7 @@ def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget]
             plan = tensors.get(t.name)
             if plan is None:
                 continue
-            a, b = read_tensor(manifest, t.a), read_tensor(manifest, t.b)
-            low = b.dtype in (torch.float16, torch.bfloat16)
-            a_mul, b_mul = (a.float(), b.float()) if low else (a, b)
+            delta = _Delta(t, manifest)
             out_rows, cols = plan.shape
             itemsize = plan.nbytes // (out_rows * cols)
             step = max(1, MERGE_BLOCK_ELEMENTS // cols)
@@ -372,8 +429,7 @@ def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget]
                 where = plan.begin + r0 * cols * itemsize
                 raw = bytearray(os.pread(fd, rows * cols * itemsize, where))
                 weight = torch.frombuffer(raw, dtype=getattr(torch, plan.dtype)).view(rows, cols)
-                delta = (b_mul[r0 : r0 + rows] @ a_mul) * t.scale
-                weight += delta.to(b.dtype) if low else delta
+                delta.add(weight, r0, r0 + rows)
                 os.pwrite(fd, memoryview(raw), where)
         os.fsync(fd)
     finally:

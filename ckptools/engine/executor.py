@@ -37,7 +37,7 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ckptools.core import dtypes
@@ -104,23 +104,41 @@ class _Rows:
 
 
 Task = tuple[FilePlan, TensorPlan, Chunk | _Rows]
+#: Changes rows ``[first, stop)`` of a tensor in place, given their bytes as they will be
+#: written (the output dtype, row-major), before they are: a computed tensor (a merged LoRA
+#: weight) written once, from its source's bytes.
+RowTransform = Callable[[int, int, memoryview], None]
 
 
-def _tasks(f: FilePlan, t: TensorPlan, half_block: int, rows_ok: bool) -> Iterator[Task]:
+def in_row_blocks(t: TensorPlan, block: int) -> bool:
+    """Whether ``t`` can be written in blocks of whole rows from buffers of ``block`` bytes (not
+    cast, no strided chunk, a row within half a buffer): what a :data:`RowTransform` needs."""
+    row = math.prod(t.shape[1:]) if len(t.shape) >= 2 else 0
+    return bool(
+        row
+        and not t.is_cast
+        and row * dtypes.dtype(t.src_dtype).itemsize <= block // 2
+        and all(c.strides is None for c in t.chunks)
+    )
+
+
+def _tasks(
+    f: FilePlan, t: TensorPlan, block: int, rows_ok: bool, transformed: bool = False
+) -> Iterator[Task]:
     """The tasks writing ``t``: blocks of whole rows when its chunks all land as many runs
-    (sharded on a trailing dim) and a row fits half a buffer; else one task per chunk.
-    ``rows_ok`` False (ranks sharing the tasks: a chunk's CRC is checked only where one
-    process reads every block of it): one task per chunk always."""
+    (sharded on a trailing dim), or it is ``transformed``, and a row fits half a buffer; else
+    one task per chunk. ``rows_ok`` False (ranks sharing the tasks: a chunk's CRC is checked
+    only where one process reads every block of it): one task per chunk always."""
     isz = dtypes.dtype(t.src_dtype).itemsize
     row = math.prod(t.shape[1:]) if len(t.shape) >= 2 else 0
     gather = (
         rows_ok
-        and row
-        and len(t.chunks) > 1
-        and not t.is_cast
-        and row * isz <= half_block
-        and all(c.strides is None and c.sizes[1:] != t.shape[1:] for c in t.chunks)
+        and in_row_blocks(t, block)
+        and (
+            transformed or (len(t.chunks) > 1 and all(c.sizes[1:] != t.shape[1:] for c in t.chunks))
+        )
     )
+    half_block = block // 2
     if not gather:
         yield from ((f, t, c) for c in t.chunks)
         return
@@ -160,7 +178,9 @@ class _Copier:
         out_fds: dict[str, int],
         block: int,
         progress: ByteProgress,
+        transforms: Mapping[str, RowTransform] | None = None,
     ) -> None:
+        self.transforms = transforms or {}
         self.manifest = manifest
         self.reader = reader
         self.out_fds = out_fds
@@ -248,6 +268,9 @@ class _Copier:
             for src, dst, n in runs(tensor.shape, *box):
                 o = (dst - base) * isz
                 out[o : o + n * isz] = part[src * isz : (src + n) * isz]
+        transform = self.transforms.get(tensor.name)
+        if transform is not None:
+            transform(task.first, task.stop, out)
         pwrite_all(fd, out, tensor.begin + base * isz)
         self.progress.update(len(out))
 
@@ -402,6 +425,7 @@ def execute(
     share: tuple[int, int] | None = None,
     skip: Collection[str] = (),
     on_file_done: Callable[[str], None] | None = None,
+    transforms: Mapping[str, RowTransform] | None = None,
 ) -> ExecuteStats:
     """Write the files of ``plan`` into ``out_dir`` and fsync them.
 
@@ -423,6 +447,9 @@ def execute(
             written again.
         on_file_done: called with a file's name once it is complete and durable (fsynced, or
             uploaded), to journal it; not with ``share``, where no rank sees a file complete.
+        transforms: output tensor name -> :data:`RowTransform` applied to its rows before
+            they are written; each such tensor must be :func:`in_row_blocks` for this
+            ``memory_budget`` and ``workers``, and ``share`` None, local ``out_dir``.
 
     ``out_dir`` may be a URL (an object-store prefix): each file is then written into a local
     spool, one at a time, and uploaded while the next is written (:func:`_execute_to_store`).
@@ -438,8 +465,21 @@ def execute(
     root = manifest.data_dir()
     todo = [f for f in plan.files if f.name not in skip]
     block = block_bytes(memory_budget, workers)
+    transforms = transforms or {}
+    fits = share is None
+    unfit = [
+        t.name
+        for f in plan.files
+        for t in f.tensors
+        if t.name in transforms and not (fits and in_row_blocks(t, block))
+    ]
+    if unfit:
+        raise ValueError(f"cannot transform {unfit[0]!r} in row blocks here")
     tasks = [
-        task for f in todo for t in f.tensors for task in _tasks(f, t, block // 2, share is None)
+        task
+        for f in todo
+        for t in f.tensors
+        for task in _tasks(f, t, block, share is None, t.name in transforms)
     ]
     if share is None:
         create_files(plan, out_dir, todo)
@@ -454,7 +494,7 @@ def execute(
         for f in todo:
             fds[f.name] = os.open(os.path.join(out_dir, f.name), os.O_WRONLY)
         with ByteProgress(total, "consolidate", quiet=quiet) as bar:
-            copier = _Copier(manifest, reader, fds, block, bar)
+            copier = _Copier(manifest, reader, fds, block, bar, transforms)
             copy: Callable[[FilePlan, TensorPlan, Chunk | _Rows], None] = copier.copy_chunk
             if on_file_done is None:
                 run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)

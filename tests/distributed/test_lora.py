@@ -13,6 +13,7 @@ refused with a one-line error naming ``--lora-alpha``; ``inspect`` names the ada
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -214,21 +215,36 @@ def test_adapter_export_equals_peft_save_pretrained(trained: Any) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_merge_lora_equals_merge_and_unload(trained: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["while_written", "in_place"])
+def test_merge_lora_equals_merge_and_unload(
+    trained: Any, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Each target weight merged as the executor writes it, in row blocks (a 384-byte buffer:
+    3 fp32 rows of 16 columns, 16 = 5*3 + 1; 6 bf16 ones), or, where it cannot (ranks sharing
+    the copy, a cast), copied and then merged in place (blocks of 3 rows too)."""
     from transformers import AutoModelForCausalLM
 
     from ckptools import lora
 
-    monkeypatch.setattr(lora, "MERGE_BLOCK_ELEMENTS", 3 * 16)  # blocks of 3 rows: 16 = 5*3 + 1
+    consolidate_module = importlib.import_module("ckptools.consolidate")  # not the function
+
+    monkeypatch.setattr(lora, "MERGE_BLOCK_ELEMENTS", 3 * 16)
+    if path == "in_place":
+        monkeypatch.setattr(consolidate_module, "in_row_blocks", lambda plan, block: False)
+    rewrites: list[int] = []
+    merge_into = lora.merge_into
+    monkeypatch.setattr(lora, "merge_into", lambda *a: rewrites.append(len(a[2])) or merge_into(*a))
 
     root, rslora, _ = trained
-    out = root / "ours_merged"
+    out = root / f"ours_merged_{path}"
     cfg = root / "peft_adapter" / "adapter_config.json"
     options: dict[str, Any] = {"adapter_config": str(cfg)} if rslora else {"lora_alpha": _ALPHA}
     ckptools.consolidate(
         str(root / "src"), str(out), merge_lora=True, config=str(root / "base_config"),
-        quiet=True, overwrite=True, **options,
+        quiet=True, overwrite=True, workers=1, memory_budget=384, **options,
     )  # fmt: skip
+    # each target weight written once, merged, or copied then rewritten
+    assert (sum(rewrites) == 0) == (path == "while_written"), rewrites
     truth, got = _merged_tensors(root / "peft_merged"), _merged_tensors(out)
     assert sorted(got) == sorted(truth)
     assert not any("lora" in k or "base_layer" in k or k.startswith("base_model") for k in got)
