@@ -241,7 +241,8 @@ class _Copier:
 
     def _gather_rows(self, fd: int, tensor: TensorPlan, task: _Rows) -> None:
         """Rows ``[first, stop)`` of ``tensor``: each chunk's part read into the first half of
-        the thread's buffer, placed run by run into the second, written once."""
+        the thread's buffer, placed run by run into the second (read straight into place when
+        the chunk holds whole rows), transformed if asked, written once."""
         isz = dtypes.dtype(tensor.dtype).itemsize
         row = math.prod(tensor.shape[1:])
         buf = self.buffer()
@@ -255,7 +256,12 @@ class _Copier:
                 continue
             raw = self._raw(tensor, index)
             per_row = chunk.numel // cn
-            part = buf[: (b - a) * per_row * isz]
+            whole_rows = tuple(chunk.sizes[1:]) == tuple(tensor.shape[1:])
+            if whole_rows:  # its rows are the output's rows: read straight into place
+                o = (a - task.first) * row * isz
+                part = out[o : o + (b - a) * row * isz]
+            else:
+                part = buf[: (b - a) * per_row * isz]
             at = (a - c0) * per_row * isz
             self.reader.readinto(raw.file, raw.offset + at, part)
             if raw.crc32 is not None:
@@ -264,6 +270,8 @@ class _Copier:
                 whole = self._part_crcs.add(key, blocks, at, crc32(part, 0), len(part))
                 if whole is not None:
                     checked_copy.check(self.reader, raw, tensor.fqn, whole)
+            if whole_rows:
+                continue
             box = (a, *chunk.offsets[1:]), (b - a, *chunk.sizes[1:])
             for src, dst, n in runs(tensor.shape, *box):
                 o = (dst - base) * isz
