@@ -365,10 +365,44 @@ class _Delta:
             return self._ab
 
     def add(self, weight: Any, first: int, stop: int) -> None:
-        """Add rows ``[first, stop)`` of the delta to ``weight`` (those rows), in place."""
+        """Add rows ``[first, stop)`` of the delta to ``weight`` (those rows), in place.
+
+        The same operations as ``(B @ A) * scale`` then ``+=``, into this thread's workspace
+        (:func:`_workspace`): a block's delta is never a fresh allocation, which glibc would keep
+        in the thread's arena after the first few (its mmap threshold rises to their size).
+        """
+        import torch
+
         a, b, low = self._factors()
-        delta = (b[first:stop] @ a) * self.target.scale
-        weight += delta.to(low) if low is not None else delta
+        rows, cols = stop - first, a.shape[1]
+        delta = _workspace("delta", rows * cols, b.dtype).view(rows, cols)
+        torch.matmul(b[first:stop], a, out=delta)
+        delta.mul_(self.target.scale)
+        if low is not None:
+            weight += _workspace("cast", rows * cols, low).view(rows, cols).copy_(delta)
+        else:
+            weight += delta
+
+
+_WORKSPACES = threading.local()
+
+
+def _workspace(name: str, numel: int, dtype: Any) -> Any:
+    """This thread's reusable 1-D tensor ``name`` of at least ``numel`` elements of ``dtype``
+    (its first ``numel``); freed with the thread, or by :func:`_free_workspaces`."""
+    import torch
+
+    have = getattr(_WORKSPACES, name, None)
+    if have is None or have.dtype != dtype or have.numel() < numel:
+        have = torch.empty(numel, dtype=dtype)
+        setattr(_WORKSPACES, name, have)
+    return have[:numel]
+
+
+def _free_workspaces() -> None:
+    for name in ("delta", "cast"):
+        if hasattr(_WORKSPACES, name):
+            delattr(_WORKSPACES, name)
 
 
 def row_transforms(
@@ -433,4 +467,5 @@ def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget]
                 os.pwrite(fd, memoryview(raw), where)
         os.fsync(fd)
     finally:
+        _free_workspaces()
         os.close(fd)
