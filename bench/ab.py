@@ -50,7 +50,9 @@ def _export(rev: str, workdir: str) -> str:
 
 
 def _ckpt(tree: str, args: list[str]) -> list[str]:
-    return ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "ckptools", *args]
+    # -P: no current directory ahead of PYTHONPATH, or a run from the repository root would
+    # import the working tree's ckptools for both revisions
+    return ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "ckptools", *args]
 
 
 def main() -> None:

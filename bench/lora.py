@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for mode, tree in modes:
             out = os.path.join(work, mode + tree)
             done = subprocess.run(
-                [sys.executable, "-c", _CHILD, src, out, mode],
+                # -P: PYTHONPATH's tree, never the current directory's (the repository root)
+                [sys.executable, "-P", "-c", _CHILD, src, out, mode],
                 check=True, capture_output=True, text=True,
                 env={**os.environ, "PYTHONPATH": trees[tree]},
             )  # fmt: skip
