@@ -422,6 +422,26 @@ def share_of(tasks: Sequence[Task], rank: int, world_size: int) -> list[Task]:
     return out
 
 
+def _checked_transforms(
+    plan: ConsolidationPlan,
+    transforms: Mapping[str, RowTransform] | None,
+    block: int,
+    share: tuple[int, int] | None,
+) -> Mapping[str, RowTransform]:
+    """``transforms``, each of whose tensors this execution writes in row blocks.
+
+    Raises:
+        ValueError: one it cannot (the caller asked for what :func:`in_row_blocks` refuses,
+            or ranks share the copy).
+    """
+    transforms = transforms or {}
+    for f in plan.files:
+        for t in f.tensors:
+            if t.name in transforms and not (share is None and in_row_blocks(t, block)):
+                raise ValueError(f"cannot transform {t.name!r} in row blocks here")
+    return transforms
+
+
 def execute(
     plan: ConsolidationPlan,
     manifest: Manifest,
@@ -473,16 +493,7 @@ def execute(
     root = manifest.data_dir()
     todo = [f for f in plan.files if f.name not in skip]
     block = block_bytes(memory_budget, workers)
-    transforms = transforms or {}
-    fits = share is None
-    unfit = [
-        t.name
-        for f in plan.files
-        for t in f.tensors
-        if t.name in transforms and not (fits and in_row_blocks(t, block))
-    ]
-    if unfit:
-        raise ValueError(f"cannot transform {unfit[0]!r} in row blocks here")
+    transforms = _checked_transforms(plan, transforms, block, share)
     tasks = [
         task
         for f in todo
