@@ -345,11 +345,13 @@ class _Delta:
     it on CPU: a bf16/fp16 adapter multiplied in float32 and cast back to its dtype, then added
     in place in the weight's dtype. ``A`` and ``B`` are read once, on first use."""
 
-    def __init__(self, target: MergeTarget, manifest: Manifest) -> None:
+    def __init__(self, target: MergeTarget, manifest: Manifest, rows: int) -> None:
         self.target = target
         self.manifest = manifest
         self._ab: tuple[Any, Any, Any] | None = None
         self._lock = threading.Lock()
+        self._rows_left = rows  # once all are added the factors are let go: at hundreds of
+        # targets, keeping every adapter would grow with the model
 
     def _factors(self) -> tuple[Any, Any, Any]:
         with self._lock:
@@ -382,6 +384,10 @@ class _Delta:
             weight += _workspace("cast", rows * cols, low).view(rows, cols).copy_(delta)
         else:
             weight += delta
+        with self._lock:
+            self._rows_left -= rows
+            if self._rows_left <= 0:
+                self._ab = None
 
 
 _WORKSPACES = threading.local()
@@ -420,7 +426,8 @@ def row_transforms(
         plan = plans.get(t.name)
         if plan is None:
             continue
-        delta, dtype, cols = _Delta(t, manifest), getattr(torch, plan.dtype), plan.shape[1]
+        delta, dtype = _Delta(t, manifest, plan.shape[0]), getattr(torch, plan.dtype)
+        cols = plan.shape[1]
 
         def merge(
             first: int, stop: int, rows: memoryview, delta: _Delta = delta, dtype: Any = dtype,
@@ -454,8 +461,8 @@ def merge_into(path: str, tensors: Mapping[str, Any], targets: list[MergeTarget]
             plan = tensors.get(t.name)
             if plan is None:
                 continue
-            delta = _Delta(t, manifest)
             out_rows, cols = plan.shape
+            delta = _Delta(t, manifest, out_rows)
             itemsize = plan.nbytes // (out_rows * cols)
             step = max(1, MERGE_BLOCK_ELEMENTS // cols)
             for r0 in range(0, out_rows, step):
