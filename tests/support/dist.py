@@ -1,9 +1,10 @@
 """Run a function on N real ``torch.distributed`` ranks (gloo, CPU) for tests.
 
-Every distributed test goes through :func:`run_ranks`: it spawns ``world_size`` fresh processes
-(``spawn`` start method, so no state leaks from the pytest process), joins them into one gloo
-process group through a file rendezvous in a fresh temporary directory, runs ``fn(rank, world_size,
-*args, **kwargs)`` on each and pickles the per-rank return values back.
+Every distributed test goes through :func:`run_ranks`: it starts ``world_size`` fresh processes
+(``forkserver`` start method: each rank is forked from a server that has only imported torch, so no
+state leaks from the pytest process or between tests), joins them into one gloo process group
+through a file rendezvous in a fresh temporary directory, runs ``fn(rank, world_size, *args,
+**kwargs)`` on each and pickles the per-rank return values back.
 
 Results and failures travel through per-rank files rather than a ``multiprocessing.Queue``: a rank
 leaves with ``os._exit`` (gloo sometimes aborts while tearing down), and ``os._exit`` would drop
@@ -41,6 +42,22 @@ __all__ = ["RankFailedError", "RanksTimeoutError", "run_ranks"]
 _TEARDOWN_GRACE_S = 15.0
 # How often the parent looks for new result/error files while no process has exited.
 _POLL_INTERVAL_S = 0.05
+# Imported once, in the fork server, before it forks any rank: every rank is still a fresh
+# process (forked from a server that has run nothing but these imports), but does not pay them
+# again. Importing torch and its distributed packages cost each spawned rank ~4 s of CPU, which
+# made rank start-up the largest single cost of the suite on 2 cores (docs/testing.md).
+# Only modules that read no test-controlled environment at import time belong here: transformers
+# and huggingface_hub read HF_HUB_CACHE / HF_HUB_OFFLINE when imported, which tests set per test.
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "safetensors.torch",
+)
+# The fork server starts with these (OpenMP reads them once, when torch's libraries load there).
+_RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class RankFailedError(RuntimeError):
@@ -100,8 +117,13 @@ def _rank_main(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    env: dict[str, str],
 ) -> None:
-    """Entry point of one spawned rank. Never returns: leaves with ``os._exit``."""
+    """Entry point of one rank. Never returns: leaves with ``os._exit``."""
+    # A forked rank has the fork server's environment, not the test's: take the test's, as a
+    # spawned process would (the S3 endpoint, HF_HUB_OFFLINE and CKPTOOLS_* overrides).
+    os.environ.clear()
+    os.environ.update(env)
     code = 0
     try:
         import torch
@@ -194,18 +216,20 @@ def run_ranks(
 
     workdir = tempfile.mkdtemp(prefix="ckptools-ranks-")
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
-    ctx = get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    env = {**os.environ, **_RANK_ENV}
     procs: list[BaseProcess] = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, init_method, workdir, timeout, fn, args, kwargs),
+            args=(rank, world_size, init_method, workdir, timeout, fn, args, kwargs, env),
             name=f"rank{rank}",
             daemon=True,
         )
         for rank in range(world_size)
     ]
     try:
-        with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+        with _env(**_RANK_ENV):
             for p in procs:
                 p.start()
         deadline = time.monotonic() + timeout
