@@ -7,7 +7,12 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.ckptools-installed
 
-.PHONY: test demo lint typecheck unit setup clean bench
+.PHONY: test check demo lint typecheck unit setup clean bench
+
+# pytest-xdist workers: one per core of the 2-core machines this suite is sized for. Files are
+# dealt whole to a worker (--dist loadfile), so module-scoped producers run once.
+TEST_WORKERS ?= 2
+PYTEST := DS_ACCELERATOR=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 setup: $(STAMP)
 
@@ -26,9 +31,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# DS_ACCELERATOR=cpu: the DeepSpeed tests run its engines on CPU ranks (gloo)
+# DS_ACCELERATOR=cpu: the DeepSpeed tests run its engines on CPU ranks (gloo). Producer outputs
+# are kept across runs (tests/support/cache.py; CKPTOOLS_TEST_CACHE=off builds them afresh).
 test: lint typecheck
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q
+	$(PYTEST)
+
+# The inner loop: lint, types, and the unit and integration tests that start no rank processes.
+check: lint typecheck
+	$(PYTEST) -m "not distributed" tests/unit tests/integration
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,25 +46,72 @@ class Produced:
         return ref
 
 
+#: the files whose bytes decide what ``produced`` writes (with the installed versions)
+PRODUCER_SOURCES = (Path(__file__).parent / "support" / "producers.py",)
+
+
+@pytest.fixture(scope="session")
+def cached_output(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str, Sequence[Path], Callable[[Path], None]], Path]:
+    """``cached_output(tag, sources, build)``: the directory ``build(directory)`` wrote, kept across
+    sessions under a key of ``sources``' bytes and the installed versions (tests/support/cache.py).
+
+    For producers that ``produced`` does not cover (DeepSpeed engines, the Trainer callback):
+    ``sources`` must name every file whose code decides what ``build`` writes.
+    """
+    from tests.support import cache as producer_cache
+
+    persistent = producer_cache.cache_root()
+    fresh = tmp_path_factory.mktemp("outputs")
+
+    def get(tag: str, sources: Sequence[Path], build: Callable[[Path], None]) -> Path:
+        if persistent is None:
+            root = fresh
+        else:
+            key = producer_cache.cache_key(sources, producer_cache.installed_versions())
+            root = persistent / f"outputs-{key}"
+        return producer_cache.cached_build(root, tag, build)
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def produced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Produced]]:
-    """``produced("fsdp2", world_size=3, optimizer=True)``: made once per session, then shared.
+    """``produced("fsdp2", world_size=3, optimizer=True)``: made once, then shared.
 
-    Tests must not modify the returned checkpoint (copy it first to damage it).
+    Outputs are kept across sessions (and shared by pytest-xdist workers) under
+    ``tests/support/cache.py``'s directory, keyed by the producers' source and the installed
+    versions; ``CKPTOOLS_TEST_CACHE=off`` makes them afresh in this session's temporary directory.
+    Tests must not modify the returned checkpoint (copy it first to damage it); one that does
+    only makes the next session rebuild it.
     """
-    cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Produced] = {}
-    root = tmp_path_factory.mktemp("produced")
+    from tests.support import cache as producer_cache
+
+    persistent = producer_cache.cache_root()
+    if persistent is None:
+        root = tmp_path_factory.mktemp("produced")
+    else:
+        key = producer_cache.cache_key(PRODUCER_SOURCES, producer_cache.installed_versions())
+        root = persistent / f"produced-{key}"
+        root.mkdir(parents=True, exist_ok=True)
+        os.utime(root)  # in use: not stale
+        producer_cache.prune_stale(persistent, keep=root.name)
+    made: dict[tuple[str, tuple[tuple[str, Any], ...]], Produced] = {}
 
     def make(name: str, **opts: Any) -> Produced:
-        from tests.support.producers import produce
-
         key = (name, tuple(sorted(opts.items())))
-        if key not in cache:
+        if key not in made:
             tag = "-".join([name, *(f"{k}={v}" for k, v in sorted(opts.items()))])
-            out = root / tag / _OUT_NAMES.get(name, "ckpt")
-            ref = root / tag / "reference.pt"
-            produce(name, str(out), str(ref), **opts)
-            cache[key] = Produced(out, ref)
-        return cache[key]
+            out_name = _OUT_NAMES.get(name, "ckpt")
+
+            def build(entry: Path) -> None:
+                from tests.support.producers import produce
+
+                produce(name, str(entry / out_name), str(entry / "reference.pt"), **opts)
+
+            entry = producer_cache.cached_build(root, tag, build)
+            made[key] = Produced(entry / out_name, entry / "reference.pt")
+        return made[key]
 
     yield make

@@ -20,7 +20,10 @@ from typing import Any
 
 import pytest
 
+from tests.support import deepspeed_producers
 from tests.support.deepspeed_producers import TAG, case_dir, deepspeed_available, produce_zero
+
+PRODUCER_SOURCE = Path(deepspeed_producers.__file__)
 
 pytestmark = [
     pytest.mark.distributed,
@@ -42,15 +45,20 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def zero(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int, str], str]:
-    """``zero(world, stage, dtype)``: the run directory of that checkpoint, made once."""
+def zero(cached_output: Callable[..., Path]) -> Callable[[int, int, str], str]:
+    """``zero(world, stage, dtype)``: the run directory of that checkpoint, made once (and kept
+    across sessions while DeepSpeed and its producer are unchanged)."""
     made: dict[int, str] = {}
 
     def get(world: int, stage: int, dtype: str) -> str:
         if world not in made:
-            out = str(tmp_path_factory.mktemp(f"deepspeed-w{world}"))
-            produce_zero(out, world, [(s, d) for s in STAGES for d in DTYPES])
-            made[world] = out
+            cases = [(s, d) for s in STAGES for d in DTYPES]
+            out = cached_output(
+                f"zero-w{world}-" + "-".join(f"{s}{d}" for s, d in cases),
+                [PRODUCER_SOURCE],
+                lambda d: produce_zero(str(d), world, cases),
+            )
+            made[world] = str(out)
         return case_dir(made[world], stage, dtype)
 
     return get

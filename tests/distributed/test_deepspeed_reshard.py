@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import deepspeed_producers
 from tests.support.deepspeed_producers import (
     MOMENTS,
     TAG,
@@ -52,17 +53,22 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def zero(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+def zero(cached_output: Callable[..., Path]) -> Callable[..., str]:
     """``zero(stage, world=2, dtype="fp32")``: the run directory of that checkpoint, made once
-    per world size (fp32 at 2 ranks; fp32 and bf16 at 3)."""
+    per world size (fp32 at 2 ranks; fp32 and bf16 at 3), kept across sessions while DeepSpeed
+    and its producer are unchanged."""
     made: dict[int, str] = {}
 
     def get(stage: int, world: int = 2, dtype: str = "fp32") -> str:
         if world not in made:
-            out = str(tmp_path_factory.mktemp(f"deepspeed-reshard-w{world}"))
             dts = ("fp32",) if world == 2 else ("fp32", "bf16")
-            produce_zero(out, world, [(s, d) for s in STAGES for d in dts])
-            made[world] = out
+            cases = [(s, d) for s in STAGES for d in dts]
+            out = cached_output(
+                f"zero-w{world}-" + "-".join(f"{s}{d}" for s, d in cases),
+                [Path(deepspeed_producers.__file__)],
+                lambda d: produce_zero(str(d), world, cases),
+            )
+            made[world] = str(out)
         return case_dir(made[world], stage, dtype)
 
     return get
