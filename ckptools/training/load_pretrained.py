@@ -58,6 +58,7 @@ from ckptools.training.fill import (
     find_targets,
     torch_dtype,
 )
+from ckptools.training.pretrained_keys import KeyFilter, ignore_filter, in_memory_names
 from ckptools.tunables import env_size
 
 if TYPE_CHECKING:
@@ -155,9 +156,11 @@ def _plan_copies(
     targets: Mapping[str, Target],
     ties: Mapping[str, Sequence[str]],
     strict: bool,
+    ignore: KeyFilter | None = None,
 ) -> tuple[list[Copy], LoadPretrainedResult]:
-    """The copies this rank makes, and the keys that did not match; validates names, shapes and
-    dtypes first (no tensor byte read). Same answer on every rank (global facts only)."""
+    """The copies this rank makes, and the keys that did not match (less those ``ignore``,
+    the model's own loading rules, drops); validates names, shapes and dtypes first (no tensor
+    byte read). Same answer on every rank (global facts only)."""
     stored = manifest.tensors
     sources: dict[str, str] = {}  # target fqn -> file tensor
     missing: list[str] = []
@@ -171,6 +174,8 @@ def _plan_copies(
         elif not _same_memory(targets[fqn], targets[partner]):
             sources[fqn] = partner  # a tie kept as two tensors (FSDP1's copies): fill both
     unexpected = [fqn for fqn in stored if fqn not in targets]
+    if ignore is not None:
+        missing, unexpected = ignore(missing, unexpected)
     if strict and missing:
         raise UsageError(
             f"{root}: holds no tensor for the model's {_first(missing)}; pass strict=False to "
@@ -274,9 +279,14 @@ def _fill(
     manifest = read_safetensors(source)
     if not manifest.tensors:
         raise CheckpointNotFoundError(f"{source}: holds no safetensors tensors", path=source)
+    targets = find_targets(state)
     if conversion is not None:
         manifest = conversion(manifest)
-    copies, result = _plan_copies(source, manifest, find_targets(state), _ties(model), strict)
+    else:
+        manifest = in_memory_names(model, manifest, source, targets)
+    copies, result = _plan_copies(
+        source, manifest, targets, _ties(model), strict, ignore_filter(model)
+    )
     filler = Filler(
         storage.open_reader(manifest.data_root or manifest.root),
         env_size(READ_BUFFER_ENV, DEFAULT_READ_BUFFER_BYTES),
