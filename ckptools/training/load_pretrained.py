@@ -273,6 +273,7 @@ def _fill(
     source: str,
     strict: bool,
     conversion: Conversion | None,
+    quiet: bool,
 ) -> tuple[LoadPretrainedResult, int]:
     """This rank's share of :func:`load_pretrained`: read the headers, check, copy its boxes.
     Returns the unmatched keys and the tensor bytes read."""
@@ -283,7 +284,7 @@ def _fill(
     if conversion is not None:
         manifest = conversion(manifest)
     else:
-        manifest = in_memory_names(model, manifest, source, targets)
+        manifest = in_memory_names(model, manifest, source, targets, quiet=quiet)
     copies, result = _plan_copies(
         source, manifest, targets, _ties(model), strict, ignore_filter(model)
     )
@@ -372,7 +373,8 @@ def load_pretrained(
     source = _source(text, revision, ranks)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     found = ranks.from_all(
-        lambda: _fill(model, state, source, strict, conversion), "load_pretrained"
+        lambda: _fill(model, state, source, strict, conversion, ranks.rank != 0),
+        "load_pretrained",
     )
     if _is_fsdp1(model):
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))

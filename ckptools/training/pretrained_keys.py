@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 from ckptools import _compat
 from ckptools.core.manifest import Manifest
 from ckptools.io import storage
-from ckptools.plan.conversions import merge_entries, rules_for
+from ckptools.plan.conversion_cache import keymap_for
+from ckptools.plan.conversions import merge_entries
 
 if TYPE_CHECKING:
     from torch import nn
@@ -88,11 +89,17 @@ def _source_config(source: str) -> dict[str, Any] | None:
 
 
 def in_memory_names(
-    model: nn.Module, manifest: Manifest, source: str, wanted: Collection[str]
+    model: nn.Module,
+    manifest: Manifest,
+    source: str,
+    wanted: Collection[str],
+    *,
+    quiet: bool = False,
 ) -> Manifest:
     """``manifest`` (the published files) with the model's in-memory names, where transformers'
     conversion rules for the model name more of ``wanted`` (the model's tensors) than the
-    published names do; else ``manifest`` unchanged.
+    published names do; else ``manifest`` unchanged. The conversion comes from the user's cache
+    when an earlier run derived it (``quiet``: no status line while deriving).
 
     Raises:
         UnsupportedCheckpointError: a tensor meets a rule that is not a byte re-arrangement,
@@ -102,11 +109,10 @@ def in_memory_names(
     stored = manifest.tensors
     if all(name in stored for name in wanted):
         return manifest  # nothing to convert: no transformers lookup
-    rules = rules_for(model_config(model) or _source_config(source))
-    if rules is None:
-        return manifest
-    keymap = rules.to_memory({name: entry.shape for name, entry in stored.items()})
-    if not keymap.converted:
+    config = model_config(model) or _source_config(source)
+    shapes = {name: entry.shape for name, entry in stored.items()}
+    keymap = keymap_for(config, shapes, "memory", quiet=quiet)
+    if keymap is None:
         return manifest
     # safetensors chunks are raw runs already: resolving one is the identity
     derived, out, _ = merge_entries(manifest, {n: n for n in stored}, keymap, lambda e, c: c)
