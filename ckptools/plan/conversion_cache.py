@@ -59,12 +59,19 @@ def _segment(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)[:100].lstrip(".") or "_"
 
 
-def _digest(direction: Direction, source: str, config: Mapping[str, Any], shapes: Shapes) -> str:
+def _digest(
+    direction: Direction, source: str, config: Mapping[str, Any], shapes: Shapes
+) -> str | None:
+    """The entry's name; None for a config JSON cannot order (keys of mixed types)."""
+    try:
+        text = json.dumps(config, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return None
     h = hashlib.sha256()
     for part in (
         f"ckptools-conversion/{FORMAT}/{direction}",
         source,
-        json.dumps(config, sort_keys=True, default=str),
+        text,
         json.dumps([[name, list(shape)] for name, shape in shapes.items()]),
     ):
         h.update(part.encode("utf-8", "surrogatepass"))
@@ -160,6 +167,8 @@ def keymap_for(
         return None  # transformers cannot convert it: no import, nothing to keep
     version, model_class = _version(), _model_class(config)
     key = _digest(direction, source, config, shapes)
+    if key is None:
+        return _derive(config, shapes, direction)
     parts = ("conversions", _segment(version), _segment(model_class), f"{key}.json")
     raw = user_cache.read(*parts)
     if raw is not None:
