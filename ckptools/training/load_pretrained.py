@@ -9,9 +9,11 @@ memory per rank) or on rank 0 plus a broadcast. Every rank:
    local tensor holds: a DTensor's chunk (what ``dcp.save`` records, e.g. FSDP2's dim-0 rows,
    :func:`ckptools.core.geometry.fsdp2_rows`), an FSDP1 ``ShardedTensor``'s local shards, or
    the whole tensor of an unsharded module;
-2. reads the safetensors headers (:func:`ckptools.layouts.safetensors.read_safetensors`; a
-   conversion, when given, maps the published names and byte runs to the in-memory ones), checks
-   names, shapes and dtypes against the model before any tensor byte is read, and
+2. reads the safetensors headers (:func:`ckptools.layouts.safetensors.read_safetensors`; the
+   conversion given, else transformers' own as ``from_pretrained`` applies it
+   (:mod:`ckptools.training.pretrained_keys`), maps the published names and byte runs to the
+   in-memory ones), checks names, shapes and dtypes against the model before any tensor byte is
+   read (what the model's own loading rules ignore is not reported), and
 3. copies the intersection of each stored tensor with each of its boxes
    (:func:`ckptools.core.geometry.copy_runs`) straight from the file into the local tensor with
    ranged reads (:func:`ckptools.io.storage.open_reader`): for a dim-0 shard that is one read of
@@ -346,7 +348,9 @@ def load_pretrained(
         strict: raise when the files and the model do not hold the same tensors (after ties),
             or on a non-floating-point dtype change. A shape mismatch always raises.
         conversion: maps the published tensors to the model's in-memory names and shapes (see
-            :data:`Conversion`); None keeps the names as stored.
+            :data:`Conversion`); None follows ``from_pretrained``
+            (:func:`ckptools.training.pretrained_keys.in_memory_names`: transformers' conversion
+            mapping, e.g. per-expert MoE files into fused experts, and ``base_model_prefix``).
         storage_options: fsspec options for URL paths (credentials, endpoint...).
 
     Returns:

@@ -96,19 +96,28 @@ def in_memory_names(
     *,
     quiet: bool = False,
 ) -> Manifest:
-    """``manifest`` (the published files) with the model's in-memory names, where transformers'
-    conversion rules for the model name more of ``wanted`` (the model's tensors) than the
-    published names do; else ``manifest`` unchanged. The conversion comes from the user's cache
-    when an earlier run derived it (``quiet``: no status line while deriving).
+    """``manifest`` (the published files) with the model's in-memory names, as
+    ``from_pretrained`` finds them: transformers' conversion rules for the model, where they
+    name more of ``wanted`` (the model's tensors) than the published names do, then the model's
+    ``base_model_prefix`` removed or added (:func:`_with_prefix`). The conversion comes from the
+    user's cache when an earlier run derived it (``quiet``: no status line while deriving).
 
     Raises:
         UnsupportedCheckpointError: a tensor meets a rule that is not a byte re-arrangement,
             or its experts or parts are incomplete.
         CorruptCheckpointError: the parts of one fused tensor disagree in shape or dtype.
     """
-    stored = manifest.tensors
-    if all(name in stored for name in wanted):
+    if all(name in manifest.tensors for name in wanted):
         return manifest  # nothing to convert: no transformers lookup
+    converted = _converted(model, manifest, source, wanted, quiet)
+    prefix = getattr(_transformers_model(model), "base_model_prefix", "")
+    return _with_prefix(converted, wanted, prefix) if isinstance(prefix, str) else converted
+
+
+def _converted(
+    model: nn.Module, manifest: Manifest, source: str, wanted: Collection[str], quiet: bool
+) -> Manifest:
+    stored = manifest.tensors
     config = model_config(model) or _source_config(source)
     shapes = {name: entry.shape for name, entry in stored.items()}
     keymap = keymap_for(config, shapes, "memory", quiet=quiet)
@@ -120,6 +129,28 @@ def in_memory_names(
     if sum(n in tensors for n in wanted) <= sum(n in stored for n in wanted):
         return manifest
     log.info("load_pretrained: %s applied to %s", keymap.mapping, source)
+    return replace(manifest, tensors=tensors)
+
+
+def _with_prefix(manifest: Manifest, wanted: Collection[str], prefix: str) -> Manifest:
+    """transformers' rule for a head model's files loaded into its base model and back: a
+    published name that starts with ``<prefix>.`` loses it when the rest is a model tensor
+    (``LlamaModel`` from a ``LlamaForCausalLM`` directory); else it gains it when that is one
+    (the other way). A name another published tensor already gives is left as it is."""
+    if not prefix:
+        return manifest
+    wanted = set(wanted)
+    head = f"{prefix}."
+    tensors = {}
+    for name, entry in manifest.tensors.items():
+        new = name
+        if name.startswith(head) and name[len(head) :] in wanted:
+            new = name[len(head) :]
+        elif head + name in wanted:
+            new = head + name
+        if new != name and (new in manifest.tensors or new in tensors):
+            new = name
+        tensors[new] = entry if new == name else replace(entry, fqn=new)
     return replace(manifest, tensors=tensors)
 
 

@@ -25,8 +25,9 @@ _SHARD = "2KB"
 
 
 def _config(kind: str, **overrides: Any) -> Any:
-    """A tiny transformers config: ``llama`` (untied), ``llama-tied``, ``bert`` (``bert-old``:
-    published with ``position_ids``), or the MoE models ``qwen3_moe`` and ``mixtral``."""
+    """A tiny transformers config: ``llama`` (untied), ``llama-tied`` (``llama-base``: its base
+    ``LlamaModel``), ``bert`` (``bert-old``: published with ``position_ids``), or the MoE
+    models ``qwen3_moe`` and ``mixtral``."""
     if kind in ("qwen3_moe", "mixtral"):
         from transformers import MixtralConfig, Qwen3MoeConfig
 
@@ -48,16 +49,23 @@ def _config(kind: str, **overrides: Any) -> Any:
     llama = {"vocab_size": 37, "hidden_size": 16, "intermediate_size": 24,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 4, "max_position_embeddings": 64,
-             "tie_word_embeddings": kind == "llama-tied",
+             "tie_word_embeddings": kind in ("llama-tied", "llama-base"),
              "attn_implementation": "eager"}  # fmt: skip
     return LlamaConfig(**{**llama, **overrides})
 
 
 def _model_class(kind: str) -> Any:
-    from transformers import BertModel, LlamaForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
+    from transformers import (
+        BertModel,
+        LlamaForCausalLM,
+        LlamaModel,
+        MixtralForCausalLM,
+        Qwen3MoeForCausalLM,
+    )
 
-    moe = {"qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}
-    return BertModel if kind.startswith("bert") else moe.get(kind, LlamaForCausalLM)
+    other = {"qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM,
+             "llama-base": LlamaModel}  # fmt: skip
+    return BertModel if kind.startswith("bert") else other.get(kind, LlamaForCausalLM)
 
 
 def _publish(root: Path, kind: str, seed: int = 0, dtype: Any = None, **cfg: Any) -> str:
@@ -79,8 +87,8 @@ def _publish(root: Path, kind: str, seed: int = 0, dtype: Any = None, **cfg: Any
 
 
 def _blocks(model: Any) -> list[Any]:
-    inner = getattr(model, "model", None)
-    return list(inner.layers) if inner is not None else list(model.encoder.layer)
+    inner = getattr(model, "model", model)
+    return list(inner.layers) if hasattr(inner, "layers") else list(model.encoder.layer)
 
 
 def _build(
@@ -222,20 +230,25 @@ def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_transformers_moe_and_old_bert_from_the_hub_cache_equal_from_pretrained(
+def test_transformers_layouts_from_the_hub_cache_equal_from_pretrained(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world_size: int
 ) -> None:
     """Qwen3-MoE and Mixtral as their ``save_pretrained`` writes them (per expert and half;
-    Mixtral's ``block_sparse_moe``) into FSDP2 models holding the experts fused, and a BERT
+    Mixtral's ``block_sparse_moe``) into FSDP2 models holding the experts fused; a BERT
     whose files hold ``embeddings.position_ids`` (as the Hub's do; now a non-persistent
-    buffer, which ``from_pretrained`` ignores), all served by repo id from a Hub cache. Each
-    rank reads only the runs of its own experts (3 ranks: 4 experts split 2/2/0)."""
+    buffer, which ``from_pretrained`` ignores); a ``LlamaModel`` from ``LlamaForCausalLM``
+    files (``model.`` removed) and back (added; ``lm_head`` through the tie): all served by
+    repo id from a Hub cache. Each rank reads only the runs of its own rows (3 ranks: 4
+    experts split 2/2/0)."""
+    published = {}
+    for kind in ("qwen3_moe", "mixtral", "bert-old", "llama-tied", "llama-base"):
+        published[kind] = _publish(tmp_path, kind)
+        cache = _hub_cache(tmp_path, published[kind], kind)
+    into = {"llama-tied": "llama-base", "llama-base": "llama-tied"}  # files -> model
     cases, totals = [], []
-    for kind in ("qwen3_moe", "mixtral", "bert-old"):
-        published = _publish(tmp_path, kind)
-        cache = _hub_cache(tmp_path, published, kind)
-        cases.append((kind, "fsdp2", f"tiny-org/{kind}", kind == "mixtral"))
-        totals.append(_tensor_bytes(published, skip=("embeddings.position_ids",)))
+    for kind, directory in published.items():
+        cases.append((into.get(kind, kind), "fsdp2", f"tiny-org/{kind}", kind == "mixtral"))
+        totals.append(_tensor_bytes(directory, skip=("embeddings.position_ids",)))
     monkeypatch.setenv("HF_HUB_CACHE", cache)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     results = run_ranks(_load_cases, world_size, cases, timeout=280.0)
