@@ -12,9 +12,10 @@ and the tensors' names and shapes in order. So the next run of the same model (t
 checkpoint of a training run) reads one small file and imports no transformers; the first run
 shows a status line while it derives.
 
-The cache is only a memo: an entry that does not parse, is of another format, or names
-another digest is derived again and rewritten; one that cannot be written is skipped. Errors
-(a rule that is not a byte re-arrangement...) are never cached: they are raised each time.
+The cache is only a memo: an entry that does not parse, is of another format, names another
+digest or whose content does not match its own SHA-256 is derived again and rewritten; one that
+cannot be written is skipped. Errors (a rule that is not a byte re-arrangement...) are never
+cached: they are raised each time.
 """
 
 from __future__ import annotations
@@ -92,7 +93,14 @@ def _encode(key: str, keymap: KeyMap | None) -> bytes:
             "memory_shapes": {k: list(v) for k, v in keymap.memory_shapes.items()},
             "pieces": [_row(p) for p in keymap.pieces],
         }
-    return json.dumps({"format": FORMAT, "key": key, "keymap": body}).encode()
+    entry = {"format": FORMAT, "key": key, "sha256": _body_digest(body), "keymap": body}
+    return json.dumps(entry).encode()
+
+
+def _body_digest(body: Any) -> str:
+    """A digest of an entry's content: a damaged byte that still parses is caught too."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class _Miss(Exception):
@@ -113,6 +121,8 @@ def _decode(raw: bytes, key: str) -> KeyMap | None:
     if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
         raise _Miss
     body = entry.get("keymap")
+    if entry.get("sha256") != _body_digest(body):
+        raise _Miss
     if body is None:
         return None
     if not isinstance(body, dict) or not isinstance(body.get("mapping"), str):

@@ -92,7 +92,10 @@ def test_derived_once_then_read_back_damage_derived_again(
         b"", b"{", good[: len(good) // 2], b"[]",
         good.replace(b'"format": 1', b'"format": 99'),
         good.replace(b'"pieces": [[', b'"pieces": [[7, '),
+        good.replace(b'gate_up_proj"', b'gate_up_projX"', 1),  # parses, but not what was kept
+        good.replace(b", 0, ", b", 1, ", 1),
     ]  # fmt: skip
+    assert all(bad != good for bad in damaged)
     for bad in damaged:
         entry.write_bytes(bad)
         assert keymap_for(config, shapes, "memory", quiet=True) == truth, bad[:20]
