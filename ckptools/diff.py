@@ -367,10 +367,12 @@ def _converted(
     of the transformers conversion ``cfg`` names, and a note naming the mapping applied."""
     from ckptools.engine.converted import to_disk_names, to_memory_names
 
+    # quiet: diff has no quiet option for its --json to imply yet, so no status line while a
+    # conversion is derived (the cache still spares the next run the derivation)
     if in_memory:
-        manifest, out, keymap = to_memory_names(manifest, names, cfg)
+        manifest, out, keymap = to_memory_names(manifest, names, cfg, quiet=True)
     else:  # the values are compared next: no separate CRC pass
-        manifest, out, keymap = to_disk_names(manifest, names, cfg, check=False)
+        manifest, out, keymap = to_disk_names(manifest, names, cfg, check=False, quiet=True)
     kind = "in-memory layout" if in_memory else "on-disk format"
     if keymap is None:
         return manifest, names, None

@@ -360,6 +360,12 @@ class Export:
     merge: tuple[lora.MergeTarget, ...] = ()
 
 
+def _quiet(options: ExportOptions) -> bool:
+    """``consolidate``'s ``quiet`` (plain :class:`ExportOptions`, as ``save_pretrained`` plans
+    with, has none): no status line while a conversion is derived."""
+    return bool(getattr(options, "quiet", False))
+
+
 def plan_export(
     manifest: Manifest,
     options: ExportOptions,
@@ -397,7 +403,7 @@ def plan_export(
     keymap = None
     if config is not None and not options.keep_in_memory_names:
         manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
-                                                check=check)  # fmt: skip
+                                                check=check, quiet=_quiet(options))  # fmt: skip
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:

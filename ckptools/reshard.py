@@ -358,7 +358,9 @@ def shard(
     left = len(manifest.tensors) - len(tensors)
     source, keymap = manifest, None
     if not keep_stored_names:
-        source, tensors, keymap = to_memory_names(manifest, tensors, _shard_config(src, config))
+        source, tensors, keymap = to_memory_names(
+            manifest, tensors, _shard_config(src, config), quiet=options.quiet
+        )
     names = {f"{prefix}{name}": fqn for name, fqn in tensors.items()}
     paths = {f"{prefix}{name}": (*path, name) for name in tensors}
     plan = plan_dcp(source, options.world_size, names, paths, objects=[])

@@ -28,6 +28,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="live Hub test: set HF_TOKEN to run"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The user's cache directory (derived conversion rules) in a temporary directory: tests
+    never write into the home of whoever runs them. Spawned ranks inherit it."""
+    from ckptools.io.user_cache import CACHE_DIR_ENV
+
+    before = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("user-cache"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = before
+
+
 # Where producers write, named as the real tools name their output.
 _OUT_NAMES = {"torchtitan": "checkpoint/step-2", "torch_save": "model.pt"}
 

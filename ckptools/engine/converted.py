@@ -18,7 +18,8 @@ from ckptools.engine.reader import SourceCache
 from ckptools.engine.runtime import BLOCK_BYTES
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
-from ckptools.plan.conversions import KeyMap, merge_entries, rules_for, split_entries
+from ckptools.plan.conversion_cache import keymap_for
+from ckptools.plan.conversions import KeyMap, merge_entries, split_entries
 
 
 def split_source(
@@ -66,6 +67,7 @@ def to_disk_names(
     *,
     boxes_only: bool = False,
     check: bool = True,
+    quiet: bool = False,
 ) -> tuple[Manifest, dict[str, str], KeyMap | None]:
     """``names`` (in-memory name → stored FQN) in the on-disk format ``save_pretrained`` writes.
 
@@ -73,13 +75,13 @@ def to_disk_names(
     (:func:`~ckptools.plan.conversions.rules_for`) becomes byte boxes of the stored chunks
     (:func:`split_source`). Without a conversion the inputs come back unchanged.
     ``boxes_only``: the manifest holds boxes, not bytes (``save_pretrained``'s, whose chunks are
-    local shards); nothing is read. ``check``: see :func:`split_source`.
+    local shards); nothing is read. ``check``: see :func:`split_source`. The conversion is
+    read from the user's cache when an earlier run derived it
+    (:func:`~ckptools.plan.conversion_cache.keymap_for`; ``quiet``: no status line meanwhile).
     """
-    rules = rules_for(config)
-    if rules is None:
-        return manifest, names, None
-    keymap = rules.to_disk({n: manifest.tensors[f].shape for n, f in names.items()})
-    if not keymap.converted:
+    shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
+    keymap = keymap_for(config, shapes, "disk", quiet=quiet)
+    if keymap is None:
         return manifest, names, None
     if boxes_only:
         _refuse_joins(keymap)
@@ -107,18 +109,21 @@ def _refuse_joins(keymap: KeyMap) -> None:
 
 
 def to_memory_names(
-    manifest: Manifest, names: dict[str, str], config: Mapping[str, Any] | None
+    manifest: Manifest,
+    names: dict[str, str],
+    config: Mapping[str, Any] | None,
+    *,
+    quiet: bool = False,
 ) -> tuple[Manifest, dict[str, str], KeyMap | None]:
     """``names`` (on-disk name → stored FQN) in the layout transformers holds in memory.
 
     Returns the manifest with fused entries added (:func:`merge_source`), in-memory name →
     FQN in it, and the conversion applied; without a conversion the inputs come back unchanged.
+    The conversion comes from the user's cache as in :func:`to_disk_names`.
     """
-    rules = rules_for(config)
-    if rules is None:
-        return manifest, names, None
-    keymap = rules.to_memory({n: manifest.tensors[f].shape for n, f in names.items()})
-    if not keymap.converted:
+    shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
+    keymap = keymap_for(config, shapes, "memory", quiet=quiet)
+    if keymap is None:
         return manifest, names, None
     derived, out = merge_source(manifest, names, keymap)
     return derived, out, keymap

@@ -1,4 +1,5 @@
-"""The one progress bar: bytes, throughput and ETA, through tqdm.
+"""The one progress bar (bytes, throughput and ETA, through tqdm) and a status line for slow
+steps with no bytes to count (:func:`status`).
 
 Off when the caller asks for quiet, when stderr is not a terminal (logs and pipes get no carriage
 returns), or when ``CKPTOOLS_NO_PROGRESS`` is set to anything but ``""``/``"0"``. Safe to update
@@ -7,6 +8,7 @@ from several threads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -61,3 +63,32 @@ class ByteProgress:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def status(text: str, *, quiet: bool = False) -> contextlib.AbstractContextManager[None]:
+    """One status line on stderr while a slow step with no bytes to count runs (``text``, e.g.
+    "reading transformers' conversion rules"): on a terminal it is erased when the step ends;
+    elsewhere (a log) it is one plain line. Nothing with ``quiet`` or ``CKPTOOLS_NO_PROGRESS``.
+
+    Example:
+        >>> with status("deriving", quiet=True):
+        ...     pass
+    """
+    return _Status(text, quiet)
+
+
+class _Status:
+    def __init__(self, text: str, quiet: bool) -> None:
+        self.text = text
+        self.shown = not quiet and os.environ.get(NO_PROGRESS_ENV, "") in ("", "0")
+        self.tty = self.shown and sys.stderr.isatty()
+
+    def __enter__(self) -> None:
+        if self.shown:
+            sys.stderr.write(self.text + ("" if self.tty else "\n"))
+            sys.stderr.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tty:
+            sys.stderr.write("\r\x1b[K")  # erase the line: what follows starts clean
+            sys.stderr.flush()

@@ -43,23 +43,30 @@ def lookup_names(config: Mapping[str, Any]) -> list[str]:
     return names
 
 
-def mentioned(names: list[str]) -> bool:
-    """Whether the installed transformers' mapping source mentions any of ``names`` (quoted):
-    a read of one file instead of a multi-second import for models it cannot convert."""
+def mapping_source() -> str | None:
+    """The text of the installed transformers' ``conversion_mapping.py`` (read, not imported),
+    or None without transformers."""
     try:
         spec = importlib.util.find_spec("transformers")
     except (ImportError, ValueError):
-        return False
+        return None
     if spec is None or not spec.submodule_search_locations:
-        return False
+        return None
     for location in spec.submodule_search_locations:
         try:
             with open(f"{location}/conversion_mapping.py", encoding="utf-8") as f:
-                text = f.read()
+                return f.read()
         except OSError:
             continue
-        return any(f'"{n}"' in text for n in names)
-    return False
+    return None
+
+
+def mentioned(names: list[str], source: str | None = None) -> bool:
+    """Whether the installed transformers' mapping source (``source``, else
+    :func:`mapping_source`) mentions any of ``names`` (quoted): a read of one file instead of a
+    multi-second import for models it cannot convert."""
+    text = mapping_source() if source is None else source
+    return text is not None and any(f'"{n}"' in text for n in names)
 
 
 def _too_big(config: Mapping[str, Any]) -> bool:

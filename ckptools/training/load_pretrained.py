@@ -9,9 +9,11 @@ memory per rank) or on rank 0 plus a broadcast. Every rank:
    local tensor holds: a DTensor's chunk (what ``dcp.save`` records, e.g. FSDP2's dim-0 rows,
    :func:`ckptools.core.geometry.fsdp2_rows`), an FSDP1 ``ShardedTensor``'s local shards, or
    the whole tensor of an unsharded module;
-2. reads the safetensors headers (:func:`ckptools.layouts.safetensors.read_safetensors`; a
-   conversion, when given, maps the published names and byte runs to the in-memory ones), checks
-   names, shapes and dtypes against the model before any tensor byte is read, and
+2. reads the safetensors headers (:func:`ckptools.layouts.safetensors.read_safetensors`; the
+   conversion given, else transformers' own as ``from_pretrained`` applies it
+   (:mod:`ckptools.training.pretrained_keys`), maps the published names and byte runs to the
+   in-memory ones), checks names, shapes and dtypes against the model before any tensor byte is
+   read (what the model's own loading rules ignore is not reported), and
 3. copies the intersection of each stored tensor with each of its boxes
    (:func:`ckptools.core.geometry.copy_runs`) straight from the file into the local tensor with
    ranged reads (:func:`ckptools.io.storage.open_reader`): for a dim-0 shard that is one read of
@@ -58,6 +60,7 @@ from ckptools.training.fill import (
     find_targets,
     torch_dtype,
 )
+from ckptools.training.pretrained_keys import KeyFilter, ignore_filter, in_memory_names
 from ckptools.tunables import env_size
 
 if TYPE_CHECKING:
@@ -155,9 +158,11 @@ def _plan_copies(
     targets: Mapping[str, Target],
     ties: Mapping[str, Sequence[str]],
     strict: bool,
+    ignore: KeyFilter | None = None,
 ) -> tuple[list[Copy], LoadPretrainedResult]:
-    """The copies this rank makes, and the keys that did not match; validates names, shapes and
-    dtypes first (no tensor byte read). Same answer on every rank (global facts only)."""
+    """The copies this rank makes, and the keys that did not match (less those ``ignore``,
+    the model's own loading rules, drops); validates names, shapes and dtypes first (no tensor
+    byte read). Same answer on every rank (global facts only)."""
     stored = manifest.tensors
     sources: dict[str, str] = {}  # target fqn -> file tensor
     missing: list[str] = []
@@ -171,6 +176,8 @@ def _plan_copies(
         elif not _same_memory(targets[fqn], targets[partner]):
             sources[fqn] = partner  # a tie kept as two tensors (FSDP1's copies): fill both
     unexpected = [fqn for fqn in stored if fqn not in targets]
+    if ignore is not None:
+        missing, unexpected = ignore(missing, unexpected)
     if strict and missing:
         raise UsageError(
             f"{root}: holds no tensor for the model's {_first(missing)}; pass strict=False to "
@@ -268,15 +275,21 @@ def _fill(
     source: str,
     strict: bool,
     conversion: Conversion | None,
+    quiet: bool,
 ) -> tuple[LoadPretrainedResult, int]:
     """This rank's share of :func:`load_pretrained`: read the headers, check, copy its boxes.
     Returns the unmatched keys and the tensor bytes read."""
     manifest = read_safetensors(source)
     if not manifest.tensors:
         raise CheckpointNotFoundError(f"{source}: holds no safetensors tensors", path=source)
+    targets = find_targets(state)
     if conversion is not None:
         manifest = conversion(manifest)
-    copies, result = _plan_copies(source, manifest, find_targets(state), _ties(model), strict)
+    else:
+        manifest = in_memory_names(model, manifest, source, targets, quiet=quiet)
+    copies, result = _plan_copies(
+        source, manifest, targets, _ties(model), strict, ignore_filter(model)
+    )
     filler = Filler(
         storage.open_reader(manifest.data_root or manifest.root),
         env_size(READ_BUFFER_ENV, DEFAULT_READ_BUFFER_BYTES),
@@ -335,7 +348,9 @@ def load_pretrained(
         strict: raise when the files and the model do not hold the same tensors (after ties),
             or on a non-floating-point dtype change. A shape mismatch always raises.
         conversion: maps the published tensors to the model's in-memory names and shapes (see
-            :data:`Conversion`); None keeps the names as stored.
+            :data:`Conversion`); None follows ``from_pretrained``
+            (:func:`ckptools.training.pretrained_keys.in_memory_names`: transformers' conversion
+            mapping, e.g. per-expert MoE files into fused experts, and ``base_model_prefix``).
         storage_options: fsspec options for URL paths (credentials, endpoint...).
 
     Returns:
@@ -362,7 +377,8 @@ def load_pretrained(
     source = _source(text, revision, ranks)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     found = ranks.from_all(
-        lambda: _fill(model, state, source, strict, conversion), "load_pretrained"
+        lambda: _fill(model, state, source, strict, conversion, ranks.rank != 0),
+        "load_pretrained",
     )
     if _is_fsdp1(model):
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))

@@ -25,8 +25,19 @@ _SHARD = "2KB"
 
 
 def _config(kind: str, **overrides: Any) -> Any:
-    """A tiny transformers config: ``llama`` (untied), ``llama-tied`` or ``bert``."""
-    if kind == "bert":
+    """A tiny transformers config: ``llama`` (untied), ``llama-tied`` (``llama-base``: its base
+    ``LlamaModel``), ``bert`` (``bert-old``: published with ``position_ids``), or the MoE
+    models ``qwen3_moe`` and ``mixtral``."""
+    if kind in ("qwen3_moe", "mixtral"):
+        from transformers import MixtralConfig, Qwen3MoeConfig
+
+        moe = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 24,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False}  # fmt: skip
+        if kind == "mixtral":
+            return MixtralConfig(**{**moe, "num_local_experts": 4, **overrides})
+        return Qwen3MoeConfig(**{**moe, "num_experts": 4, "moe_intermediate_size": 8, **overrides})
+    if kind.startswith("bert"):
         from transformers import BertConfig
 
         bert = {"vocab_size": 41, "hidden_size": 16, "num_hidden_layers": 2,
@@ -38,15 +49,23 @@ def _config(kind: str, **overrides: Any) -> Any:
     llama = {"vocab_size": 37, "hidden_size": 16, "intermediate_size": 24,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 4, "max_position_embeddings": 64,
-             "tie_word_embeddings": kind == "llama-tied",
+             "tie_word_embeddings": kind in ("llama-tied", "llama-base"),
              "attn_implementation": "eager"}  # fmt: skip
     return LlamaConfig(**{**llama, **overrides})
 
 
 def _model_class(kind: str) -> Any:
-    from transformers import BertModel, LlamaForCausalLM
+    from transformers import (
+        BertModel,
+        LlamaForCausalLM,
+        LlamaModel,
+        MixtralForCausalLM,
+        Qwen3MoeForCausalLM,
+    )
 
-    return BertModel if kind == "bert" else LlamaForCausalLM
+    other = {"qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM,
+             "llama-base": LlamaModel}  # fmt: skip
+    return BertModel if kind.startswith("bert") else other.get(kind, LlamaForCausalLM)
 
 
 def _publish(root: Path, kind: str, seed: int = 0, dtype: Any = None, **cfg: Any) -> str:
@@ -58,13 +77,18 @@ def _publish(root: Path, kind: str, seed: int = 0, dtype: Any = None, **cfg: Any
     if dtype is not None:
         model = model.to(dtype)
     out = str(root / f"{kind}-published")
-    model.save_pretrained(out, max_shard_size=_SHARD)
+    # bert-old: as the Hub's BERT files, which hold the buffer that is now non-persistent
+    if kind == "bert-old":
+        old = {**model.state_dict(), "embeddings.position_ids": model.embeddings.position_ids}
+        model.save_pretrained(out, max_shard_size=_SHARD, state_dict=old)
+    else:
+        model.save_pretrained(out, max_shard_size=_SHARD)
     return out
 
 
 def _blocks(model: Any) -> list[Any]:
-    inner = getattr(model, "model", None)
-    return list(inner.layers) if inner is not None else list(model.encoder.layer)
+    inner = getattr(model, "model", model)
+    return list(inner.layers) if hasattr(inner, "layers") else list(model.encoder.layer)
 
 
 def _build(
@@ -168,10 +192,11 @@ def _load_cases(
     return out
 
 
-def _tensor_bytes(published: str) -> int:
+def _tensor_bytes(published: str, skip: tuple[str, ...] = ()) -> int:
     from ckptools.layouts.safetensors import read_safetensors
 
-    return sum(t.nbytes for t in read_safetensors(published).tensors.values())
+    tensors = read_safetensors(published).tensors
+    return sum(t.nbytes for k, t in tensors.items() if k not in skip)
 
 
 def _check(results: list[list[tuple[str, list[str], Any, int]]], totals: list[int]) -> None:
@@ -202,6 +227,32 @@ def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(
     ]
     results = run_ranks(_load_cases, 2, cases, timeout=280.0)
     _check(results, [_tensor_bytes(dirs[c[0]]) for c in cases])
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_transformers_layouts_from_the_hub_cache_equal_from_pretrained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world_size: int
+) -> None:
+    """Qwen3-MoE and Mixtral as their ``save_pretrained`` writes them (per expert and half;
+    Mixtral's ``block_sparse_moe``) into FSDP2 models holding the experts fused; a BERT
+    whose files hold ``embeddings.position_ids`` (as the Hub's do; now a non-persistent
+    buffer, which ``from_pretrained`` ignores); a ``LlamaModel`` from ``LlamaForCausalLM``
+    files (``model.`` removed) and back (added; ``lm_head`` through the tie): all served by
+    repo id from a Hub cache. Each rank reads only the runs of its own rows (3 ranks: 4
+    experts split 2/2/0)."""
+    published = {}
+    for kind in ("qwen3_moe", "mixtral", "bert-old", "llama-tied", "llama-base"):
+        published[kind] = _publish(tmp_path, kind)
+        cache = _hub_cache(tmp_path, published[kind], kind)
+    into = {"llama-tied": "llama-base", "llama-base": "llama-tied"}  # files -> model
+    cases, totals = [], []
+    for kind, directory in published.items():
+        cases.append((into.get(kind, kind), "fsdp2", f"tiny-org/{kind}", kind == "mixtral"))
+        totals.append(_tensor_bytes(directory, skip=("embeddings.position_ids",)))
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    results = run_ranks(_load_cases, world_size, cases, timeout=280.0)
+    _check(results, totals)
 
 
 @pytest.mark.slow
@@ -341,12 +392,12 @@ def test_fsspec_url_and_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         ckptools.load_pretrained(model, published, revision="main")
 
 
-def _hub_cache(root: Path, published: str) -> str:
-    """A huggingface_hub cache holding ``published`` as ``tiny-org/tiny-llama`` at ``main``
+def _hub_cache(root: Path, published: str, name: str = "tiny-llama") -> str:
+    """A huggingface_hub cache holding ``published`` as ``tiny-org/<name>`` at ``main``
     (the layout ``snapshot_download`` itself reads: ``refs/main`` names the snapshot)."""
     cache = root / "hub"
     commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / commit
+    snapshot = cache / f"models--tiny-org--{name}" / "snapshots" / commit
     shutil.copytree(published, snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text(commit)

@@ -1,0 +1,66 @@
+"""The user's cache directory: small derived facts worth keeping between runs.
+
+Where: ``CKPTOOLS_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/ckptools``, else
+``~/.cache/ckptools``. What is kept there is derived, never a source of truth: an entry that
+cannot be read, parsed or written is treated as absent (the caller derives again), and an
+entry is written to a temporary file in its own directory then renamed over the old one, so a
+reader never sees half of it and concurrent writers (the ranks of one job) leave one whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+
+__all__ = ["CACHE_DIR_ENV", "cache_dir", "read", "write"]
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "CKPTOOLS_CACHE_DIR"
+#: An entry larger than this is not read (a damaged or foreign file): derived again instead.
+_MAX_ENTRY_BYTES = 256 * 2**20
+
+
+def cache_dir() -> str:
+    """The cache root (see module docstring); not created here."""
+    override = os.environ.get(CACHE_DIR_ENV, "")
+    if override:
+        return os.path.expanduser(override)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ckptools")
+
+
+def read(*parts: str) -> bytes | None:
+    """The entry at ``cache_dir()/parts...``, or None when absent or unreadable."""
+    path = os.path.join(cache_dir(), *parts)
+    try:
+        if os.path.getsize(path) > _MAX_ENTRY_BYTES:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def write(data: bytes, *parts: str) -> str | None:
+    """Write the entry ``cache_dir()/parts...`` atomically; its path, or None when the cache
+    cannot be written (read-only home, full disk: the run goes on without it)."""
+    path = os.path.join(cache_dir(), *parts)
+    directory = os.path.dirname(path)
+    tmp = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return path
+    except OSError as e:
+        log.debug("cache entry %s not written: %s", path, e)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        return None
