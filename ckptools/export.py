@@ -385,6 +385,10 @@ def plan_export(
     names = select_tensors(manifest, options.select, options.strip_prefix)
     if options.adapter:
         return _plan_adapter(manifest, names, options, config)
+    if options.select is None and not options.merge_lora:
+        lora.refuse_peft_names(
+            names, manifest, ".".join(keys.find_model_part(manifest).path) or "'*'"
+        )
     merge: list[lora.MergeTarget] = []
     if options.merge_lora:
         found = lora.adapter_names(names, manifest, options.adapter_name)
