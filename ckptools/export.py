@@ -402,6 +402,9 @@ def plan_export(
     if config is not None and not options.keep_in_memory_names:
         manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
                                                 check=check)  # fmt: skip
+    placeholders = manifest.placeholders_only(names.values())
+    if placeholders is not None:
+        raise UsageError(placeholders)
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:
