@@ -258,3 +258,32 @@ def test_inconsistent_paddings_and_unsafe_globals(
     torch.save(sd, rank0)
     with pytest.raises(UnsafeCheckpointError, match=r"collections\.deque"):
         ckptools.inspect(path)
+
+
+def test_one_rank_file_is_refused_naming_its_directory(
+    zero: Callable[[int, int, str], str], tmp_path: Path
+) -> None:
+    """ZeRO-3's model file of one rank holds every parameter as a ``[0]`` placeholder: pointed
+    at it, each verb names the tag directory in one line; read as a plain ``torch.save`` file
+    (``--format``), the conversion is still refused rather than write zero-element tensors."""
+    from click.testing import CliRunner
+
+    from ckptools.cli.main import cli
+
+    tag = Path(zero(2, 3, "fp32"), TAG)
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"):  # fmt: skip
+        for verb in (["consolidate"], ["reshard", "--world-size", "2"]):
+            out = tmp_path / f"{verb[0]}-{name}"
+            r = CliRunner().invoke(cli, [verb[0], str(tag / name), str(out), *verb[1:]])
+            assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+            [line] = r.output.strip().splitlines()
+            assert f"one file of the deepspeed checkpoint at {tag}; point at {tag}" in line
+            assert not out.exists()
+    model_file = str(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for verb in (["consolidate"], ["reshard", "--world-size", "2"]):
+        out = tmp_path / f"forced-{verb[0]}"
+        r = CliRunner().invoke(cli, [verb[0], model_file, str(out), *verb[1:], "--format",
+                                     "torch_save"])  # fmt: skip
+        assert r.exit_code == 2 and "placeholders, not weights" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and not out.exists()
