@@ -287,3 +287,24 @@ def test_one_rank_file_is_refused_naming_its_directory(
                                      "torch_save"])  # fmt: skip
         assert r.exit_code == 2 and "placeholders, not weights" in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_tag_directory_finds_the_run_config_two_levels_up(
+    zero: Callable[[int, int, str], str], tmp_path: Path
+) -> None:
+    """``engine.save_checkpoint("run/ckpt")`` beside ``run/config.json``: pointed at the tag
+    directory ``run/ckpt/global_step2``, consolidate finds the run's config as it does from
+    ``run/ckpt``."""
+    import json
+
+    import ckptools
+
+    run = tmp_path / "run"
+    shutil.copytree(zero(2, 2, "fp32"), run / "ckpt")
+    config = json.dumps({"model_type": "tiny", "tie_word_embeddings": False})
+    (run / "config.json").write_text(config)
+    for src in (run / "ckpt", run / "ckpt" / TAG):
+        out = tmp_path / f"out-{src.name}"
+        result = ckptools.consolidate(str(src), str(out), quiet=True)
+        assert result.config_files == ("config.json",), src
+        assert (out / "config.json").read_text() == config
