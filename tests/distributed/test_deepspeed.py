@@ -308,3 +308,25 @@ def test_tag_directory_finds_the_run_config_two_levels_up(
         result = ckptools.consolidate(str(src), str(out), quiet=True)
         assert result.config_files == ("config.json",), src
         assert (out / "config.json").read_text() == config
+
+
+def test_zero3_with_tied_embeddings_is_identical_to_its_consolidation(tmp_path: Path) -> None:
+    """A transformers Llama with tied embeddings trained under ZeRO-3: consolidate leaves the
+    tied ``lm_head.weight`` out (the run's config ties it), and ``diff`` / ``verify
+    --against`` call the checkpoint and its consolidation identical, saying why."""
+    import ckptools
+
+    [path] = produce_zero(str(tmp_path), 2, [(3, "fp32")], model_kind="llama").values()
+    out = tmp_path / "hf"
+    result = ckptools.consolidate(path, str(out), quiet=True)
+    assert result.dropped == (("lm_head.weight", "model.embed_tokens.weight"),)
+    assert result.config_files == ("config.json",)
+    report = ckptools.diff(path, str(out))
+    assert report.identical, [t.describe() for t in report.differences]
+    [head] = [t for t in report.tensors if t.name == "lm_head.weight"]
+    assert (head.status, head.tied_to, head.tied_in) == ("equal", "model.embed_tokens.weight", "B")
+    assert ckptools.verify(path, against=str(out), quiet=True).ok
+    ours = _load_dir(out)
+    for name, want in _zero_to_fp32(path).items():
+        if name != "lm_head.weight":
+            assert _same_bits(ours[name], want.contiguous()), name
