@@ -313,6 +313,16 @@ class _Run:
                          + "; ".join(export.keymap.rules))  # fmt: skip
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
+        if (
+            not options.adapter
+            and options.select is None
+            and not any(name == "config.json" for _, name in model_files)
+        ):
+            notes.append(
+                f"no config.json beside {src} or above it: {out} holds the weights only, which "
+                "from_pretrained cannot load; give the model's config with --config "
+                "CONFIG.json (or a directory holding it)"
+            )
         return cls(
             src=src, out=out, options=options, manifest=manifest, model_files=model_files,
             tie=tie, export=export, started=started, notes=notes,

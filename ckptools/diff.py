@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -52,7 +53,10 @@ class TensorDiff:
     ``status``: ``equal`` (bit-exact), ``close`` (within ``atol``/``rtol``, not bit-exact),
     ``different``, ``dtype`` / ``shape`` (metadata differs), ``missing`` (only in A),
     ``unexpected`` (only in B). ``mismatched`` counts elements not equal (or not close);
-    ``first_index`` is the first such element with its two values.
+    ``first_index`` is the first such element with its two values. ``tied_to``: side
+    ``tied_in`` does not store this output embedding but ties it (its ``config.json`` sets
+    ``tie_word_embeddings``: ``from_pretrained`` fills it from the input embedding ``tied_to``),
+    so the other side's value was compared with that input embedding.
     """
 
     name: str
@@ -69,6 +73,8 @@ class TensorDiff:
     first_index: tuple[int, ...] | None = None
     value_a: Any = None
     value_b: Any = None
+    tied_to: str | None = None
+    tied_in: Literal["A", "B"] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +92,8 @@ class TensorDiff:
             "first_index": list(self.first_index) if self.first_index is not None else None,
             "value_a": _json_value(self.value_a),
             "value_b": _json_value(self.value_b),
+            "tied_to": self.tied_to,
+            "tied_in": self.tied_in,
         }
 
     def describe(self) -> str:
@@ -97,6 +105,8 @@ class TensorDiff:
         if self.status == "shape":
             return f"{self.name}: shape {list(self.shape_a or ())} vs {list(self.shape_b or ())}"
         text = f"{self.name}: "
+        if self.tied_to is not None:
+            text += f"tied to {self.tied_in}'s {self.tied_to} (not stored in {self.tied_in}); "
         if self.status == "dtype":
             text += f"dtype {self.dtype_a} vs {self.dtype_b}"
             if self.max_abs is None:
@@ -379,6 +389,75 @@ def _converted(
     return manifest, out, f"compared in the {kind} of {keymap.mapping}: " + "; ".join(keymap.rules)
 
 
+def _tied_aliases(
+    names: Mapping[str, str],
+    other: Mapping[str, str],
+    manifest: Manifest,
+    other_path: str,
+    config: str | None,
+) -> dict[str, str]:
+    """``{output embedding: input embedding}`` for the output embeddings of ``names`` that the
+    other side leaves out because its model ties them (``tie_word_embeddings`` in its
+    ``config.json``, or in ``config``): what ``consolidate`` and ``save_pretrained`` write, and
+    what ``from_pretrained`` fills from the input embedding. Empty unless such a name exists.
+    """
+    from ckptools.export import find_model_files, tie_setting, tied_candidates
+
+    pairs = [(o, i) for o, i in tied_candidates(names, manifest) if o not in other and i in other]
+    if not pairs or not tie_setting(find_model_files(other_path, config)):
+        return {}
+    found: dict[str, str] = {}
+    for o, i in pairs:
+        found.setdefault(o, i)
+    return found
+
+
+def _compare_all(
+    ma: Manifest,
+    mb: Manifest,
+    names_a: Mapping[str, str],
+    names_b: Mapping[str, str],
+    tied: tuple[dict[str, str], dict[str, str]],
+    atol: float | None,
+    rtol: float | None,
+) -> tuple[list[TensorDiff], int]:
+    """Every name of either side compared (or named missing / unexpected); ``tied``: the
+    output embeddings that A, then B, leaves out as tied (:func:`_tied_aliases`), each compared
+    with the input embedding it is tied to on that side."""
+    tied_a, tied_b = tied
+    block = resolve_block_bytes()
+    out: list[TensorDiff] = []
+    compared = 0
+    with open_reader(ma.data_dir()) as ra, open_reader(mb.data_dir()) as rb:
+        for name, fqn_a in names_a.items():
+            ta = ma.tensors[fqn_a]
+            fqn_b = names_b.get(name, names_b.get(tied_b.get(name, "")))
+            if fqn_b is None:
+                out.append(
+                    TensorDiff(name, "missing", fqn_a, None, ta.dtype, None, tuple(ta.shape))
+                )
+                continue
+            result, n = _compare(name, ta, mb.tensors[fqn_b], ra, rb, atol, rtol, block)
+            if name in tied_b:
+                result = replace(result, tied_to=tied_b[name], tied_in="B")
+            out.append(result)
+            compared += n
+        for name, fqn_b in names_b.items():
+            if name in names_a:
+                continue
+            tb = mb.tensors[fqn_b]
+            if name in tied_a:
+                ta = ma.tensors[names_a[tied_a[name]]]
+                result, n = _compare(name, ta, tb, ra, rb, atol, rtol, block)
+                out.append(replace(result, tied_to=tied_a[name], tied_in="A"))
+                compared += n
+                continue
+            out.append(
+                TensorDiff(name, "unexpected", None, fqn_b, None, tb.dtype, None, tuple(tb.shape))
+            )
+    return out, compared
+
+
 @storage.accepts_storage_options
 def diff(
     a: str,
@@ -442,27 +521,15 @@ def diff(
         ma, names_a, note_a = _converted(ma, dict(names_a), cfg_a or cfg_b, keep_in_memory_names)
         mb, names_b, note_b = _converted(mb, dict(names_b), cfg_b or cfg_a, keep_in_memory_names)
         notes += [f"{side}: {n}" for side, n in (("A", note_a), ("B", note_b)) if n]
-    block = resolve_block_bytes()
-    out: list[TensorDiff] = []
-    compared = 0
-    with open_reader(ma.data_dir()) as ra, open_reader(mb.data_dir()) as rb:
-        for name, fqn_a in names_a.items():
-            ta = ma.tensors[fqn_a]
-            fqn_b = names_b.get(name)
-            if fqn_b is None:
-                out.append(
-                    TensorDiff(name, "missing", fqn_a, None, ta.dtype, None, tuple(ta.shape))
-                )
-                continue
-            result, n = _compare(name, ta, mb.tensors[fqn_b], ra, rb, atol, rtol, block)
-            out.append(result)
-            compared += n
-    for name, fqn_b in names_b.items():
-        if name not in names_a:
-            tb = mb.tensors[fqn_b]
-            out.append(
-                TensorDiff(name, "unexpected", None, fqn_b, None, tb.dtype, None, tuple(tb.shape))
-            )
+    tied_b = _tied_aliases(names_a, names_b, ma, b, config)  # in A, tied (not stored) in B
+    tied_a = _tied_aliases(names_b, names_a, mb, a, config)  # in B, tied (not stored) in A
+    out, compared = _compare_all(ma, mb, names_a, names_b, (tied_a, tied_b), atol, rtol)
+    notes += [
+        f"{t.name}: not stored in {t.tied_in}, whose config ties it to {t.tied_to}; "
+        f"compared with that"
+        for t in out
+        if t.tied_to is not None
+    ]
     if not names_a and not names_b:
         notes.append("neither checkpoint holds model tensors")
     return DiffReport(

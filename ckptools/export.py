@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -180,25 +181,64 @@ def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
     return [(storage.contained(directory, n, named_by=directory, entry="holds"), n) for n in names]
 
 
+#: Names of one numbered save inside a run directory: the Trainer's ``checkpoint-N``,
+#: DeepSpeed's ``global_stepN`` tag, verl's ``global_step_N``, torchtitan's ``step-N``.
+_NUMBERED_SAVE = re.compile(r"^(checkpoint-|global_step_?|step-)\d+$")
+#: A run directory's record of its last save (DeepSpeed's tag file, verl's step file).
+_RUN_RECORDS = ("latest", "latest_checkpointed_iteration.txt")
+
+
+def _up_to_the_run(here: str) -> list[str]:
+    """``here`` and the directories above it where a model's files may lie: its parent, and,
+    when ``here`` is one numbered save of a run (its name, or the parent's record of the last
+    save, says so), the run directory's parent too: the config a run keeps beside its
+    checkpoints' directory is found from a save as from the run directory itself."""
+    url = storage.is_url(here)
+
+    def up(path: str) -> str:
+        return storage.dirname(path) if url else os.path.dirname(os.path.abspath(path))
+
+    parent = up(here)
+    found = [here, parent]
+    name = here.rstrip("/").rsplit("/", 1)[-1] if url else os.path.basename(here)
+    if _NUMBERED_SAVE.match(name) or storage.file_sizes(parent, _RUN_RECORDS):
+        found.append(up(parent))
+    return found
+
+
+def _check_model_config(given: str, path: str) -> None:
+    """``--config``'s ``config.json`` must be a transformers config (``model_type`` set):
+    anything else copied as OUT's config makes a directory ``from_pretrained`` cannot load."""
+    cfg = model_config([(path, "config.json")])
+    if cfg is None or not isinstance(cfg.get("model_type"), str):
+        raise UsageError(
+            f"--config {given}: {path} has no 'model_type', so from_pretrained cannot load "
+            "it; give the model's own config.json (as save_pretrained writes it)"
+        )
+
+
 def find_model_files(
     src: str, config: str | None, inside: str | None = None, *, data_dir: str | None = None
 ) -> list[tuple[str, str]]:
     """``(source path, name in OUT)`` of the config and tokenizer files to copy.
 
-    ``config`` may be a ``config.json`` file (copied alone) or a directory; by default the
-    checkpoint's own model-files subdirectory ``inside`` (``MODEL_FILES_DIR`` in its manifest's
-    details: verl's ``huggingface/``), the checkpoint directory, then its parent, are searched,
-    and the first holding ``config.json`` is used. ``data_dir``: the directory the checkpoint's
+    ``config`` may be a ``config.json`` file (copied alone) or a directory; its ``config.json``
+    must name a ``model_type``. By default the checkpoint's own model-files subdirectory
+    ``inside`` (``MODEL_FILES_DIR`` in its manifest's details: verl's ``huggingface/``), the
+    checkpoint directory, then its parent (and, for one numbered save of a run, the run
+    directory's parent: :func:`_up_to_the_run`) are searched, and the first holding
+    ``config.json`` is used. ``data_dir``: the directory the checkpoint's
     files lie in when the layout found it below ``src`` (a run directory's newest checkpoint),
     searched (with ``inside`` below it, and its parent) before ``src``. A file of a directory
     must lie inside it (:func:`ckptools.io.storage.contained`).
 
     Raises:
-        UsageError: ``config`` names nothing usable.
+        UsageError: ``config`` names nothing usable, or a config without ``model_type``.
         OutsideCheckpointError: a model file is a link leading outside its directory.
     """
     if config is not None:
         if storage.isfile(config):
+            _check_model_config(config, config)
             return [(config, "config.json")]
         if storage.isdir(config):
             found = _config_dir_files(config)
@@ -206,6 +246,8 @@ def find_model_files(
                 raise UsageError(
                     f"--config {config}: directory holds none of {', '.join(MODEL_FILES[:3])}..."
                 )
+            if "config.json" in found:
+                _check_model_config(config, storage.join(config, "config.json"))
             return _copied_from(config, found)
         raise UsageError(f"--config {config}: no such file or directory")
     directories: list[str] = []
@@ -213,13 +255,11 @@ def find_model_files(
         assert start is not None
         if storage.is_url(start):
             here = start.rstrip("/") if storage.isdir(start) else storage.dirname(start)
-            parent = storage.dirname(here)
         else:
             here = start if os.path.isdir(start) else os.path.dirname(os.path.abspath(start))
-            parent = os.path.dirname(os.path.abspath(here))
         if inside and not directories:  # named by the layout, kept inside the checkpoint
             directories.append(storage.contained(here, inside, named_by=here, entry="holds"))
-        directories += [d for d in (here, parent) if d not in directories]
+        directories += [d for d in _up_to_the_run(here) if d not in directories]
     for directory in directories:
         found = _config_dir_files(directory)
         if "config.json" in found:
@@ -391,6 +431,10 @@ def plan_export(
     names = select_tensors(manifest, options.select, options.strip_prefix)
     if options.adapter:
         return _plan_adapter(manifest, names, options, config)
+    if options.select is None and not options.merge_lora:
+        lora.refuse_peft_names(
+            names, manifest, ".".join(keys.find_model_part(manifest).path) or "'*'"
+        )
     merge: list[lora.MergeTarget] = []
     if options.merge_lora:
         found = lora.adapter_names(names, manifest, options.adapter_name)
@@ -403,7 +447,10 @@ def plan_export(
     keymap = None
     if config is not None and not options.keep_in_memory_names:
         manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
-                                                check=check, quiet=_quiet(options))  # fmt: skip
+                                               check=check, quiet=_quiet(options))  # fmt: skip
+    placeholders = manifest.placeholders_only(names.values())
+    if placeholders is not None:
+        raise UsageError(placeholders)
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:

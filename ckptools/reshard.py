@@ -287,6 +287,9 @@ def _read_source(
     manifest = read_manifest(src, options.format)
     if not accepts(manifest.format):
         raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")
+    placeholders = manifest.placeholders_only(model_keys(manifest).values())
+    if placeholders is not None:
+        raise UsageError(placeholders)
     return manifest
 
 

@@ -51,7 +51,8 @@ from ckptools.cli.render import emit, human_bytes, table
     type=click.Path(),
     default=None,
     help="config.json, or a directory with config and tokenizer files, to copy into OUT. "
-    "Default: from the checkpoint directory or its parent.",
+    "Default: from the checkpoint directory or its parent (from a numbered save such as "
+    "global_step2, up to its run directory's parent). Its config.json must set model_type.",
 )
 @click.option(
     "--keep-in-memory-names",

@@ -186,6 +186,23 @@ class Manifest:
                 seen.add(key)
         return out
 
+    def placeholders_only(self, fqns: Iterable[str] | None = None) -> str | None:
+        """When every weight (a tensor named ``*.weight``; without any, every tensor) of
+        ``fqns`` (default: all) holds zero elements: why that is no model, for the error
+        (ZeRO-3's model files keep each parameter as a ``[0]`` placeholder beside the real
+        buffers, its data in the optimizer files); else None. Nothing converted from such
+        tensors can work."""
+        chosen = [self.tensors[f] for f in (self.tensors if fqns is None else fqns)]
+        weights = [t for t in chosen if t.fqn.rsplit(".", 1)[-1] == "weight"] or chosen
+        if not weights or any(t.numel for t in weights):
+            return None
+        what = "weights" if weights is not chosen else "tensors"
+        return (
+            f"{self.root}: all {len(weights)} {what} hold zero elements ({weights[0].fqn}: "
+            f"{list(weights[0].shape)}...): placeholders, not weights; point at the whole "
+            "checkpoint"
+        )
+
     @property
     def total_bytes(self) -> int:
         """Bytes of all tensors at their global shapes, a tied alias (:meth:`aliases`) once."""

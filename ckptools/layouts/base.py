@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,9 +15,11 @@ import xxhash
 from ckptools.core.manifest import Manifest
 from ckptools.errors import (
     CheckpointNotFoundError,
+    CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnknownFormatError,
+    UsageError,
 )
 from ckptools.io import storage
 
@@ -63,6 +65,7 @@ def detect(path: str, format: str | None = None) -> Layout:
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist.
+        UsageError: ``path`` is one file of a multi-file checkpoint (point at its directory).
         UnknownFormatError: no layout matched; the message lists each layout's reason.
     """
     if not storage.exists(path):
@@ -78,6 +81,7 @@ def detect(path: str, format: str | None = None) -> Layout:
                 return layout
         names = ", ".join(layout.name for layout in _REGISTRY)
         raise UnknownFormatError(f"unknown format {format!r}; choose one of: {names}")
+    _refuse_one_part(path)
     reasons = []
     for layout in _REGISTRY:
         reason = layout.probe(path)
@@ -88,6 +92,23 @@ def detect(path: str, format: str | None = None) -> Layout:
         f"{path}: not a checkpoint ckptools recognises:\n"
         + "\n".join(reasons)
         + "\n(use --format NAME to force a layout and see its full error)",
+        path=path,
+    )
+
+
+def _refuse_one_part(path: str) -> None:
+    """A file that is one part of a multi-file checkpoint (:mod:`ckptools.layouts.part_files`)
+    is refused, naming the directory to point at (``--format`` still reads the file alone)."""
+    from ckptools.layouts.part_files import part_of
+
+    part = part_of(path)
+    if part is None:
+        return
+    family, directory = part
+    with suppress(CkptError):  # the directory's own problem is told when the user points at it
+        family = detect(directory).name
+    raise UsageError(
+        f"{path}: this is one file of the {family} checkpoint at {directory}; point at {directory}",
         path=path,
     )
 

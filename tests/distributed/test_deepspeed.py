@@ -266,3 +266,75 @@ def test_inconsistent_paddings_and_unsafe_globals(
     torch.save(sd, rank0)
     with pytest.raises(UnsafeCheckpointError, match=r"collections\.deque"):
         ckptools.inspect(path)
+
+
+def test_one_rank_file_is_refused_naming_its_directory(
+    zero: Callable[[int, int, str], str], tmp_path: Path
+) -> None:
+    """ZeRO-3's model file of one rank holds every parameter as a ``[0]`` placeholder: pointed
+    at it, each verb names the tag directory in one line; read as a plain ``torch.save`` file
+    (``--format``), the conversion is still refused rather than write zero-element tensors."""
+    from click.testing import CliRunner
+
+    from ckptools.cli.main import cli
+
+    tag = Path(zero(2, 3, "fp32"), TAG)
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"):  # fmt: skip
+        for verb in (["consolidate"], ["reshard", "--world-size", "2"]):
+            out = tmp_path / f"{verb[0]}-{name}"
+            r = CliRunner().invoke(cli, [verb[0], str(tag / name), str(out), *verb[1:]])
+            assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+            [line] = r.output.strip().splitlines()
+            assert f"one file of the deepspeed checkpoint at {tag}; point at {tag}" in line
+            assert not out.exists()
+    model_file = str(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for verb in (["consolidate"], ["reshard", "--world-size", "2"]):
+        out = tmp_path / f"forced-{verb[0]}"
+        r = CliRunner().invoke(cli, [verb[0], model_file, str(out), *verb[1:], "--format",
+                                     "torch_save"])  # fmt: skip
+        assert r.exit_code == 2 and "placeholders, not weights" in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_tag_directory_finds_the_run_config_two_levels_up(
+    zero: Callable[[int, int, str], str], tmp_path: Path
+) -> None:
+    """``engine.save_checkpoint("run/ckpt")`` beside ``run/config.json``: pointed at the tag
+    directory ``run/ckpt/global_step2``, consolidate finds the run's config as it does from
+    ``run/ckpt``."""
+    import json
+
+    import ckptools
+
+    run = tmp_path / "run"
+    shutil.copytree(zero(2, 2, "fp32"), run / "ckpt")
+    config = json.dumps({"model_type": "tiny", "tie_word_embeddings": False})
+    (run / "config.json").write_text(config)
+    for src in (run / "ckpt", run / "ckpt" / TAG):
+        out = tmp_path / f"out-{src.name}"
+        result = ckptools.consolidate(str(src), str(out), quiet=True)
+        assert result.config_files == ("config.json",), src
+        assert (out / "config.json").read_text() == config
+
+
+def test_zero3_with_tied_embeddings_is_identical_to_its_consolidation(tmp_path: Path) -> None:
+    """A transformers Llama with tied embeddings trained under ZeRO-3: consolidate leaves the
+    tied ``lm_head.weight`` out (the run's config ties it), and ``diff`` / ``verify
+    --against`` call the checkpoint and its consolidation identical, saying why."""
+    import ckptools
+
+    [path] = produce_zero(str(tmp_path), 2, [(3, "fp32")], model_kind="llama").values()
+    out = tmp_path / "hf"
+    result = ckptools.consolidate(path, str(out), quiet=True)
+    assert result.dropped == (("lm_head.weight", "model.embed_tokens.weight"),)
+    assert result.config_files == ("config.json",)
+    report = ckptools.diff(path, str(out))
+    assert report.identical, [t.describe() for t in report.differences]
+    [head] = [t for t in report.tensors if t.name == "lm_head.weight"]
+    assert (head.status, head.tied_to, head.tied_in) == ("equal", "model.embed_tokens.weight", "B")
+    assert ckptools.verify(path, against=str(out), quiet=True).ok
+    ours = _load_dir(out)
+    for name, want in _zero_to_fp32(path).items():
+        if name != "lm_head.weight":
+            assert _same_bits(ours[name], want.contiguous()), name

@@ -320,3 +320,34 @@ def test_merge_lora_by_two_ranks_and_adapter_from_the_cli(trained: Any) -> None:
     got = _tensors(cli_out, "adapter_model.safetensors")
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.distributed
+def test_plain_consolidate_of_a_peft_model_is_refused_naming_the_ways(trained: Any) -> None:
+    """Without --merge-lora or --adapter the output would hold peft's names
+    (``base_model.model.*``, ``lora_A/B``), which ``from_pretrained`` loads as missing and
+    unexpected keys: refused in one line naming both flags and the ``--select`` that keeps the
+    raw names, which then works."""
+    import re
+
+    root, _, _ = trained
+    src, out = str(root / "src"), root / "plain"
+    with pytest.raises(UsageError, match="--merge-lora") as caught:
+        ckptools.consolidate(src, str(out), config=str(root / "base_config"), quiet=True)
+    assert "--adapter" in str(caught.value) and not out.exists()
+    r = CliRunner().invoke(cli, ["consolidate", src, str(out), "--config",
+                                 str(root / "base_config")])  # fmt: skip
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert "--merge-lora" in r.output and "--adapter" in r.output and not out.exists()
+    select = re.search(r"--select (\S+) keeps", r.output)
+    assert select is not None, r.output
+    r = CliRunner().invoke(cli, ["consolidate", src, str(out), "--quiet",
+                                 "--select", select.group(1).strip("'")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    names = set()
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            names.update(st.keys())
+    assert any(".lora_A.default." in n for n in names)
+    assert all(n.startswith("base_model.model.") for n in names if ".lora_" in n)

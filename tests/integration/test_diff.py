@@ -201,3 +201,67 @@ def test_one_changed_element_in_a_1gb_checkpoint(tmp_path: Path) -> None:
     [d] = report.differences
     assert (d.name, d.mismatched, d.first_index) == ("layers.2.w", 1, (5000, 77))
     assert os.path.getsize(b / raw.file) > 2**30
+
+
+def _gpt2_dcp(root: Path, *, untie_values: bool = False) -> str:
+    """A tiny GPT-2 (tied ``lm_head``) saved by ``dcp.save`` from its ``state_dict()``, with its
+    ``config.json`` beside it (as ``config.save_pretrained`` writes it)."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    sd = dict(model.state_dict())
+    assert sd["lm_head.weight"] is sd["transformer.wte.weight"] or torch.equal(
+        sd["lm_head.weight"], sd["transformer.wte.weight"]
+    )
+    if untie_values:  # a model whose head was trained apart from its embedding
+        sd["lm_head.weight"] = sd["lm_head.weight"].clone()
+        sd["lm_head.weight"][3, 1] += 1.0
+    src = root / "gpt2"
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    cfg.save_pretrained(str(src))
+    return str(src)
+
+
+def test_a_consolidation_that_leaves_out_a_tied_head_is_identical(tmp_path: Path) -> None:
+    """``consolidate`` leaves the tied ``lm_head.weight`` out (``from_pretrained`` re-ties it):
+    ``diff``, ``verify --against`` and the CLI call the checkpoint and its consolidation
+    identical, either way round, and say the head was compared with the embedding."""
+    src = _gpt2_dcp(tmp_path)
+    out = str(tmp_path / "hf")
+    result = ckptools.consolidate(src, out, quiet=True)
+    assert result.dropped == (("lm_head.weight", "transformer.wte.weight"),)
+    for a, b, missing_in in ((src, out, "B"), (out, src, "A")):
+        report = ckptools.diff(a, b)
+        assert report.identical, [t.describe() for t in report.differences]
+        [head] = [t for t in report.tensors if t.name == "lm_head.weight"]
+        assert (head.status, head.tied_to, head.tied_in) == (
+            "equal", "transformer.wte.weight", missing_in,
+        )  # fmt: skip
+        assert any("lm_head.weight: not stored in" in n for n in report.notes)
+    assert ckptools.verify(src, against=out, quiet=True).ok
+    code, text = _cli(["diff", src, out])
+    assert code == 0 and "identical" in text and "lm_head.weight" in text, text
+    code, text = _cli(["verify", src, "--against", out])
+    assert code == 0, text
+
+
+def test_a_tied_head_that_differs_from_the_embedding_is_a_difference(tmp_path: Path) -> None:
+    """The alias is compared, not assumed: a stored head that is not the embedding differs from
+    a directory whose config ties it."""
+    src = _gpt2_dcp(tmp_path, untie_values=True)
+    out = str(tmp_path / "hf")
+    ckptools.consolidate(src, out, quiet=True)  # the config ties: the head is left out
+    report = ckptools.diff(src, out)
+    [d] = report.differences
+    assert (d.name, d.status, d.mismatched, d.first_index) == (
+        "lm_head.weight", "different", 1, (3, 1),
+    )  # fmt: skip
+    assert "tied to B's transformer.wte.weight" in d.describe()
+    code, text = _cli(["diff", src, out])
+    assert code == EXIT_DIFFERENCES and "tied to B's" in text

@@ -76,14 +76,28 @@ def _model() -> Any:
     return Tiny()
 
 
-def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
+def _llama() -> Any:
+    """A tiny transformers Llama with tied embeddings (``lm_head.weight`` is
+    ``model.embed_tokens.weight``), as a Trainer + DeepSpeed run holds it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=37, hidden_size=12, intermediate_size=20, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=6, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _train_and_save(rank: int, out: str, stage: int, dtype: str, model_kind: str) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    model = _model()
+    model = _llama() if model_kind == "llama" else _model()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     config = {
@@ -97,7 +111,10 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
     gen = torch.Generator().manual_seed(1234 + rank)
     for _ in range(2):
         x = torch.randint(0, 37, (2, 5), generator=gen)
-        loss = engine(x).float().pow(2).mean()
+        if model_kind == "llama":
+            loss = engine(input_ids=x, labels=x).loss
+        else:
+            loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
     target = case_dir(out, stage, dtype)
@@ -114,6 +131,8 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
     steps = [st["step"].clone() for st in engine.optimizer.optimizer.state.values()]
     dist.barrier()  # every rank's files are written before the converter reads them
     if rank == 0:
+        if model_kind == "llama":  # the run's config beside its checkpoint, as the Trainer does
+            engine.module.config.save_pretrained(target)
         torch.save(live, os.path.join(target, "live.pt"))
         torch.save({"moments": moments, "steps": steps}, os.path.join(target, "live_optim.pt"))
         converted = get_fp32_state_dict_from_zero_checkpoint(target)
@@ -123,19 +142,27 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str) -> None:
     engine.destroy()
 
 
-def _rank(rank: int, world_size: int, out: str, cases: Sequence[tuple[int, str]]) -> None:
+def _rank(
+    rank: int, world_size: int, out: str, cases: Sequence[tuple[int, str]], model_kind: str
+) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for stage, dtype in cases:
-        _train_and_save(rank, out, stage, dtype)
+        _train_and_save(rank, out, stage, dtype, model_kind)
 
 
 def produce_zero(
-    out: str, world_size: int, cases: Sequence[tuple[int, str]], timeout: float = 600.0
+    out: str,
+    world_size: int,
+    cases: Sequence[tuple[int, str]],
+    timeout: float = 600.0,
+    model_kind: str = "tiny",
 ) -> dict[tuple[int, str], str]:
     """Write one ZeRO checkpoint per (stage, ``"fp32"`` or ``"bf16"``) under ``out``.
 
     Called by the test process; spawns ``world_size`` ranks (gloo) once for all cases.
+    ``model_kind="llama"``: a tiny transformers Llama with tied embeddings instead, its
+    ``config.json`` saved beside ``latest``.
 
     Returns:
         (stage, dtype) -> the checkpoint directory (holding ``latest``, the tag directory,
@@ -145,7 +172,7 @@ def produce_zero(
     saved = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        run_ranks(_rank, world_size, out, list(cases), timeout=timeout)
+        run_ranks(_rank, world_size, out, list(cases), model_kind, timeout=timeout)
     finally:
         if saved is None:
             os.environ.pop("DS_ACCELERATOR", None)

@@ -1,0 +1,55 @@
+"""A file that is one part of a multi-file checkpoint, known by its name.
+
+Users point at a file instead of its directory: a ``.distcp`` or the ``.metadata`` of a DCP, a
+ZeRO rank file, a verl rank file, one rank's shard of transformers' distributed safetensors,
+one ``model-00001-of-00004.safetensors`` of a sharded model directory.
+Read alone, each is wrong in its own way (an unnamed tensor, ZeRO-3's zero-element
+placeholders, a pickle whose producer classes belong to the whole), so :func:`part_of` names
+the directory instead, and :func:`ckptools.layouts.base.detect` refuses in one line pointing
+at it. Only names that never stand alone are listed: a ``mp_rank_00_model_states.pt`` of ZeRO
+1/2 or a ``model_world_size_1_rank_0.pt`` hold a whole model and stay readable as files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ckptools.io import storage
+
+#: (file name, the family whose directory it is part of)
+_PARTS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r".+\.distcp$"), "dcp"),
+    (re.compile(r"^(__\d+)?\.metadata$"), "dcp"),
+    (re.compile(r"^(.+_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt$"), "deepspeed"),
+    (re.compile(r"^(.+_)?mp_rank_\d+_optim_states\.pt$"), "deepspeed"),
+    (re.compile(r"^shard-\d+-.+\.safetensors$"), "transformers_distributed"),
+)
+#: (file name whose group ``n`` counts the files of the whole, family): alone when ``n`` is 1
+_COUNTED: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^(model|optim|extra_state)_world_size_(?P<n>\d+)_rank_\d+\.pt$"), "verl"),
+    (re.compile(r"^.+-\d+-of-(?P<n>\d+)\.(safetensors|bin)$"), "safetensors"),
+)
+
+
+def part_of(path: str) -> tuple[str, str] | None:
+    """``(family, directory)`` when ``path`` is a file that only makes sense with the other
+    files of its directory, else None (a directory, or a file that may stand alone)."""
+    if storage.is_url(path):
+        if not storage.isfile(path):
+            return None
+        directory = storage.dirname(path)
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+    else:
+        if not os.path.isfile(path):
+            return None
+        directory = os.path.dirname(path.rstrip(os.sep)) or os.curdir
+        name = os.path.basename(path)
+    for pattern, family in _PARTS:
+        if pattern.match(name):
+            return family, directory
+    for pattern, family in _COUNTED:
+        m = pattern.match(name)
+        if m and int(m["n"]) > 1:
+            return family, directory
+    return None
