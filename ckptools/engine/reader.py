@@ -80,6 +80,15 @@ def resolve_chunk(
         )
     rec = archive.record(f"data/{ref.storage.key}")
     itemsize = dtypes.dtype(ref.dtype).itemsize
+    problem = ref.expansion_problem(itemsize)
+    if problem or ref.storage_offset * itemsize + ref.span_bytes(itemsize) > rec.size:
+        raise CorruptCheckpointError(
+            f"{where}: item for {tensor.fqn!r} "
+            + (problem or f"reaches past its storage record data/{ref.storage.key}"),
+            path=chunk.file,
+            fqn=tensor.fqn,
+            rank=chunk.rank,
+        )
     start = torch_archive.record_data_offset(reader, archive, rec) + ref.storage_offset * itemsize
     span = chunk.numel * itemsize if ref.is_contiguous else rec.size - ref.storage_offset * itemsize
     whole_record = ref.is_contiguous and ref.storage_offset == 0 and span == rec.size

@@ -28,7 +28,6 @@ key they went under), and ``details["step"]`` the training step when a file or
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -103,13 +102,6 @@ def flatten(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str,
     return walk(value, path)
 
 
-def _span_bytes(ref: safe_pickle.TensorRef, itemsize: int) -> int:
-    if math.prod(ref.shape) == 0:
-        return 0
-    last = sum((s - 1) * st for s, st in zip(ref.shape, ref.strides, strict=True))
-    return (last + 1) * itemsize
-
-
 def read_torch_save_file(
     reader: Reader, rel: str, allowed: Mapping[str, Any] = safe_pickle.WEIGHTS_ONLY_GLOBALS
 ) -> tuple[list[TensorEntry], list[ObjectEntry], dict[str, tuple[str, ...]], FileInfo]:
@@ -165,7 +157,12 @@ def read_torch_save_file(
             storage_bytes = archive.record(f"data/{key}").size
             itemsize = dtypes.dtype(leaf.dtype).itemsize
             start = leaf.storage_offset * itemsize
-            span = _span_bytes(leaf, itemsize)
+            span = leaf.span_bytes(itemsize)
+            problem = leaf.expansion_problem(itemsize)
+            if problem:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {fqn!r} {problem}", path=path, fqn=fqn
+                )
             if start + span > storage_bytes:
                 raise CorruptCheckpointError(
                     f"{path}: tensor {fqn!r} (bytes {start}..{start + span} of its storage) "

@@ -522,3 +522,32 @@ def test_world_size_tunable(
     with pytest.raises(UsageError, match=tunables.MAX_WORLD_SIZE_ENV):
         ckptools.reshard(str(dcp_ckpt), str(tmp_path / "o"), world_size=3, dry_run=True)
     ckptools.reshard(str(dcp_ckpt), str(tmp_path / "o"), world_size=2, dry_run=True)
+
+
+def test_expanded_view_declaring_64_gib_over_4_bytes_is_refused(tmp_path: Path) -> None:
+    # issue 25, item 21: torch.save keeps an expanded view as it is, stride 0 over 4 bytes of
+    # storage; writing it out would first allocate the 64 GiB it declares.
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.zeros(1).expand(2**34), "b": torch.ones(3)}, path)
+    assert path.stat().st_size < 4096
+    msgs = _all_verbs(path, tmp_path, dcp_only=False)
+    msgs.append(_one_line_error("shard", str(path), str(tmp_path / "sh"), "--world-size", "2"))
+    assert not (tmp_path / "sh").exists()
+    for msg in msgs:
+        assert str(path) in msg and "'w'" in msg and "64.0 GiB" in msg and "over 4 bytes" in msg
+        assert "t.contiguous()" in msg
+
+
+def test_small_expanded_view_is_written_out_whole(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    import ckptools
+
+    path = tmp_path / "model.pt"
+    state = {"w": torch.arange(3.0).expand(4, 3), "position_ids": torch.arange(5).expand(1, 5)}
+    torch.save(state, path)
+    ckptools.consolidate(str(path), str(tmp_path / "hf"), quiet=True)
+    out = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(out) == set(state)
+    for k, v in state.items():
+        assert torch.equal(out[k], v.contiguous()), k
