@@ -266,6 +266,23 @@ def _note_rank_state(
         )
 
 
+def _note_not_carried(notes: list[str], manifest: Manifest) -> None:
+    """Name the files below a directory source that its layout neither read nor listed beside
+    the data (DeepSpeed's zero_to_fp32.py, its other tags, a Trainer's files beside a ZeRO
+    tag): nothing is left behind without a word. Its markers are replaced by OUT's own."""
+    if not storage.isdir(manifest.root):
+        return  # one file: a walk of the directory it sits in would name strangers
+    known = {*manifest.files, *manifest.markers, *manifest.aux_files}
+    left = sorted(
+        rel
+        for rel in (r.replace(os.sep, "/") for r in storage.walk_files(manifest.data_dir()))
+        if rel not in known and not any(d.startswith(".") for d in rel.split("/")[:-1])
+    )
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        notes.append(f"{len(left)} file(s) of the source were not carried over: {shown}")
+
+
 def _reshard_training_state(
     src: str, out: str, manifest: Manifest, options: ReshardOptions, started: float
 ) -> ReshardResult:
@@ -289,6 +306,7 @@ def _reshard_training_state(
     copied = _carried_files(manifest, options, rank_items)
     notes = [*manifest.notes, *layout.notes]
     _note_rank_state(notes, manifest, options, rank_items)
+    _note_not_carried(notes, manifest)
     run = _Run(
         kind="reshard", src=src, out=out, options=options, parts={"": (manifest, plan)},
         source=manifest, source_root=manifest.data_dir(), copied=tuple(copied),
