@@ -551,3 +551,33 @@ def test_small_expanded_view_is_written_out_whole(tmp_path: Path) -> None:
     assert set(out) == set(state)
     for k, v in state.items():
         assert torch.equal(out[k], v.contiguous()), k
+
+
+def test_dcp_item_holding_an_expanded_view_is_refused(dcp_ckpt: Path, tmp_path: Path) -> None:
+    # the same view as a DCP item: the metadata declares 2**34 elements of 'model.layer.bias'
+    # (one chunk, tiling it) and the item torch.save's them over 4 bytes
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1).expand(2**34), buf)
+    data_file = dcp_ckpt / "__0_0.distcp"
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(buf.getvalue())
+
+    def edit(md: Any) -> None:
+        md.state_dict_metadata["model.layer.bias"].size = torch.Size([2**34])
+        [chunk] = md.state_dict_metadata["model.layer.bias"].chunks
+        chunk.sizes = torch.Size([2**34])
+        for index, info in md.storage_data.items():
+            if index.fqn == "model.layer.bias":
+                info.offset, info.length = offset, len(buf.getvalue())
+
+    _edit_metadata(dcp_ckpt, edit)
+    before = _digest(dcp_ckpt)
+    for args in (
+        ("consolidate", str(dcp_ckpt), str(tmp_path / "hf")),
+        ("reshard", str(dcp_ckpt), str(tmp_path / "re"), "--world-size", "2"),
+    ):
+        msg = _one_line_error(*args)
+        assert "__0_0.distcp" in msg and "'model.layer.bias'" in msg and "64.0 GiB" in msg, msg
+    assert _digest(dcp_ckpt) == before
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "re").exists()
