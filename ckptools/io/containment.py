@@ -31,14 +31,17 @@ import posixpath
 import stat
 
 from ckptools.errors import OutsideCheckpointError, UsageError
-from ckptools.io.paths import exists, is_url, isfile, join, local_path
+from ckptools.io.paths import exists, is_url, isfile, join, local_path, walk_files
 
 #: How much of a refused name a message shows (names from a stranger may be huge).
 _SHOWN_CHARS = 120
 _HF_REPO_PREFIX = "models--"
-#: What a consolidation writes last in its model directory: an existing OUT inside SRC that has
-#: one is an earlier consolidation's output, which a new one may replace.
+#: What a consolidation writes last in its model directory, and the kinds of file it writes
+#: (weights, config and tokenizer files, a model card): an existing OUT inside SRC with one of
+#: the markers and nothing else is an earlier consolidation's output, which a new one may
+#: replace; a checkpoint saved there (optimizer.pt, .distcp, rng_state.pth...) is not.
 _MODEL_DIR_MARKERS = ("model.safetensors.index.json", "model.safetensors")
+_MODEL_DIR_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".md")
 
 
 def outside_reason(root: str, rel: str, *, links: bool = True) -> str | None:
@@ -186,4 +189,6 @@ def check_apart(src: str, out: str, *, allow_inside: bool = False) -> None:
 
 
 def _is_model_dir(path: str) -> bool:
-    return any(isfile(join(path, name)) for name in _MODEL_DIR_MARKERS)
+    if not any(isfile(join(path, name)) for name in _MODEL_DIR_MARKERS):
+        return False
+    return all(rel.endswith(_MODEL_DIR_SUFFIXES) for rel in walk_files(path))

@@ -392,6 +392,13 @@ def test_existing_out_inside_src_is_replaced_only_when_a_consolidation_wrote_it(
         CliRunner().invoke(cli, ["consolidate", str(ckpt), str(hf), "--overwrite"]).exit_code == 0
     )
     assert _tree_digest(hf) == first
+    # a model directory that is also a checkpoint (a Trainer's, with its optimizer) is not
+    # what a consolidation wrote: part of the source again
+    layer = torch.nn.Linear(4, 4)
+    torch.save(torch.optim.AdamW(layer.parameters()).state_dict(), hf / "optimizer.pt")
+    text = _refused(["consolidate", str(ckpt), str(hf), "--overwrite"], code=2)
+    assert f"{hf}: already exists inside the source checkpoint" in text
+    assert (hf / "optimizer.pt").exists()
     shutil.rmtree(hf)
     assert _tree_digest(ckpt) == before
 
