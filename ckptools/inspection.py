@@ -15,7 +15,7 @@ from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import sharding_summary
-from ckptools.layouts.optimizer_state import optimizer_states
+from ckptools.layouts.optimizer_state import flat_shard_note, optimizer_states
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class InspectReport:
     model_part: keys.ModelPart
     #: FQN → plain value (or {"error": ...}) for objects, when values were asked for
     object_values: dict[str, Any] = field(default_factory=dict)
+    #: what the checkpoint is, said beside the manifest's own notes (a wrong file named as such)
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest
@@ -70,7 +72,7 @@ class InspectReport:
             "format": m.format,
             "layout": m.layout,
             "world_size": m.world_size,
-            "notes": list(m.notes),
+            "notes": [*m.notes, *self.notes],
             "model_part": {
                 "prefix": self.model_part.prefix,
                 "excluded": list(self.model_part.excluded),
@@ -151,7 +153,9 @@ def inspect(
             except CkptError as e:
                 decoded[fqn] = {"error": str(e)}
     part = keys.find_model_part(manifest) if key is None else model_part_at(manifest, key)
-    return InspectReport(manifest, part, decoded)
+    model = keys.model_keys(manifest, part)
+    notes = [flat_shard_note(manifest, o, model) for o in optimizer_states(manifest)]
+    return InspectReport(manifest, part, decoded, tuple(n for n in notes if n))
 
 
 def model_part_at(manifest: Manifest, key: str) -> keys.ModelPart:

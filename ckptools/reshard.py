@@ -59,7 +59,9 @@ from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
-RANK_STATE_FILES = re.compile(r"^(rng_state|random_states)_\d+\.(pth|pkl|pt)$")
+RANK_STATE_FILES = re.compile(
+    r"^((rng_state|random_states)_\d+\.(pth|pkl|pt)|extra_state_world_size_\d+_rank_\d+\.pt)$"
+)  # verl's extra_state: each rank's RNG and LR scheduler state
 #: object entries keyed by rank (torchtitan's dataloader state)
 RANK_STATE_OBJECTS = re.compile(r"(^|\.)dp_rank_\d+$")
 #: files that describe the source's own bytes (checksums, the training manager's commit marker)
@@ -221,6 +223,24 @@ def reshard(
     if manifest.format != "dcp":
         return _reshard_training_state(src, out, manifest, options, started)
     plans, rank_items = _plan_parts(manifest, options)
+    copied = _carried_files(manifest, options, rank_items)
+    notes = list(manifest.notes)
+    _note_rank_state(notes, manifest, options, rank_items)
+    run = _Run(
+        kind="reshard", src=src, out=out, options=options, parts=plans,
+        source=manifest, source_root=manifest.root, copied=tuple(copied),
+        rank_items=tuple(rank_items), notes=notes, started=started,
+        # The source was protected by a checksum manifest: so is the result.
+        checksums=CHECKSUM_FILE in manifest.aux_files,
+    )  # fmt: skip
+    return run.execute({"rank_state": options.rank_state, "copied": run.copied})
+
+
+def _carried_files(manifest: Manifest, options: ReshardOptions, rank_items: list[str]) -> list[str]:
+    """The files beside the data that a reshard copies into OUT, the same for every layout:
+    each of the manifest's ``aux_files`` (scheduler, trainer state, config...) but ckptools'
+    own records; per-rank state files (``random_states_<r>.pkl``) are added to ``rank_items``
+    and copied only under ``rank_state="keep"``."""
     copied = []
     for name in manifest.aux_files:
         base = os.path.basename(name)
@@ -231,21 +251,36 @@ def reshard(
             if options.rank_state == "drop":
                 continue
         copied.append(name)
-    notes = list(manifest.notes)
+    return copied
+
+
+def _note_rank_state(
+    notes: list[str], manifest: Manifest, options: ReshardOptions, rank_items: Sequence[str]
+) -> None:
     if rank_items:
+        ranks = f" written by {manifest.world_size} ranks" if manifest.world_size else ""
         notes.append(
-            f"{len(rank_items)} per-rank state item(s) written by {manifest.world_size} ranks were "
+            f"{len(rank_items)} per-rank state item(s){ranks} were "
             + ("kept unchanged" if options.rank_state == "keep" else "dropped")
             + " (--rank-state)"
         )
-    run = _Run(
-        kind="reshard", src=src, out=out, options=options, parts=plans,
-        source=manifest, source_root=manifest.root, copied=tuple(copied),
-        rank_items=tuple(rank_items), notes=notes, started=started,
-        # The source was protected by a checksum manifest: so is the result.
-        checksums=CHECKSUM_FILE in manifest.aux_files,
-    )  # fmt: skip
-    return run.execute({"rank_state": options.rank_state, "copied": run.copied})
+
+
+def _note_not_carried(notes: list[str], manifest: Manifest) -> None:
+    """Name the files below a directory source that its layout neither read nor listed beside
+    the data (DeepSpeed's zero_to_fp32.py, its other tags, a Trainer's files beside a ZeRO
+    tag): nothing is left behind without a word. Its markers are replaced by OUT's own."""
+    if not storage.isdir(manifest.root):
+        return  # one file: a walk of the directory it sits in would name strangers
+    known = {*manifest.files, *manifest.markers, *manifest.aux_files}
+    left = sorted(
+        rel
+        for rel in (r.replace(os.sep, "/") for r in storage.walk_files(manifest.data_dir()))
+        if rel not in known and not any(d.startswith(".") for d in rel.split("/")[:-1])
+    )
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        notes.append(f"{len(left)} file(s) of the source were not carried over: {shown}")
 
 
 def _reshard_training_state(
@@ -267,14 +302,20 @@ def _reshard_training_state(
     plan = plan_dcp(
         manifest, options.world_size, layout.names, layout.paths, objects=[], values=layout.values
     )
+    rank_items: list[str] = []
+    copied = _carried_files(manifest, options, rank_items)
+    notes = [*manifest.notes, *layout.notes]
+    _note_rank_state(notes, manifest, options, rank_items)
+    _note_not_carried(notes, manifest)
     run = _Run(
         kind="reshard", src=src, out=out, options=options, parts={"": (manifest, plan)},
-        source=manifest, source_root=manifest.data_dir(),
-        notes=[*manifest.notes, *layout.notes], started=started,
+        source=manifest, source_root=manifest.data_dir(), copied=tuple(copied),
+        rank_items=tuple(rank_items), notes=notes, started=started,
     )  # fmt: skip
     return run.execute(
-        {"param_order": list(options.param_order or ()), "drop_optimizer": options.drop_optimizer}
-    )
+        {"param_order": list(options.param_order or ()), "drop_optimizer": options.drop_optimizer,
+         "rank_state": options.rank_state, "copied": run.copied}
+    )  # fmt: skip
 
 
 def _read_source(

@@ -138,6 +138,10 @@ def _render(d: dict[str, Any]) -> str:
                 f"{f['tensors']} chunks, {f['objects']} objects"
                 for f in part["files"]
             )
+    copied = d["copied_files"]
+    if copied:
+        shown = ", ".join(copied[:6]) + (f" and {len(copied) - 6} more" if len(copied) > 6 else "")
+        lines.append(f"copied beside the data: {shown}")
     lines.extend(f"note: {note}" for note in d["notes"])
     total = sum(p["bytes"] for p in d["parts"].values())
     secs = d["seconds"]

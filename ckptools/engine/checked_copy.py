@@ -15,6 +15,8 @@ instead of being copied into a fresh output whose own CRCs would then look clean
   splits one source record over several output pieces): each range's CRC is handed in as it is
   copied, and once the ranges cover the record they are combined (``crc32_combine``) and
   compared with the stored CRC.
+* :func:`check_object_item` checks a non-tensor item (a ``torch.save`` archive copied byte for
+  byte, never unpickled) before it is copied: its zip structure, then every record's CRC-32.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ckptools.core.crc32 import crc32, crc32_combine
 from ckptools.core.manifest import Chunk
 from ckptools.engine.runtime import kernel_copy, pwrite_all
 from ckptools.errors import CorruptCheckpointError
+from ckptools.formats import torch_archive
 from ckptools.io.storage import Reader
 
 #: Bytes checksummed in place, then copied in the kernel, at a time: large enough that the
@@ -152,3 +155,41 @@ def record_crc(reader: Reader, raw: Chunk, buffer: memoryview) -> int:
         crc = crc32(view, crc)
         done += len(view)
     return crc
+
+
+def check_object_item(
+    reader: Reader, file: str, offset: int, length: int, fqn: str, block: int
+) -> None:
+    """Check the object item ``fqn`` at ``[offset, offset+length)`` of ``file`` as torch will
+    load it: a whole zip archive (its directory found at the item's end) whose records all
+    match their stored CRC-32, read ``block`` bytes at a time. An item recorded 1 byte short
+    would otherwise be copied as is into an output whose object no longer loads.
+
+    Raises:
+        CorruptCheckpointError: one line naming the file, the byte range and the entry.
+    """
+    path = f"{reader.root}/{file}"
+    where = f"{path}: bytes {offset}..{offset + length} of object {fqn!r}"
+    try:
+        archive = torch_archive.read_archive(reader, file, offset, length)
+        for rec in archive.records.values():
+            start = torch_archive.record_data_offset(reader, archive, rec)
+            computed = 0
+            for pos in range(0, rec.size, block):
+                computed = crc32(
+                    reader.read(file, start + pos, min(block, rec.size - pos)), computed
+                )
+            if computed != rec.crc32:
+                raise CorruptCheckpointError(
+                    f"record {rec.name} fails its CRC-32 check (stored {rec.crc32:08x}, "
+                    f"computed {computed:08x})",
+                    path=path,
+                )
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(
+            f"{where} are not the torch.save archive its metadata records ({e}); the file is "
+            "damaged and no output was committed (`ckpt verify` on the source lists every "
+            "damaged item)",
+            path=path,
+            fqn=fqn,
+        ) from e

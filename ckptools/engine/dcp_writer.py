@@ -205,6 +205,9 @@ def _copy_object(fd: int, item: ObjectItem, reader: Reader) -> None:
     if item.data is not None:
         pwrite_all(fd, item.data, item.offset)
         return
+    checked_copy.check_object_item(
+        reader, item.source_file, item.source_offset, item.length, item.fqn, BLOCK_BYTES
+    )
     done = 0
     while done < item.length:
         n = min(BLOCK_BYTES, item.length - done)

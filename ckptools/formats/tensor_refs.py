@@ -10,8 +10,17 @@ it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from ckptools.core.sizes import human_bytes
+
+#: An expanded view (``t.expand``: stride 0 over a dim longer than 1) declares more elements
+#: than its storage holds, and writing it out materializes every one of them in memory: a
+#: 2 KiB ``torch.save`` file declared 64 GiB over the 4 bytes of one float that way. Beyond
+#: this many bytes such a tensor is refused when it is read, before anything is allocated.
+EXPANDED_VIEW_MAX_BYTES = 64 * 2**20
 
 
 class DTypeName(str):
@@ -56,6 +65,26 @@ class TensorRef:
                 return False
             expected *= size
         return True
+
+    def span_bytes(self, itemsize: int) -> int:
+        """Bytes of its storage from its first element to its last (0 when it is empty)."""
+        if math.prod(self.shape) == 0:
+            return 0
+        last = sum((s - 1) * st for s, st in zip(self.shape, self.strides, strict=True))
+        return (last + 1) * itemsize
+
+    def expansion_problem(self, itemsize: int) -> str | None:
+        """Why the tensor cannot be written out: it declares more bytes than its storage span
+        holds (an expanded view) and more than :data:`EXPANDED_VIEW_MAX_BYTES`; None if fine."""
+        numel = math.prod(self.shape)
+        declared, span = numel * itemsize, self.span_bytes(itemsize)
+        if declared <= max(span, EXPANDED_VIEW_MAX_BYTES):
+            return None
+        return (
+            f"declares {numel} elements ({human_bytes(declared)}) over {span} bytes of storage "
+            f"(strides {list(self.strides)}), an expanded view that writing it out would "
+            "materialize in memory; re-save it with t.contiguous() if it really holds that much"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,3 +111,52 @@ def _describe(
         param_names=bool(groups) and all("param_names" in g for g in groups),
         hyperparameters=tuple(hyper),
     )
+
+
+def flat_shard_note(
+    manifest: Manifest, opt: OptimizerState, model: Mapping[str, str]
+) -> str | None:
+    """What to say of an integer-keyed optimizer state whose every tensor is 1-D and which covers
+    fewer elements than the ``model`` tensors beside it (none when the file holds the optimizer
+    alone): one rank's FSDP1 flat-parameter shard, FlatParameters' ``optimizer.state_dict()``,
+    which places nothing on its own (alone, it may also be a plain optimizer of a model whose
+    parameters are all 1-D: the note says how it looks). None for any other optimizer state.
+    """
+    if opt.keyed != "integer" or not opt.entries:
+        return None
+    root = tuple(opt.key.split(".")) if opt.key else ()
+    shapes = [
+        tensor.shape
+        for fqn, tensor in manifest.tensors.items()
+        if _under_state(keys.key_path(manifest, fqn), root)
+    ]
+    if not any(shapes) or any(len(s) > 1 for s in shapes):
+        return None
+    per_state = max(opt.elements.values())
+    # a file of the optimizer alone has its state found as "the model": not counted
+    own = [f for f in model.values() if not _under_state(keys.key_path(manifest, f), root)]
+    model_elems = sum(manifest.tensors[f].numel for f in own)
+    if own and model_elems <= per_state:
+        return None
+    where = f"optimizer state {opt.key!r}" if opt.key else "the optimizer state at the top level"
+    text = (
+        f"{where} holds {opt.entries} flat entries / {per_state:,} elements per state, 1-D and "
+        "keyed by integers, "
+    )
+    if own:
+        return text + (
+            f"and the model beside it has {len(own)} parameters / {model_elems:,} elements: one "
+            "rank's FSDP1 flat-parameter shard, not a full optimizer (save "
+            "FSDP.optim_state_dict(model, optimizer) for one); reshard keeps the model alone "
+            "with --drop-optimizer"
+        )
+    return text + (
+        "with no model beside it, which is how one rank's FSDP1 flat-parameter shard looks "
+        "(not a full optimizer); read the directory that holds every rank's files (verl: its "
+        "actor/), or save FSDP.optim_state_dict(model, optimizer) for a full one"
+    )
+
+
+def _under_state(path: tuple[str, ...], root: tuple[str, ...]) -> bool:
+    """Whether ``path`` is a state tensor (``<root>.state.<id>.<name>``) of the optimizer."""
+    return len(path) == len(root) + 3 and path[: len(root) + 1] == (*root, "state")

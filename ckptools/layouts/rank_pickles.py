@@ -141,8 +141,10 @@ class Merged:
             self.offsets[rel, key] = torch_archive.record_data_offset(reader, archive, rec)
         itemsize = dtypes.dtype(ref.dtype).itemsize
         start = ref.storage_offset * itemsize
-        last = sum((s - 1) * st for s, st in zip(ref.shape, ref.strides, strict=True))
-        span = (last + 1) * itemsize if all(ref.shape) else 0
+        span = ref.span_bytes(itemsize)
+        problem = ref.expansion_problem(itemsize)
+        if problem:
+            raise CorruptCheckpointError(f"{storage.join(self.root, rel)}: a tensor {problem}")
         if start + span > rec.size:
             raise CorruptCheckpointError(
                 f"{storage.join(self.root, rel)}: a tensor's bytes {start}..{start + span} reach "

@@ -28,7 +28,6 @@ key they went under), and ``details["step"]`` the training step when a file or
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -103,13 +102,6 @@ def flatten(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str,
     return walk(value, path)
 
 
-def _span_bytes(ref: safe_pickle.TensorRef, itemsize: int) -> int:
-    if math.prod(ref.shape) == 0:
-        return 0
-    last = sum((s - 1) * st for s, st in zip(ref.shape, ref.strides, strict=True))
-    return (last + 1) * itemsize
-
-
 def read_torch_save_file(
     reader: Reader, rel: str, allowed: Mapping[str, Any] = safe_pickle.WEIGHTS_ONLY_GLOBALS
 ) -> tuple[list[TensorEntry], list[ObjectEntry], dict[str, tuple[str, ...]], FileInfo]:
@@ -165,7 +157,12 @@ def read_torch_save_file(
             storage_bytes = archive.record(f"data/{key}").size
             itemsize = dtypes.dtype(leaf.dtype).itemsize
             start = leaf.storage_offset * itemsize
-            span = _span_bytes(leaf, itemsize)
+            span = leaf.span_bytes(itemsize)
+            problem = leaf.expansion_problem(itemsize)
+            if problem:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {fqn!r} {problem}", path=path, fqn=fqn
+                )
             if start + span > storage_bytes:
                 raise CorruptCheckpointError(
                     f"{path}: tensor {fqn!r} (bytes {start}..{start + span} of its storage) "
@@ -300,6 +297,7 @@ def read_torch_save(path: str) -> Manifest:
     marker: tuple[str, ...] = ()
     digests: dict[str, str] = {}
     names: set[str] = set()
+    extra: list[str] = []  # a directory's other accelerate models, named in a note
     base: Manifest | None = None
     if storage.isfile(path):
         root, model_files = storage.dirname(path), [storage.basename(path)]
@@ -337,8 +335,19 @@ def read_torch_save(path: str) -> Manifest:
             found.add_file(
                 reader, rel, "optimizer", ("optimizer",) if i == 0 else ("optimizers", str(i))
             )
+    aux: tuple[str, ...] = ()
+    if names:  # a directory: the files beside the model, carried over by a reshard
+        used = {*model_files, *optim, *marker, *extra}
+        if base is not None:
+            used.update((*base.files, *base.markers))
+        aux, outside = _aux_files(path, used)
+        if outside:
+            notes.append(
+                f"{path}: {', '.join(outside[:4])} lead(s) outside the checkpoint: never read, "
+                "and not carried over by conversions"
+            )
     if base is not None:
-        return _with_safetensors_model(base, found, path, names)
+        return _with_safetensors_model(base, found, path, names, aux, tuple(notes))
     details = {"sources": found.sources, "step": found.step(root, names)}
     return Manifest(
         root=path,
@@ -352,8 +361,24 @@ def read_torch_save(path: str) -> Manifest:
         notes=tuple(notes),
         details=details,
         data_root=root,
+        aux_files=aux,
         marker_digests=digests,
     )
+
+
+def _aux_files(root: str, used: set[str]) -> tuple[tuple[str, ...], list[str]]:
+    """The files below ``root`` that are not the model or optimizer files read (scheduler.bin,
+    random_states_<r>.pkl, trainer_state.json, config.json...), not in a hidden directory, as a
+    DCP directory's are found; and those that lead outside ``root`` (never carried over)."""
+    aux: list[str] = []
+    outside: list[str] = []
+    for rel in storage.walk_files(root):
+        rel = rel.replace("\\", "/")
+        rel_dir = rel.rpartition("/")[0]
+        if rel in used or any(d.startswith(".") for d in rel_dir.split("/") if d):
+            continue
+        (outside if storage.outside_reason(root, rel) else aux).append(rel)
+    return tuple(sorted(aux)), sorted(outside)
 
 
 def _bin_index(path: str) -> tuple[list[str], tuple[str, ...], dict[str, str]]:
@@ -369,7 +394,12 @@ def _bin_index(path: str) -> tuple[list[str], tuple[str, ...], dict[str, str]]:
 
 
 def _with_safetensors_model(
-    model: Manifest, found: _Collected, path: str, names: set[str]
+    model: Manifest,
+    found: _Collected,
+    path: str,
+    names: set[str],
+    aux: tuple[str, ...],
+    notes: tuple[str, ...],
 ) -> Manifest:
     """The safetensors model of an accelerate/Trainer directory with its optimizer files."""
     sources = [
@@ -396,7 +426,9 @@ def _with_safetensors_model(
             "sources": [*sources, *found.sources],
             "step": found.step(path, names),
         },
+        notes=notes,
         data_root=path,
+        aux_files=aux,
         marker_digests=model.marker_digests,
     )
 

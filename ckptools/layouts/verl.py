@@ -38,8 +38,8 @@ for PPO's value model), recording the last completed save's ``N`` in
 
 A rank's missing model or optimizer file is named; the world size is ``fsdp_config.json``'s and
 must agree with the file names. ``extra_state_*.pt`` and ``huggingface/`` are auxiliary files:
-``consolidate`` copies ``huggingface/``; ``reshard`` notes that the per-rank RNG and scheduler
-state is not carried.
+``consolidate`` copies ``huggingface/``; ``reshard`` copies both, the per-rank RNG and scheduler
+state as its ``--rank-state`` policy says.
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ def read_verl(path: str) -> Manifest:
     if files.get("extra_state"):
         notes.append(
             f"{len(files['extra_state'])} extra_state file(s) (per-rank RNG and LR scheduler "
-            "state) are not carried over by conversions"
+            "state): consolidate leaves them out, reshard copies them unchanged or drops them "
+            "(--rank-state)"
         )
     return Manifest(
         root=path,

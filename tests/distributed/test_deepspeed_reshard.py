@@ -151,6 +151,17 @@ def test_zero_checkpoint_resumes_in_fsdp2(
     assert _digests(path) == before  # the source is never modified
     notes = json.loads(result.output)["notes"]
     assert any("not carried over" in n and "loss scaler" in n for n in notes), notes
+    # the files that are not the checkpoint's data (DeepSpeed's own zero_to_fp32.py...) are named
+    # as not carried over, as every layout's are (issue 25, item 6)
+    import ckptools
+
+    manifest = ckptools.read_manifest(path)
+    left = sorted(set(before) - set(manifest.files) - set(manifest.markers))
+    assert "zero_to_fp32.py" in left, left
+    assert any(
+        n.startswith(f"{len(left)} file(s) of the source were not carried over: {left[0]}")
+        for n in notes
+    ), notes
     gathered = tmp_path / "gathered.pt"
     run_ranks(_resume_and_gather, world_size, str(out), str(gathered), timeout=180)
     got = torch.load(gathered, weights_only=True)

@@ -252,6 +252,27 @@ def test_accelerate_full_state_dict_resumes(
     assert_bitwise_equal(full["model"], ref["model"], "model")
     assert_bitwise_equal(full["optim"]["state"], ref["optim"]["state"], "optim.state")
     assert full["optim"]["param_groups"] == ref["optim"]["param_groups"]
+    # the files beside the model (accelerate's scheduler.bin, each rank's random_states_<r>.pkl)
+    # are carried over as the sharded layout's are (issue 25, item 6)
+    report = json.loads(result.output)
+    aux = sorted(f.name for f in p.path.iterdir() if f.name.startswith(("scheduler", "random")))
+    assert aux == ["random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]
+    # every file but the model and optimizer read (config.json too)
+    model_files = {"pytorch_model_fsdp.bin", "optimizer.bin"}
+    assert sorted(report["copied_files"]) == sorted(
+        f.name for f in p.path.iterdir() if f.name not in model_files
+    )
+    assert {f: _digest(out / f) for f in aux} == {f: before[f] for f in aux}
+    assert report["rank_state"]["items"] == [f for f in aux if f.startswith("random_states")]
+    dropped = tmp_path / "dropped"
+    result = _reshard(p.path, dropped, world_size, "--rank-state", "drop")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert "scheduler.bin" in report["copied_files"] and (dropped / "scheduler.bin").exists()
+    assert not [f for f in report["copied_files"] if f.startswith("random_states")]
+    assert report["rank_state"]["items"] == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert not list(dropped.glob("random_states_*"))
+    assert any("2 per-rank state item(s)" in n and "dropped" in n for n in report["notes"])
 
 
 @pytest.mark.parametrize("use_orig_params", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -108,6 +108,11 @@ def test_fsdp1_tutorial_file_and_its_flat_shard_optimizer(
     assert opt["entries"] == 3 and opt["params"] == 3 and opt["param_groups"] == 1
     assert 0 < opt["elements"]["exp_avg"] <= (model["elements"] + 3 * 2) // 2
     assert not opt["param_names"]
+    # and inspect says so, as reshard does (issue 25, item 17)
+    [note] = [n for n in report["notes"] if "FSDP1 flat-parameter shard" in n]
+    assert note.startswith("optimizer state 'optimizer_state_dict' holds 3 flat entries / ")
+    assert f"{model['tensors']} parameters / {model['elements']:,} elements" in note
+    assert "--drop-optimizer" in note
 
 
 def test_fsdp1_use_orig_params_file_reads_from_the_file_too(

@@ -66,7 +66,7 @@ def test_dcp_vs_safetensors_of_the_same_model_is_identical(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "hsdp"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1", "hsdp", "tp_fsdp"])  # tp: dim-1 chunks
 def test_sharded_dcp_vs_safetensors_identical(
     produced: Callable[..., Produced], tmp_path: Path, name: str
 ) -> None:
@@ -130,6 +130,58 @@ def test_flipped_bit_in_a_sharded_chunk_is_located_globally(
     cols = tensor.shape[1]
     assert d.name == "model.layers.1.mlp.up_proj.weight" and d.mismatched == 1
     assert d.first_index == (chunk.offsets[0] + local // cols, local % cols)
+
+
+_DIFF_IN_A_FRESH_PROCESS = (
+    "import json, sys, ckptools\n"
+    "r = ckptools.diff(sys.argv[1], sys.argv[2])\n"
+    "found = [t.describe() for t in r.differences]\n"
+    "print(json.dumps([r.identical, found, 'torch' in sys.modules]))\n"
+)
+
+
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_identical_checkpoints_are_compared_without_importing_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: bool
+) -> None:
+    # Importing torch costs ~2 s of CPU, ten times the rest of a small diff: bytes are compared
+    # without it, and torch is loaded only to say which elements differ and by how much.
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    if small_blocks:
+        monkeypatch.setenv(BLOCK_BYTES_ENV, "8")  # one row per slab
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "layers.0.w": torch.randn(6, 5, generator=g),
+        "layers.0.b": torch.randn(5, generator=g).to(torch.bfloat16),
+        "steps": torch.tensor(7),
+        "empty": torch.zeros(0, 3),
+    }
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (tmp_path / "st").mkdir()
+    save_file(sd, str(tmp_path / "st" / "model.safetensors"))
+    changed = {k: v.clone() for k, v in sd.items()}
+    changed["layers.0.w"][4, 3] += 1.0
+    (tmp_path / "changed").mkdir()
+    save_file(changed, str(tmp_path / "changed" / "model.safetensors"))
+
+    def run(a: str, b: str) -> Any:
+        argv = [
+            sys.executable,
+            "-c",
+            _DIFF_IN_A_FRESH_PROCESS,
+            str(tmp_path / a),
+            str(tmp_path / b),
+        ]
+        return json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+
+    assert run("dcp", "st") == [True, [], False]
+    identical, [difference], torch_loaded = run("dcp", "changed")
+    assert not identical and torch_loaded
+    assert difference.startswith("layers.0.w: 1 element(s) differ, first at [4, 3]")
 
 
 def test_missing_unexpected_dtype_and_shape(

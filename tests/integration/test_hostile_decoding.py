@@ -522,3 +522,62 @@ def test_world_size_tunable(
     with pytest.raises(UsageError, match=tunables.MAX_WORLD_SIZE_ENV):
         ckptools.reshard(str(dcp_ckpt), str(tmp_path / "o"), world_size=3, dry_run=True)
     ckptools.reshard(str(dcp_ckpt), str(tmp_path / "o"), world_size=2, dry_run=True)
+
+
+def test_expanded_view_declaring_64_gib_over_4_bytes_is_refused(tmp_path: Path) -> None:
+    # issue 25, item 21: torch.save keeps an expanded view as it is, stride 0 over 4 bytes of
+    # storage; writing it out would first allocate the 64 GiB it declares.
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.zeros(1).expand(2**34), "b": torch.ones(3)}, path)
+    assert path.stat().st_size < 4096
+    msgs = _all_verbs(path, tmp_path, dcp_only=False)
+    msgs.append(_one_line_error("shard", str(path), str(tmp_path / "sh"), "--world-size", "2"))
+    assert not (tmp_path / "sh").exists()
+    for msg in msgs:
+        assert str(path) in msg and "'w'" in msg and "64.0 GiB" in msg and "over 4 bytes" in msg
+        assert "t.contiguous()" in msg
+
+
+def test_small_expanded_view_is_written_out_whole(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    import ckptools
+
+    path = tmp_path / "model.pt"
+    state = {"w": torch.arange(3.0).expand(4, 3), "position_ids": torch.arange(5).expand(1, 5)}
+    torch.save(state, path)
+    ckptools.consolidate(str(path), str(tmp_path / "hf"), quiet=True)
+    out = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(out) == set(state)
+    for k, v in state.items():
+        assert torch.equal(out[k], v.contiguous()), k
+
+
+def test_dcp_item_holding_an_expanded_view_is_refused(dcp_ckpt: Path, tmp_path: Path) -> None:
+    # the same view as a DCP item: the metadata declares 2**34 elements of 'model.layer.bias'
+    # (one chunk, tiling it) and the item torch.save's them over 4 bytes
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1).expand(2**34), buf)
+    data_file = dcp_ckpt / "__0_0.distcp"
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(buf.getvalue())
+
+    def edit(md: Any) -> None:
+        md.state_dict_metadata["model.layer.bias"].size = torch.Size([2**34])
+        [chunk] = md.state_dict_metadata["model.layer.bias"].chunks
+        chunk.sizes = torch.Size([2**34])
+        for index, info in md.storage_data.items():
+            if index.fqn == "model.layer.bias":
+                info.offset, info.length = offset, len(buf.getvalue())
+
+    _edit_metadata(dcp_ckpt, edit)
+    before = _digest(dcp_ckpt)
+    for args in (
+        ("consolidate", str(dcp_ckpt), str(tmp_path / "hf")),
+        ("reshard", str(dcp_ckpt), str(tmp_path / "re"), "--world-size", "2"),
+    ):
+        msg = _one_line_error(*args)
+        assert "__0_0.distcp" in msg and "'model.layer.bias'" in msg and "64.0 GiB" in msg, msg
+    assert _digest(dcp_ckpt) == before
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "re").exists()

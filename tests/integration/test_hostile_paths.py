@@ -362,6 +362,47 @@ def test_out_must_not_be_src_hold_it_or_lie_inside_it(
     assert _tree_digest(tmp_path / "parent") == before
 
 
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_existing_out_inside_src_is_replaced_only_when_a_consolidation_wrote_it(
+    tmp_path: Path, overwrite: bool
+) -> None:
+    # issue 25, item 23: a fresh OUT inside SRC is the Trainer callback's design, and so is
+    # replacing the model directory it wrote there; replacing anything else there is not.
+    ckpt = _dcp(tmp_path / "ckpt")
+    part = ckpt / "ema"  # part of the source tree: a second DCP the run saved beside the model
+    dcp.save({"model": _tensors()}, checkpoint_id=str(part))
+    before = _tree_digest(ckpt)
+    flag = ["--overwrite"] if overwrite else []
+    text = _refused(["consolidate", str(ckpt), str(part), *flag], code=2)
+    assert text.startswith(f"error: {part}: already exists inside the source checkpoint {ckpt}")
+    assert "write the output somewhere else" in text
+    (ckpt / "notes.txt").write_text("the user's own file")
+    text = _refused(["consolidate", str(ckpt), str(ckpt / "notes.txt"), *flag], code=2)
+    assert "notes.txt: already exists inside the source checkpoint" in text
+    (ckpt / "notes.txt").unlink()
+    assert _tree_digest(ckpt) == before
+    with pytest.raises(UsageError, match="already exists inside the source"):
+        ckptools.consolidate(str(ckpt), str(part) + "/", overwrite=overwrite)
+    assert _tree_digest(ckpt) == before
+
+    hf = ckpt / "hf"
+    assert CliRunner().invoke(cli, ["consolidate", str(ckpt), str(hf)]).exit_code == 0
+    first = _tree_digest(hf)
+    assert (
+        CliRunner().invoke(cli, ["consolidate", str(ckpt), str(hf), "--overwrite"]).exit_code == 0
+    )
+    assert _tree_digest(hf) == first
+    # a model directory that is also a checkpoint (a Trainer's, with its optimizer) is not
+    # what a consolidation wrote: part of the source again
+    layer = torch.nn.Linear(4, 4)
+    torch.save(torch.optim.AdamW(layer.parameters()).state_dict(), hf / "optimizer.pt")
+    text = _refused(["consolidate", str(ckpt), str(hf), "--overwrite"], code=2)
+    assert f"{hf}: already exists inside the source checkpoint" in text
+    assert (hf / "optimizer.pt").exists()
+    shutil.rmtree(hf)
+    assert _tree_digest(ckpt) == before
+
+
 def test_out_apart_from_src_through_a_link(tmp_path: Path) -> None:
     ckpt = _dcp(tmp_path / "ckpt")
     (tmp_path / "alias").symlink_to(ckpt)

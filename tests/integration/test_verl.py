@@ -167,6 +167,26 @@ def test_fsdp1_flat_moments_are_placed_where_fsdp_cut_them() -> None:
 
 
 @pytest.mark.parametrize("name", FSDP1)
+def test_one_ranks_optimizer_file_is_named_by_inspect(name: str) -> None:
+    # issue 25, item 17: the file a user opens first, alone; reshard explained it, inspect did not
+    world_size = name.split("_ws")[1][0]
+    file = VERL / name / f"optim_world_size_{world_size}_rank_0.pt"
+    result = _ckpt("inspect", str(file), "--json")
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.output)["notes"]
+    [note] = [n for n in notes if "FSDP1 flat-parameter shard" in n]
+    state = torch.load(file, weights_only=True)["state"]
+    per_state = sum(s["exp_avg"].numel() for s in state.values())
+    assert f"holds {len(state)} flat entries / {per_state:,} elements per state" in note
+    assert "no model beside it" in note and "actor/" in note
+    text = _ckpt("inspect", str(file)).output
+    assert "  note: the optimizer state at the top level holds" in text
+    # the directory that holds every rank's files reads it: nothing to say there
+    whole = json.loads(_ckpt("inspect", str(VERL / name), "--json").output)
+    assert not [n for n in whole["notes"] if "FSDP1" in n]
+
+
+@pytest.mark.parametrize("name", FSDP1)
 def test_fsdp1_optimizer_reshards_bit_exactly(name: str, tmp_path: Path) -> None:
     """Every AdamW moment and step equals what torch's FSDP.optim_state_dict gathered from the
     live job (read back with torch's own DCP reader; the FSDP2 resume is tests/distributed)."""
