@@ -417,10 +417,14 @@ def discard(tmp: str, error: BaseException | None = None) -> None:
     """
     keep = isinstance(error, KeyboardInterrupt) and _has_journal(tmp)
     if keep:
-        log.warning(
-            "interrupted: the files written so far are kept in %s; run the same command again "
-            "to resume, or delete it", tmp,
-        )  # fmt: skip
+        assert error is not None
+        # a note on the interrupt, not a log line: it shows in the traceback a library caller
+        # sees, and the CLI prints it as its one line
+        error.add_note(
+            f"the files written so far are kept in {tmp}: run the same command again to resume "
+            "(or delete it)"
+        )
+        log.info("interrupted: kept %s to resume from", tmp)
     staging_for(tmp).discard(tmp, keep=keep)
 
 

@@ -154,3 +154,26 @@ def test_emit_prints_json_or_text_on_the_reporting_rank(
     emit(Result(5), True, text)
     emit(Result(5), False, text)
     assert capsys.readouterr().out == ""
+
+
+def test_debug_is_accepted_after_the_command() -> None:
+    result = CliRunner().invoke(cli, ["inspect", "/nonexistent/ckpt", "--debug"])
+    # --debug took effect: the error propagates with its traceback instead of one line
+    assert isinstance(result.exception, CkptError)
+    assert "No such option" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["inspect", "/nonexistent/ckpt", "--json"], 1, "/nonexistent/ckpt: no such file"),
+        (["inspect", "--json"], 2, "Missing argument 'PATH'"),
+        (["consolidate", "/nonexistent/ckpt", "out", "--json", "--max-shard-size", "x"], 2, "x"),
+    ],
+)
+def test_json_errors_are_one_json_object_on_stdout(args: list[str], code: int, says: str) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == code
+    obj = json.loads(result.stdout)
+    assert obj["exit_code"] == code and says in obj["error"]
+    assert result.stderr == ""
