@@ -15,6 +15,7 @@ import xxhash
 from ckptools.core.manifest import Manifest
 from ckptools.errors import (
     CheckpointNotFoundError,
+    CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnknownFormatError,
@@ -84,12 +85,55 @@ def detect(path: str, format: str | None = None) -> Layout:
         if reason is None:
             return layout
         reasons.append(f"  {layout.name}: {reason}")
+    inside = _checkpoints_inside(path)
+    if inside:
+        raise UnknownFormatError(_point_at(path, inside), path=path, details=tuple(reasons))
     raise UnknownFormatError(
         f"{path}: not a checkpoint ckptools recognises:\n"
         + "\n".join(reasons)
         + "\n(use --format NAME to force a layout and see its full error)",
         path=path,
     )
+
+
+#: entries of a directory that is no checkpoint probed for one (the directory above a
+#: checkpoint holds it and a few files; a directory of thousands is no such mistake)
+_CHILDREN_PROBED_MAX = 32
+
+
+def _checkpoints_inside(path: str) -> list[tuple[str, str]]:
+    """(entry, layout name) of each checkpoint directory directly inside the directory
+    ``path``: what pointing one level too high meant (``run/`` for ``run/ckpt``)."""
+    names = directory_names(path)
+    if not names or len(names) > _CHILDREN_PROBED_MAX:
+        return []
+    found = []
+    for name in sorted(names):
+        if name.startswith(".") or storage.outside_reason(path, name) is not None:
+            continue
+        child = storage.join(path, name)
+        if not storage.isdir(child):  # a directory of files is the layouts' own to judge
+            continue
+        for layout in _REGISTRY:
+            try:
+                refused = layout.probe(child)
+            except (CkptError, OSError):
+                break  # a damaged child is no way forward to name
+            if refused is None:
+                found.append((name, layout.name))
+                break
+    return found
+
+
+def _point_at(path: str, inside: list[tuple[str, str]]) -> str:
+    if len(inside) == 1:
+        name, layout = inside[0]
+        return (
+            f"{path} is no checkpoint itself, but {storage.join(path, name)} holds a {layout} "
+            "checkpoint: point at it (--debug lists why each layout refused the directory)"
+        )
+    listed = ", ".join(f"{name} ({layout})" for name, layout in inside)
+    return f"{path} is no checkpoint itself, but holds {len(inside)}: {listed}: point at one"
 
 
 def read_manifest(path: str, format: str | None = None, *, model_only: bool = False) -> Manifest:

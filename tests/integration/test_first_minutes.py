@@ -1,0 +1,39 @@
+"""The first ten minutes with ``ckpt`` on real producers' directories: the common wrong turns
+(pointing one level too high, a dry run over an existing OUT, a run directory to list) get a
+right result or one line that shows the way."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from ckptools.cli.main import cli
+from tests.conftest import Produced
+
+
+def _ckpt(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_the_directory_above_a_checkpoint_names_it_in_one_line(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    src = produced("fsdp2", world_size=2)
+    run = tmp_path / "run"
+    shutil.copytree(src.path, run / "ckpt")
+    (run / "notes.txt").write_text("lr 3e-4\n")
+    code, _, err = _ckpt("inspect", str(run))
+    assert code == 1
+    assert err.splitlines() == [
+        f"error: {run} is no checkpoint itself, but {run / 'ckpt'} holds a dcp checkpoint: "
+        "point at it (--debug lists why each layout refused the directory)"
+    ]
+    # the full list of each layout's reason is still there with --debug
+    result = CliRunner().invoke(cli, ["inspect", str(run), "--debug"])
+    assert "  dcp: " in result.stderr and "  safetensors: " in result.stderr
+    # and the way it names works
+    assert _ckpt("inspect", str(run / "ckpt"))[0] == 0
