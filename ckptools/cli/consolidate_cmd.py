@@ -7,12 +7,14 @@ from typing import Any
 import click
 
 from ckptools.cli.options import (
+    at_tag,
     dry_run_option,
     format_option,
     json_option,
     overwrite_option,
     quiet_option,
     storage_options_option,
+    tag_option,
     workers_option,
 )
 from ckptools.cli.render import emit, human_bytes, table
@@ -102,6 +104,7 @@ from ckptools.cli.render import emit, human_bytes, table
     help="Then publish OUT to this Hub repository (as ckpt push OUT REPO_ID --source SRC).",
 )
 @format_option
+@tag_option
 @json_option
 @storage_options_option
 def consolidate_command(
@@ -111,6 +114,7 @@ def consolidate_command(
     quiet: bool,
     as_json: bool,
     key: str | None,
+    tag: str | None,
     **options: Any,
 ) -> None:
     """Write the checkpoint at SRC as a Hugging Face safetensors model directory OUT.
@@ -131,6 +135,7 @@ def consolidate_command(
     """
     from ckptools.consolidate import consolidate
 
+    src = at_tag(src, tag)
     if key is not None:
         # the model's container is the sub-tree to export: --select's meaning, named for
         # torch.save users

@@ -21,6 +21,7 @@ _SHARED = (
     shared.workers_option,
     shared.quiet_option,
     shared.format_option,
+    shared.tag_option,
     shared.json_option,
     shared.storage_options_option,
 )  # fmt: skip
@@ -63,7 +64,13 @@ def _common(f: shared.F) -> shared.F:
     "a Trainer's two groups, the model it builds gives their order.",
 )
 def reshard_command(
-    src: str, out: str, quiet: bool, as_json: bool, param_order: Any, **options: Any
+    src: str,
+    out: str,
+    quiet: bool,
+    as_json: bool,
+    param_order: Any,
+    tag: str | None,
+    **options: Any,
 ) -> None:
     """Rewrite the training checkpoint SRC as if FSDP2 on --world-size ranks had saved it.
 
@@ -84,6 +91,7 @@ def reshard_command(
     order = None
     if param_order is not None:
         order = [line.strip() for line in param_order if line.strip()]
+    src = shared.at_tag(src, tag)
     result = reshard(src, out, quiet=quiet or as_json, param_order=order, **options)
     emit(result, as_json, _render)
 
@@ -109,7 +117,9 @@ def reshard_command(
     help="Keep SRC's names and shapes instead of the in-memory layout transformers loads into "
     "(e.g. per-expert MoE tensors fused).",
 )
-def shard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any) -> None:
+def shard_command(
+    src: str, out: str, quiet: bool, as_json: bool, tag: str | None, **options: Any
+) -> None:
     """Make a DCP checkpoint for --world-size ranks from a full model at SRC.
 
     SRC is a Hugging Face safetensors directory or file, or a torch.save state dict.
@@ -120,6 +130,7 @@ def shard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any
     """
     from ckptools.reshard import shard
 
+    src = shared.at_tag(src, tag)
     emit(shard(src, out, quiet=quiet or as_json, **options), as_json, _render)
 
 
