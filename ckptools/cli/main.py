@@ -98,10 +98,25 @@ def _debug_details(e: CkptError) -> None:
 @click.version_option(package_name="ckptools")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
-    """Inspect, consolidate, reshard and verify PyTorch distributed checkpoints.
+    """Inspect, consolidate, reshard and verify PyTorch distributed checkpoints, without
+    running code stored in them. Point at the directory the producer wrote.
 
-    Reads DCP directories (FSDP1/FSDP2/HSDP/TP, accelerate, Trainer, Lightning, torchtitan),
-    Hugging Face safetensors and torch.save files, without running code stored in them.
+    \b
+    Reads (one example each):
+      DCP: FSDP2, FSDP1, HSDP, TP   ckpt inspect checkpoints/step-1000
+      DCP saved without .metadata   ckpt verify checkpoints/step-1000
+      accelerate save_state         ckpt consolidate ckpt_dir hf_model
+      transformers Trainer          ckpt consolidate output_dir hf_model
+      Lightning FSDPStrategy        ckpt inspect lightning/epoch=0-step=100.ckpt
+      torchtitan                    ckpt reshard outputs/checkpoint ckpt-8 --world-size 8
+      DeepSpeed ZeRO 1/2/3          ckpt consolidate ds_run hf_model --tag global_step100
+      verl                          ckpt consolidate checkpoints/global_step_100 hf_model
+      transformers distributed      ckpt consolidate tp_model hf_model
+      PEFT LoRA (on any of them)    ckpt consolidate lora_ckpt adapter --adapter --lora-alpha 16
+      Hugging Face safetensors      ckpt shard hf_model ckpt-8 --world-size 8
+      torch.save (.pt .pth .bin)    ckpt consolidate checkpoint.pth hf_model --key model_state_dict
+
+    `ckpt COMMAND --help` for each command; --debug (anywhere) shows tracebacks.
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug

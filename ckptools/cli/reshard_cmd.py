@@ -75,16 +75,21 @@ def reshard_command(
     """Rewrite the training checkpoint SRC as if FSDP2 on --world-size ranks had saved it.
 
     Model, optimizer state and every other entry; each tensor split on dim 0 as fully_shard
-    splits it, rank r's pieces in __r_0.distcp, so each rank loads exactly its own file. SRC may
-    be the outer directory of accelerate / Trainer / Lightning / torchtitan checkpoints, or a
-    torch.save training checkpoint (model and optimizer state dicts): its optimizer state is
-    keyed by FQN as get_state_dict keys it, so an FSDP2 job resumes with set_state_dict.
+    splits it, rank r's pieces in __r_0.distcp, so each rank loads exactly its own file, and
+    its optimizer state keyed by FQN as get_state_dict keys it, so an FSDP2 job resumes with
+    set_state_dict. SRC is any training checkpoint ckptools reads: a DCP directory, the outer
+    directory of accelerate / Trainer / Lightning / torchtitan / verl / DeepSpeed checkpoints,
+    a transformers distributed save, or a torch.save training checkpoint (model and optimizer
+    state dicts).
 
     \b
     Examples:
       ckpt reshard ckpt/step-1000 ckpt-16/step-1000 --world-size 16
-      torchrun --nproc-per-node 4 -m ckptools reshard ckpt/step-1000 ckpt-16/step-1000 \
-          --world-size 16
+      ckpt reshard output_dir/checkpoint-500 ckpt-8 --world-size 8
+      ckpt reshard ds_run ckpt-8 --world-size 8 --tag global_step100
+      ckpt reshard checkpoints/global_step_100 ckpt-4 --world-size 4 --dry-run
+      ckpt reshard checkpoint.pt ckpt-4 --world-size 4
+      torchrun --nproc-per-node 4 -m ckptools reshard ckpt/step-1000 ckpt-16 --world-size 16
     """
     from ckptools.reshard import reshard
 
