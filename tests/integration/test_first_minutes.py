@@ -37,3 +37,25 @@ def test_the_directory_above_a_checkpoint_names_it_in_one_line(
     assert "  dcp: " in result.stderr and "  safetensors: " in result.stderr
     # and the way it names works
     assert _ckpt("inspect", str(run / "ckpt"))[0] == 0
+
+
+def test_a_dry_run_over_an_existing_out_plans_and_says_so(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    src = produced("fsdp2", world_size=2)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    said = f"{out}: already exists; pass --overwrite to replace it (without --dry-run"
+    for verb in (["consolidate"], ["reshard", "--world-size", "3"]):
+        code, stdout, err = _ckpt(*verb, str(src.path), str(out), "--dry-run")
+        assert code == 0, err
+        assert said in stdout
+        assert "would write" in stdout  # the plan is shown
+        assert [p.name for p in out.iterdir()] == ["mine.txt"]
+        # a real run still refuses it
+        code, _, err = _ckpt(*verb, str(src.path), str(out))
+        assert code == 2 and "pass --overwrite" in err
+    # with --overwrite the dry run has nothing to say about OUT
+    code, stdout, _ = _ckpt("consolidate", str(src.path), str(out), "--dry-run", "--overwrite")
+    assert code == 0 and "already exists" not in stdout
