@@ -95,3 +95,16 @@ def test_a_wrong_tag_lists_the_saves_in_one_line(run_dir: str) -> None:
     code, _, err = _ckpt("inspect", os.path.join(run_dir, TAG), "--tag", EARLIER_TAG)
     assert code == 2
     assert "is a DeepSpeed tag directory itself: drop --tag" in err
+
+
+def test_list_shows_the_tags_and_which_latest_names(run_dir: str) -> None:
+    code, out, err = _ckpt("list", run_dir, "--json")
+    assert code == 0, err
+    listed = [
+        (c["name"], c["step"], c["producer"], c["complete"], c["latest"])
+        for c in json.loads(out)["checkpoints"]
+    ]
+    assert listed == [
+        (EARLIER_TAG, 1, "deepspeed", True, False),
+        (TAG, 2, "deepspeed", True, True),
+    ]

@@ -4,6 +4,7 @@ right result or one line that shows the way."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -59,3 +60,38 @@ def test_a_dry_run_over_an_existing_out_plans_and_says_so(
     # with --overwrite the dry run has nothing to say about OUT
     code, stdout, _ = _ckpt("consolidate", str(src.path), str(out), "--dry-run", "--overwrite")
     assert code == 0 and "already exists" not in stdout
+
+
+def _sizes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_list_shows_the_saves_of_a_trainer_output_dir(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    run = tmp_path / "output_dir"
+    shutil.copytree(produced("trainer_full").path, run)
+    (saved,) = run.glob("checkpoint-*")
+    # a later save the job was killed in: its trainer_state.json, no weights yet
+    crashed = run / "checkpoint-900"
+    crashed.mkdir()
+    shutil.copy(saved / "trainer_state.json", crashed)
+    code, stdout, err = _ckpt("list", str(run), "--json")
+    assert code == 0, err
+    listed = [
+        (c["name"], c["step"], c["producer"], c["complete"], c["latest"], c["size_bytes"])
+        for c in json.loads(stdout)["checkpoints"]
+    ]
+    step = int(saved.name.split("-")[1])
+    assert listed == [
+        (saved.name, step, "trainer", True, True, _sizes(saved)),
+        ("checkpoint-900", 900, "trainer", False, False, _sizes(crashed)),
+    ]
+    code, stdout, _ = _ckpt("list", str(run))
+    lines = stdout.splitlines()
+    assert lines[0] == f"{run} (trainer)"
+    assert any(ln.startswith(f"{saved.name} ") and ln.endswith("latest") for ln in lines)
+    assert any(ln.startswith("checkpoint-900 ") and "INCOMPLETE" in ln for ln in lines)
+    # what list calls latest is what reading the run directory reads
+    code, stdout, _ = _ckpt("inspect", str(run), "--json")
+    assert any(f"using {saved.name}" in n for n in json.loads(stdout)["notes"])
