@@ -17,7 +17,7 @@ from ckptools.cli.options import (
     tag_option,
     workers_option,
 )
-from ckptools.cli.render import emit, human_bytes, table
+from ckptools.cli.render import emit, human_bytes, plural, summary, table
 
 
 @click.command("consolidate")
@@ -168,12 +168,12 @@ def _render(d: dict[str, Any]) -> str:
         lines.append(f"  note: {note}")
     for kept_out, kept in d["dropped_tied"]:
         lines.append(f"  tied: {kept_out} not written (config ties it to {kept})")
-    for a, b in d["tied"]:
-        lines.append(f"  tied: {a} and {b} hold the same data; both written")
+    # d["tied"] (written twice, no config ties them) is one of the notes already
     if d["dry_run"]:
         for f in d["plan"]:
             lines.append("")
-            lines.append(f"{f['name']}  {human_bytes(f['bytes'])}, {len(f['tensors'])} tensors")
+            count = plural(len(f["tensors"]), "tensor")
+            lines.append(f"{f['name']}  {human_bytes(f['bytes'])}, {count}")
             rows = [
                 [
                     t["name"],
@@ -192,13 +192,15 @@ def _render(d: dict[str, Any]) -> str:
         files += f" + {', '.join(d['config_files'])}"
     lines.append(f"  {verb}: {files}")
     total = d["total_size"] if d["dry_run"] else d["bytes_written"]
-    summary = f"  {d['tensors']} tensors, {human_bytes(total)}"
-    if not d["dry_run"]:
-        rate = f"{d['gb_per_s']:.2f} GB/s" if d["gb_per_s"] is not None else "-"
-        summary += (
-            f" in {d['seconds']:.2f} s ({rate}), peak memory {human_bytes(d['peak_rss_bytes'])}"
+    skipped = d["skipped_objects"]
+    extra = [f"{plural(skipped, 'non-tensor entry', 'non-tensor entries')} not exported"]
+    lines.append(
+        summary(
+            d["tensors"],
+            total,
+            None if d["dry_run"] else d["seconds"],
+            peak_rss_bytes=None if d["dry_run"] else d["peak_rss_bytes"],
+            extra=extra if skipped else [],
         )
-    if d["skipped_objects"]:
-        summary += f"; {d['skipped_objects']} non-tensor entries not exported"
-    lines.append(summary)
+    )
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from ckptools.cli.options import (
     storage_options_option,
     tag_option,
 )
-from ckptools.cli.render import emit, human_bytes, human_count, table
+from ckptools.cli.render import emit, human_bytes, human_count, plural, table
 
 
 @click.command("inspect")
@@ -143,14 +143,15 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.append(table(["object", "bytes", "value"], orows, "lrl"))
     tot = d["totals"]
     out.append("")
+    shared = []
+    if tot.get("tied_aliases"):
+        shared.append(f"{plural(len(tot['tied_aliases']), 'tied weight name')}")
+    if tot.get("shared_aliases"):
+        shared.append(f"{plural(len(tot['shared_aliases']), 'other entry', 'other entries')}")
     out.append(
-        f"  {tot['tensors']} tensors, {tot['objects']} objects, "
+        f"  {plural(tot['tensors'], 'tensor')}, {plural(tot['objects'], 'object')}, "
         f"{human_count(tot['parameters'])} parameters, {human_bytes(tot['bytes'])}"
-        + (
-            f" ({len(tot['tied_aliases'])} tied name(s) sharing another's bytes counted once)"
-            if tot.get("tied_aliases")
-            else ""
-        )
+        + (f" ({' and '.join(shared)} sharing another's bytes, counted once)" if shared else "")
     )
     out.append(
         "  by dtype: "

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from ckptools.cli import options as shared
-from ckptools.cli.render import emit, human_bytes
+from ckptools.cli.render import emit, human_bytes, plural, summary
 
 #: what both commands take, in the order --help lists them: they write the same DCP layout the
 #: same way
@@ -140,23 +140,25 @@ def shard_command(
 
 
 def _render(d: dict[str, Any]) -> str:
-    lines = []
+    """The shape ``consolidate`` prints: SRC -> OUT, notes, what is (or would be) written,
+    and the one summary line."""
+    lines = [f"{d['src']} -> {d['out']}"]
+    lines.extend(f"  note: {note}" for note in d["notes"])
     verb = "would write" if d["dry_run"] else "wrote"
     for sub, part in d["parts"].items():
         where = f"{d['out']}/{sub}" if sub else d["out"]
         lines.append(
-            f"{where}: {part['tensors']} tensors in {part['chunks']} chunks, "
-            f"{part['objects']} objects, {d['world_size']} rank files"
+            f"  {verb}: {where}: {plural(part['tensors'], 'tensor')} in "
+            f"{plural(part['chunks'], 'chunk')}, {plural(part['objects'], 'object')}, "
+            f"{plural(d['world_size'], 'rank file')}"
         )
         if d["dry_run"]:
             lines.extend(
-                f"  {f['file']}  {human_bytes(f['bytes'])}  "
-                f"{f['tensors']} chunks, {f['objects']} objects"
+                f"    {f['file']}  {human_bytes(f['bytes'])}  "
+                f"{plural(f['tensors'], 'chunk')}, {plural(f['objects'], 'object')}"
                 for f in part["files"]
             )
-    lines.extend(f"note: {note}" for note in d["notes"])
+    tensors = sum(p["tensors"] for p in d["parts"].values())
     total = sum(p["bytes"] for p in d["parts"].values())
-    secs = d["seconds"]
-    rate = f", {total / secs / 1e9:.2f} GB/s" if secs and not d["dry_run"] else ""
-    lines.append(f"{verb} {human_bytes(total)} in {secs:.2f} s{rate}")
+    lines.append(summary(tensors, total, None if d["dry_run"] else d["seconds"]))
     return "\n".join(lines)

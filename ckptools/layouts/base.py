@@ -217,7 +217,10 @@ class Chosen:
 
     def note(self) -> str:
         """Which directory was read, and why."""
-        note = f"{self.parent}: using {self.name}, {self.why} of {self.total} checkpoints"
+        if self.total == 1:
+            note = f"{self.parent}: using {self.name}, the only checkpoint there"
+        else:
+            note = f"{self.parent}: using {self.name}, {self.why} of {self.total} checkpoints"
         if self.skipped:
             note += f" ({self.skipped_as}, ignored: {', '.join(self.skipped)})"
         if self.linked:

@@ -108,3 +108,19 @@ def test_list_shows_the_tags_and_which_latest_names(run_dir: str) -> None:
         (EARLIER_TAG, 1, "deepspeed", True, False),
         (TAG, 2, "deepspeed", True, True),
     ]
+
+
+def test_inspect_counts_the_tied_weight_apart_from_shared_step_counters(run_dir: str) -> None:
+    """ZeRO keeps one step counter per flat group, named under every parameter of the group:
+    shared bytes, but no tied weights. The model ties only head.weight to embed.weight."""
+    code, out, err = _ckpt("inspect", run_dir, "--json")
+    assert code == 0, err
+    totals = json.loads(out)["totals"]
+    assert totals["tied_aliases"] == ["head.weight"]
+    assert totals["shared_aliases"] and all(
+        a.startswith("optimizer.state.") and a.endswith(".step") for a in totals["shared_aliases"]
+    )
+    code, out, _ = _ckpt("inspect", run_dir)
+    n = len(totals["shared_aliases"])
+    assert f"(1 tied weight name and {n} other entries sharing another's bytes" in out
+    assert "1 object," in out and "name(s)" not in out

@@ -5,6 +5,7 @@ right result or one line that shows the way."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -95,3 +96,22 @@ def test_list_shows_the_saves_of_a_trainer_output_dir(
     # what list calls latest is what reading the run directory reads
     code, stdout, _ = _ckpt("inspect", str(run), "--json")
     assert any(f"using {saved.name}" in n for n in json.loads(stdout)["notes"])
+
+
+def test_consolidate_and_reshard_summaries_have_one_shape(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    src = produced("fsdp2", world_size=2)
+    code, out, err = _ckpt("consolidate", str(src.path), str(tmp_path / "hf"))
+    assert code == 0, err
+    consolidated = out.splitlines()
+    code, out, err = _ckpt("reshard", str(src.path), str(tmp_path / "dcp"), "--world-size", "1")
+    assert code == 0, err
+    resharded = out.splitlines()
+    size = r"[\d.]+ (?:B|KiB|MiB|GiB)"
+    shape = re.compile(rf"^  \d+ tensors?, {size} in \d+\.\d\d s(?: \({size}/s\))?")
+    for lines in (consolidated, resharded):
+        assert " -> " in lines[0]
+        assert shape.match(lines[-1]), lines[-1]
+        assert "0.00 GB/s" not in lines[-1]
+    assert "1 rank file" in "\n".join(resharded) and "1 rank files" not in "\n".join(resharded)
