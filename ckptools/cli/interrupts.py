@@ -48,8 +48,9 @@ def leave_on_interrupt() -> None:
 
 @contextmanager
 def raising() -> Iterator[None]:
-    """Within the block Ctrl-C raises ``KeyboardInterrupt`` (so the library cleans up), after
-    it the handler in force before comes back."""
+    """Within the block Ctrl-C raises ``KeyboardInterrupt`` (so the library cleans up); after
+    it the handler in force before comes back, or, when that was :func:`leave_on_interrupt`'s,
+    Ctrl-C is ignored while the finished command's process exits."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -59,5 +60,9 @@ def raising() -> Iterator[None]:
     try:
         yield
     finally:
-        if previous is not None:  # None: a handler not set from Python, which cannot be restored
+        if previous is _leave:
+            # the command has finished (its output committed): an interrupt while the process
+            # exits must not say that nothing was
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        elif previous is not None:  # None: a handler not set from Python (cannot be restored)
             signal.signal(signal.SIGINT, previous)
