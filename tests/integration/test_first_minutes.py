@@ -115,3 +115,25 @@ def test_consolidate_and_reshard_summaries_have_one_shape(
         assert shape.match(lines[-1]), lines[-1]
         assert "0.00 GB/s" not in lines[-1]
     assert "1 rank file" in "\n".join(resharded) and "1 rank files" not in "\n".join(resharded)
+
+
+def test_list_shows_the_steps_of_a_torchtitan_checkpoint_folder(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    saved = produced("torchtitan").path  # .../checkpoint/step-N
+    run = tmp_path / "checkpoint"
+    shutil.copytree(saved.parent, run)
+    # a later save cut off before its .metadata (DCP's commit) was written
+    cut = run / "step-99"
+    shutil.copytree(saved, cut)
+    (cut / ".metadata").unlink()
+    code, stdout, err = _ckpt("list", str(run), "--json")
+    assert code == 0, err
+    listed = [
+        (c["name"], c["producer"], c["complete"], c["latest"])
+        for c in json.loads(stdout)["checkpoints"]
+    ]
+    assert listed == [
+        (saved.name, "torchtitan", True, True),
+        ("step-99", "torchtitan", False, False),
+    ]
