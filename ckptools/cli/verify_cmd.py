@@ -19,7 +19,7 @@ from ckptools.cli.options import (
     tolerance_options,
     workers_option,
 )
-from ckptools.cli.render import emit, human_bytes, table
+from ckptools.cli.render import emit, human_bytes, plural, table
 
 _DIFF_LIMIT = 50  # differing tensors shown in the table without --all
 
@@ -72,7 +72,8 @@ def _render_verify(d: dict[str, Any]) -> str:
     if d["check_finite"]:
         level += " + finite values"
     lines.append(
-        f"  checked {level}: {d['tensors']} tensors, {d['chunks']} chunks, {d['files']} files; "
+        f"  checked {level}: {plural(d['tensors'], 'tensor')}, {plural(d['chunks'], 'chunk')}, "
+        f"{plural(d['files'], 'file')}; "
         f"read {human_bytes(d['bytes_read'])} in {d['seconds']:.2f} s"
     )
     if d["checksums_checked"]:
@@ -221,6 +222,6 @@ def checksum_command(
 
 def _render_checksum(d: dict[str, Any]) -> str:
     return (
-        f"{d['path']}: wrote {d['checksum_file']} ({d['algorithm']}: {d['chunks']} items, "
-        f"{d['files']} files)"
+        f"{d['path']}: wrote {d['checksum_file']} ({d['algorithm']}: "
+        f"{plural(d['chunks'], 'item')}, {plural(d['files'], 'file')})"
     )
