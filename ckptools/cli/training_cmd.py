@@ -41,7 +41,10 @@ def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
 
 def _render_list(d: dict[str, Any]) -> str:
     if not d["checkpoints"]:
-        return f"{d['root']}: no checkpoints"
+        return (
+            f"{d['root']}: no saves (looked for a CheckpointManager's step-N, Trainer "
+            "checkpoint-N, DeepSpeed global_stepN, verl global_step_N, torchtitan step-N)"
+        )
     rows = []
     for c in d["checkpoints"]:
         when = (

@@ -220,3 +220,9 @@ def test_every_help_example_parses(where: str, example: str) -> None:
     # parsing the arguments checks every option exists, takes what it is given, and that
     # every required argument is there; the paths are placeholders, so nothing runs
     command.make_context(name, args, parent=click.Context(cli, info_name="ckpt"))
+
+
+def test_list_of_a_directory_without_saves_says_what_it_looked_for(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["list", str(tmp_path)])
+    assert result.exit_code == 0
+    assert result.output.startswith(f"{tmp_path}: no saves (looked for a CheckpointManager's")
