@@ -41,6 +41,7 @@ from ckptools.export import (
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
+    check_out,
     check_writable,
     commit,
     copy_into,
@@ -262,11 +263,13 @@ def consolidate(
         lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
     )  # fmt: skip
     out = out.rstrip("/") or out
-    check_writable(out, options.overwrite, src=src, inside_src=True)  # e.g. checkpoint-N/hf
+    # OUT may lie inside SRC (e.g. checkpoint-N/hf); a dry run plans anyway, saying it exists
+    exists = check_out(out, options.overwrite, dry_run=options.dry_run, src=src, inside_src=True)
     if options.merge_lora and storage.is_url(out):
         raise UsageError(f"{out}: --merge-lora rewrites weights in place; write to a local dir")
     run = _Run.planned(src, out, options, started)
     if options.dry_run:
+        run.notes.extend(exists)
         return run.result(0)
     ranks = collective.current(options.distributed)
     if ranks.world_size > 1:

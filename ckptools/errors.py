@@ -42,7 +42,13 @@ class CheckpointNotFoundError(CkptError, FileNotFoundError):
 
 
 class UnknownFormatError(CkptError, ValueError):
-    """No layout recognised the path; the message lists each layout's reason."""
+    """No layout recognised the path; the message lists each layout's reason, or, when a
+    checkpoint lies one level down, names it (the reasons are then in :attr:`details`)."""
+
+    def __init__(self, message: str, *, path: str | None = None, details: tuple[str, ...] = ()):
+        super().__init__(message, path=path)
+        #: what ``--debug`` adds to the one line: each layout's reason for refusing ``path``
+        self.details = details
 
 
 class CorruptCheckpointError(CkptError, ValueError):

@@ -67,6 +67,7 @@ class InspectReport:
                 item["value"] = safe_pickle.plain(o.value)
             objects.append(item)
         model_tensors = keys.model_keys(m, self.model_part)
+        model_fqns, aliases = set(model_tensors.values()), m.aliases()
         return {
             "path": m.root,
             "format": m.format,
@@ -93,7 +94,10 @@ class InspectReport:
                 "objects": len(m.objects),
                 "parameters": m.total_params,
                 "bytes": m.total_bytes,
-                "tied_aliases": sorted(m.aliases()),
+                # a tied weight is the model's; optimizer entries sharing one tensor (a step
+                # counter saved once for every parameter) are not tied weights
+                "tied_aliases": sorted(aliases & model_fqns),
+                "shared_aliases": sorted(aliases - model_fqns),
                 "bytes_per_dtype": m.bytes_per_dtype(),
                 "bytes_per_file": bytes_per_file,
                 "bytes_per_rank": {str(k): v for k, v in sorted(bytes_per_rank.items())},

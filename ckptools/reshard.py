@@ -26,7 +26,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ckptools import collective, tunables
@@ -43,6 +43,7 @@ from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
     IN_PROGRESS,
+    check_out,
     check_writable,
     commit,
     copy_into,
@@ -323,15 +324,15 @@ def _read_source(
 ) -> Manifest:
     """OUT checked (before anything is read), then the source's manifest (read once), refused
     unless its format ``accepts``."""
-    if not options.dry_run:
-        check_writable(out, options.overwrite, src=src)
+    # a dry run plans anyway, saying that OUT exists
+    exists = check_out(out, options.overwrite, dry_run=options.dry_run, src=src)
     manifest = read_manifest(src, options.format)
     if not accepts(manifest.format):
         raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")
     placeholders = manifest.placeholders_only(model_keys(manifest).values())
     if placeholders is not None:
         raise UsageError(placeholders)
-    return manifest
+    return replace(manifest, notes=(*manifest.notes, *exists)) if exists else manifest
 
 
 def _plan_parts(

@@ -7,10 +7,23 @@ it does not use itself straight through (``**options``), never restating a defau
 several commands take are defined once in :mod:`ckptools.cli.options`, exit codes in
 :mod:`ckptools.cli.exit_codes`. Commands import heavy modules inside their bodies so that
 ``ckpt --help`` stays fast and never imports torch.
+
+This module imports nothing itself: :func:`main` (the ``ckpt`` entry point) first makes Ctrl-C
+end the process with one line and exit code 130, and only then imports click and the commands,
+so an interrupt while they load is answered the same way as one during the work.
 """
 
 from __future__ import annotations
 
-from ckptools.cli.main import main
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``ckpt`` entry point: parse ``argv`` (default: ``sys.argv[1:]``) and run the command."""
+    from ckptools.cli.interrupts import leave_on_interrupt
+
+    leave_on_interrupt()
+    from ckptools.cli.main import main as run
+
+    run(argv)
+
 
 __all__ = ["main"]

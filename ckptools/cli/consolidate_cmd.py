@@ -7,15 +7,17 @@ from typing import Any
 import click
 
 from ckptools.cli.options import (
+    at_tag,
     dry_run_option,
     format_option,
     json_option,
     overwrite_option,
     quiet_option,
     storage_options_option,
+    tag_option,
     workers_option,
 )
-from ckptools.cli.render import emit, human_bytes, table
+from ckptools.cli.render import emit, human_bytes, plural, summary, table
 
 
 @click.command("consolidate")
@@ -103,6 +105,7 @@ from ckptools.cli.render import emit, human_bytes, table
     help="Then publish OUT to this Hub repository (as ckpt push OUT REPO_ID --source SRC).",
 )
 @format_option
+@tag_option
 @json_option
 @storage_options_option
 def consolidate_command(
@@ -112,6 +115,7 @@ def consolidate_command(
     quiet: bool,
     as_json: bool,
     key: str | None,
+    tag: str | None,
     **options: Any,
 ) -> None:
     """Write the checkpoint at SRC as a Hugging Face safetensors model directory OUT.
@@ -132,6 +136,7 @@ def consolidate_command(
     """
     from ckptools.consolidate import consolidate
 
+    src = at_tag(src, tag)
     if key is not None:
         # the model's container is the sub-tree to export: --select's meaning, named for
         # torch.save users
@@ -164,12 +169,12 @@ def _render(d: dict[str, Any]) -> str:
         lines.append(f"  note: {note}")
     for kept_out, kept in d["dropped_tied"]:
         lines.append(f"  tied: {kept_out} not written (config ties it to {kept})")
-    for a, b in d["tied"]:
-        lines.append(f"  tied: {a} and {b} hold the same data; both written")
+    # d["tied"] (written twice, no config ties them) is one of the notes already
     if d["dry_run"]:
         for f in d["plan"]:
             lines.append("")
-            lines.append(f"{f['name']}  {human_bytes(f['bytes'])}, {len(f['tensors'])} tensors")
+            count = plural(len(f["tensors"]), "tensor")
+            lines.append(f"{f['name']}  {human_bytes(f['bytes'])}, {count}")
             rows = [
                 [
                     t["name"],
@@ -188,13 +193,15 @@ def _render(d: dict[str, Any]) -> str:
         files += f" + {', '.join(d['config_files'])}"
     lines.append(f"  {verb}: {files}")
     total = d["total_size"] if d["dry_run"] else d["bytes_written"]
-    summary = f"  {d['tensors']} tensors, {human_bytes(total)}"
-    if not d["dry_run"]:
-        rate = f"{d['gb_per_s']:.2f} GB/s" if d["gb_per_s"] is not None else "-"
-        summary += (
-            f" in {d['seconds']:.2f} s ({rate}), peak memory {human_bytes(d['peak_rss_bytes'])}"
+    skipped = d["skipped_objects"]
+    extra = [f"{plural(skipped, 'non-tensor entry', 'non-tensor entries')} not exported"]
+    lines.append(
+        summary(
+            d["tensors"],
+            total,
+            None if d["dry_run"] else d["seconds"],
+            peak_rss_bytes=None if d["dry_run"] else d["peak_rss_bytes"],
+            extra=extra if skipped else [],
         )
-    if d["skipped_objects"]:
-        summary += f"; {d['skipped_objects']} non-tensor entries not exported"
-    lines.append(summary)
+    )
     return "\n".join(lines)

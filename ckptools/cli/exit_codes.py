@@ -15,3 +15,5 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 #: ``verify`` found problems or ``diff`` found differences: the command worked, the answer is "no"
 EXIT_DIFFERENCES = 3
+#: interrupted (Ctrl-C): 128 + SIGINT, what a shell reports for a process SIGINT ended
+EXIT_INTERRUPTED = 130

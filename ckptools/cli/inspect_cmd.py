@@ -8,14 +8,21 @@ from typing import Any
 
 import click
 
-from ckptools.cli.options import format_option, json_option, storage_options_option
-from ckptools.cli.render import emit, human_bytes, human_count, table
+from ckptools.cli.options import (
+    at_tag,
+    format_option,
+    json_option,
+    storage_options_option,
+    tag_option,
+)
+from ckptools.cli.render import emit, human_bytes, human_count, plural, table
 
 
 @click.command("inspect")
 @click.argument("path", type=click.Path())
 @json_option
 @format_option
+@tag_option
 @click.option(
     "--values", is_flag=True, help="Decode non-tensor entries too (through the safe allowlist)."
 )
@@ -28,7 +35,9 @@ from ckptools.cli.render import emit, human_bytes, human_count, table
     "default: found from the keys.",
 )
 @storage_options_option
-def inspect_command(path: str, as_json: bool, limit: int | None, **options: Any) -> None:
+def inspect_command(
+    path: str, as_json: bool, limit: int | None, tag: str | None, **options: Any
+) -> None:
     """Show what the checkpoint at PATH holds: tensors, dtypes, shapes, bytes, chunks, ranks.
 
     Reads metadata only; never runs code stored in the checkpoint.
@@ -41,7 +50,7 @@ def inspect_command(path: str, as_json: bool, limit: int | None, **options: Any)
     """
     from ckptools.inspection import inspect
 
-    emit(inspect(path, **options), as_json, partial(_render, limit=limit))
+    emit(inspect(at_tag(path, tag), **options), as_json, partial(_render, limit=limit))
 
 
 def _optimizer_line(opt: dict[str, Any]) -> str:
@@ -134,14 +143,15 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.append(table(["object", "bytes", "value"], orows, "lrl"))
     tot = d["totals"]
     out.append("")
+    shared = []
+    if tot.get("tied_aliases"):
+        shared.append(f"{plural(len(tot['tied_aliases']), 'tied weight name')}")
+    if tot.get("shared_aliases"):
+        shared.append(f"{plural(len(tot['shared_aliases']), 'other entry', 'other entries')}")
     out.append(
-        f"  {tot['tensors']} tensors, {tot['objects']} objects, "
+        f"  {plural(tot['tensors'], 'tensor')}, {plural(tot['objects'], 'object')}, "
         f"{human_count(tot['parameters'])} parameters, {human_bytes(tot['bytes'])}"
-        + (
-            f" ({len(tot['tied_aliases'])} tied name(s) sharing another's bytes counted once)"
-            if tot.get("tied_aliases")
-            else ""
-        )
+        + (f" ({' and '.join(shared)} sharing another's bytes, counted once)" if shared else "")
     )
     out.append(
         "  by dtype: "

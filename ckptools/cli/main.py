@@ -5,12 +5,15 @@ from __future__ import annotations
 import errno
 import logging
 import sys
+import traceback
 from typing import Any
 
 import click
 
 from ckptools import collective
-from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_USAGE
+from ckptools.cli import interrupts
+from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE
+from ckptools.cli.render import dumps
 from ckptools.errors import CkptError, UsageError
 
 _ENVIRONMENT_ERRNOS = {
@@ -19,37 +22,101 @@ _ENVIRONMENT_ERRNOS = {
 }  # fmt: skip
 
 
+#: flags of the group that may also be written after the command (``ckpt inspect X --debug``)
+_GROUP_FLAGS = ("--debug",)
+
+
+def _before_separator(args: list[str]) -> list[str]:
+    return args[: args.index("--")] if "--" in args else args
+
+
 class _Group(click.Group):
-    """Turns :class:`CkptError` into one stderr line and an exit code (``--debug``: traceback)."""
+    """Turns :class:`CkptError` into one line and an exit code (``--debug``: traceback), an
+    interrupt into one line and 130, and with ``--json`` any error into one JSON object on
+    stdout: ``{"error": ..., "exit_code": ...}``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        head = _before_separator(args)
+        ctx.ensure_object(dict)
+        ctx.obj["json"] = "--json" in head
+        moved = [a for a in head if a in _GROUP_FLAGS]
+        rest = [a for a in head if a not in _GROUP_FLAGS] + args[len(head) :]
+        return super().parse_args(ctx, moved + rest)
 
     def invoke(self, ctx: click.Context) -> Any:
+        def debug() -> bool:  # set by the group's callback, which runs inside the try
+            return bool(ctx.obj and ctx.obj.get("debug"))
+
         try:
-            return super().invoke(ctx)
+            with interrupts.raising():
+                return super().invoke(ctx)
         except CkptError as e:
-            if ctx.obj and ctx.obj.get("debug"):
+            if debug():
+                _debug_details(e)
                 raise
-            click.echo(f"error: {e}", err=True)
-            ctx.exit(EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR)
+            _fail(ctx, str(e), EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR)
         except OSError as e:
             # The environment's refusals (disk full, quota, read-only, permissions) are the
             # user's to fix, not bugs: one line, naming the file. Writers have already removed
             # their temporary output, so nothing that looks complete is left.
-            if e.errno not in _ENVIRONMENT_ERRNOS or (ctx.obj and ctx.obj.get("debug")):
+            if e.errno not in _ENVIRONMENT_ERRNOS or debug():
                 raise
             where = f"{e.filename}: " if e.filename else ""
-            click.echo(f"error: {where}{e.strerror}; nothing was written", err=True)
-            ctx.exit(EXIT_ERROR)
+            _fail(ctx, f"{where}{e.strerror}; nothing was written", EXIT_ERROR)
+        except click.ClickException as e:  # a command's own usage error, e.g. a missing argument
+            if not ctx.obj.get("json"):
+                raise
+            _fail(ctx, e.format_message(), e.exit_code)
+        except KeyboardInterrupt as e:
+            if debug():
+                traceback.print_exc()
+            _fail(ctx, interrupts.message(e), EXIT_INTERRUPTED, prefix="")
+
+
+def _fail(ctx: click.Context, message: str, code: int, prefix: str = "error: ") -> None:
+    """Report an error as one line on stderr, or with ``--json`` as one object on stdout (a
+    script reading the JSON gets JSON whatever happened), and exit with ``code``."""
+    if ctx.obj and ctx.obj.get("json"):
+        click.echo(dumps({"error": message, "exit_code": code}))
+    else:
+        click.echo(f"{prefix}{message}", err=True)
+    ctx.exit(code)
+
+
+def _debug_details(e: CkptError) -> None:
+    """What ``--debug`` shows beyond the one line: e.g. each layout's reason for refusing."""
+    for line in getattr(e, "details", ()):
+        click.echo(line, err=True)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--debug", is_flag=True, help="Show full tracebacks and debug logging.")
+@click.option(
+    "--debug",
+    is_flag=True,
+    help="Show full tracebacks and debug logging (also accepted after the command).",
+)
 @click.version_option(package_name="ckptools")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
-    """Inspect, consolidate, reshard and verify PyTorch distributed checkpoints.
+    """Inspect, consolidate, reshard and verify PyTorch distributed checkpoints, without
+    running code stored in them. Point at the directory the producer wrote.
 
-    Reads DCP directories (FSDP1/FSDP2/HSDP/TP, accelerate, Trainer, Lightning, torchtitan),
-    Hugging Face safetensors and torch.save files, without running code stored in them.
+    \b
+    Reads (one example each):
+      DCP: FSDP2, FSDP1, HSDP, TP   ckpt inspect checkpoints/step-1000
+      DCP saved without .metadata   ckpt verify checkpoints/step-1000
+      accelerate save_state         ckpt consolidate ckpt_dir hf_model
+      transformers Trainer          ckpt consolidate output_dir hf_model
+      Lightning FSDPStrategy        ckpt inspect lightning/epoch=0-step=100.ckpt
+      torchtitan                    ckpt reshard outputs/checkpoint ckpt-8 --world-size 8
+      DeepSpeed ZeRO 1/2/3          ckpt consolidate ds_run hf_model --tag global_step100
+      verl                          ckpt consolidate checkpoints/global_step_100 hf_model
+      transformers distributed      ckpt consolidate tp_model hf_model
+      PEFT LoRA (on any of them)    ckpt consolidate lora_ckpt adapter --adapter --lora-alpha 16
+      Hugging Face safetensors      ckpt shard hf_model ckpt-8 --world-size 8
+      torch.save (.pt .pth .bin)    ckpt consolidate checkpoint.pth hf_model --key model_state_dict
+
+    `ckpt COMMAND --help` for each command; --debug (anywhere) shows tracebacks.
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug

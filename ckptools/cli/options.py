@@ -93,3 +93,24 @@ def storage_options_option(f: F) -> F:
         '\'{"s3": {...}, "gs": {...}}\'. Credentials and endpoints otherwise come from the '
         "environment (AWS_*, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS...).",
     )(f)
+
+
+def tag_option(f: F) -> F:
+    """``--tag``: which save of a run directory to read (not a library keyword: the command
+    resolves it to the save's own path with :func:`at_tag`, which every verb accepts)."""
+    return click.option(
+        "--tag",
+        default=None,
+        metavar="TAG",
+        help="Read the save TAG inside the run directory: a DeepSpeed tag (e.g. global_step100) "
+        "instead of the one 'latest' names, or any run's save by name (checkpoint-500).",
+    )(f)
+
+
+def at_tag(path: str, tag: str | None) -> str:
+    """``path``, or with ``--tag`` the save ``tag`` inside it (checked to be there)."""
+    if tag is None:
+        return path
+    from ckptools.layouts.deepspeed_files import choose_tag
+
+    return choose_tag(path, tag)

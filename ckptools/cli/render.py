@@ -41,6 +41,36 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
     return "\n".join(lines)
 
 
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``1 rank file``, ``3 rank files`` (``words``: an irregular plural)."""
+    return f"{n} {word if n == 1 else words or word + 's'}"
+
+
+#: below this a run's rate is mostly start-up and rounding, not throughput
+_RATE_MIN_SECONDS = 0.05
+
+
+def summary(
+    tensors: int,
+    nbytes: int,
+    seconds: float | None,
+    *,
+    peak_rss_bytes: int | None = None,
+    extra: Sequence[str] = (),
+) -> str:
+    """The last line of every command that writes a checkpoint, in one shape:
+    ``21 tensors, 12.4 KiB in 0.26 s (47.7 KiB/s), peak memory 55 MiB; ...``. ``seconds``
+    None: a dry run (nothing was written, so no time or rate)."""
+    line = f"  {plural(tensors, 'tensor')}, {human_bytes(nbytes)}"
+    if seconds is not None:
+        line += f" in {seconds:.2f} s"
+        if seconds >= _RATE_MIN_SECONDS and nbytes:
+            line += f" ({human_bytes(int(nbytes / seconds))}/s)"
+        if peak_rss_bytes:
+            line += f", peak memory {human_bytes(peak_rss_bytes)}"
+    return "".join([line, *(f"; {e}" for e in extra)])
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=str)
 

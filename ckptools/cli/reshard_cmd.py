@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from ckptools.cli import options as shared
-from ckptools.cli.render import emit, human_bytes
+from ckptools.cli.render import emit, human_bytes, plural, summary
 
 #: what both commands take, in the order --help lists them: they write the same DCP layout the
 #: same way
@@ -21,6 +21,7 @@ _SHARED = (
     shared.workers_option,
     shared.quiet_option,
     shared.format_option,
+    shared.tag_option,
     shared.json_option,
     shared.storage_options_option,
 )  # fmt: skip
@@ -63,27 +64,39 @@ def _common(f: shared.F) -> shared.F:
     "a Trainer's two groups, the model it builds gives their order.",
 )
 def reshard_command(
-    src: str, out: str, quiet: bool, as_json: bool, param_order: Any, **options: Any
+    src: str,
+    out: str,
+    quiet: bool,
+    as_json: bool,
+    param_order: Any,
+    tag: str | None,
+    **options: Any,
 ) -> None:
     """Rewrite the training checkpoint SRC as if FSDP2 on --world-size ranks had saved it.
 
     Model, optimizer state and every other entry; each tensor split on dim 0 as fully_shard
-    splits it, rank r's pieces in __r_0.distcp, so each rank loads exactly its own file. SRC may
-    be the outer directory of accelerate / Trainer / Lightning / torchtitan checkpoints, or a
-    torch.save training checkpoint (model and optimizer state dicts): its optimizer state is
-    keyed by FQN as get_state_dict keys it, so an FSDP2 job resumes with set_state_dict.
+    splits it, rank r's pieces in __r_0.distcp, so each rank loads exactly its own file, and
+    its optimizer state keyed by FQN as get_state_dict keys it, so an FSDP2 job resumes with
+    set_state_dict. SRC is any training checkpoint ckptools reads: a DCP directory, the outer
+    directory of accelerate / Trainer / Lightning / torchtitan / verl / DeepSpeed checkpoints,
+    a transformers distributed save, or a torch.save training checkpoint (model and optimizer
+    state dicts).
 
     \b
     Examples:
       ckpt reshard ckpt/step-1000 ckpt-16/step-1000 --world-size 16
-      torchrun --nproc-per-node 4 -m ckptools reshard ckpt/step-1000 ckpt-16/step-1000 \
-          --world-size 16
+      ckpt reshard output_dir/checkpoint-500 ckpt-8 --world-size 8
+      ckpt reshard ds_run ckpt-8 --world-size 8 --tag global_step100
+      ckpt reshard checkpoints/global_step_100 ckpt-4 --world-size 4 --dry-run
+      ckpt reshard checkpoint.pt ckpt-4 --world-size 4
+      torchrun --nproc-per-node 4 -m ckptools reshard ckpt/step-1000 ckpt-16 --world-size 16
     """
     from ckptools.reshard import reshard
 
     order = None
     if param_order is not None:
         order = [line.strip() for line in param_order if line.strip()]
+    src = shared.at_tag(src, tag)
     result = reshard(src, out, quiet=quiet or as_json, param_order=order, **options)
     emit(result, as_json, _render)
 
@@ -109,7 +122,9 @@ def reshard_command(
     help="Keep SRC's names and shapes instead of the in-memory layout transformers loads into "
     "(e.g. per-expert MoE tensors fused).",
 )
-def shard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any) -> None:
+def shard_command(
+    src: str, out: str, quiet: bool, as_json: bool, tag: str | None, **options: Any
+) -> None:
     """Make a DCP checkpoint for --world-size ranks from a full model at SRC.
 
     SRC is a Hugging Face safetensors directory or file, or a torch.save state dict.
@@ -120,31 +135,34 @@ def shard_command(src: str, out: str, quiet: bool, as_json: bool, **options: Any
     """
     from ckptools.reshard import shard
 
+    src = shared.at_tag(src, tag)
     emit(shard(src, out, quiet=quiet or as_json, **options), as_json, _render)
 
 
 def _render(d: dict[str, Any]) -> str:
-    lines = []
+    """The shape ``consolidate`` prints: SRC -> OUT, notes, what is (or would be) written,
+    and the one summary line."""
+    lines = [f"{d['src']} -> {d['out']}"]
+    lines.extend(f"  note: {note}" for note in d["notes"])
     verb = "would write" if d["dry_run"] else "wrote"
     for sub, part in d["parts"].items():
         where = f"{d['out']}/{sub}" if sub else d["out"]
         lines.append(
-            f"{where}: {part['tensors']} tensors in {part['chunks']} chunks, "
-            f"{part['objects']} objects, {d['world_size']} rank files"
+            f"  {verb}: {where}: {plural(part['tensors'], 'tensor')} in "
+            f"{plural(part['chunks'], 'chunk')}, {plural(part['objects'], 'object')}, "
+            f"{plural(d['world_size'], 'rank file')}"
         )
         if d["dry_run"]:
             lines.extend(
-                f"  {f['file']}  {human_bytes(f['bytes'])}  "
-                f"{f['tensors']} chunks, {f['objects']} objects"
+                f"    {f['file']}  {human_bytes(f['bytes'])}  "
+                f"{plural(f['tensors'], 'chunk')}, {plural(f['objects'], 'object')}"
                 for f in part["files"]
             )
     copied = d["copied_files"]
     if copied:
         shown = ", ".join(copied[:6]) + (f" and {len(copied) - 6} more" if len(copied) > 6 else "")
-        lines.append(f"copied beside the data: {shown}")
-    lines.extend(f"note: {note}" for note in d["notes"])
+        lines.append(f"  copied beside the data: {shown}")
+    tensors = sum(p["tensors"] for p in d["parts"].values())
     total = sum(p["bytes"] for p in d["parts"].values())
-    secs = d["seconds"]
-    rate = f", {total / secs / 1e9:.2f} GB/s" if secs and not d["dry_run"] else ""
-    lines.append(f"{verb} {human_bytes(total)} in {secs:.2f} s{rate}")
+    lines.append(summary(tensors, total, None if d["dry_run"] else d["seconds"]))
     return "\n".join(lines)

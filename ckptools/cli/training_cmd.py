@@ -22,23 +22,29 @@ def _metrics_text(metrics: dict[str, Any]) -> str:
 @json_option
 @storage_options_option
 def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
-    """List the checkpoints a CheckpointManager wrote under ROOT: step, completeness, size,
-    metrics, and which one is latest (what a resume loads).
+    """List the saves under ROOT: step, complete or not, size, and which one is latest (what a
+    resume or reading ROOT loads). ROOT is a CheckpointManager root (with each save's metrics),
+    or a run directory of numbered saves: a Trainer output_dir (checkpoint-N), a DeepSpeed run
+    (global_stepN, 'latest'), verl (global_step_N), torchtitan (step-N).
 
     \b
     Examples:
       ckpt list checkpoints/
+      ckpt list output_dir/
       ckpt list checkpoints/ --json | jq '.checkpoints[] | select(.complete) | .step'
     """
-    from ckptools.training.store import list_checkpoints
+    from ckptools.training.store import list_run
 
-    infos = list_checkpoints(root, storage_options=storage_options)
+    infos = list_run(root, storage_options=storage_options)
     emit({"root": root, "checkpoints": [c.to_dict() for c in infos]}, as_json, _render_list)
 
 
 def _render_list(d: dict[str, Any]) -> str:
     if not d["checkpoints"]:
-        return f"{d['root']}: no checkpoints"
+        return (
+            f"{d['root']}: no saves (looked for a CheckpointManager's step-N, Trainer "
+            "checkpoint-N, DeepSpeed global_stepN, verl global_step_N, torchtitan step-N)"
+        )
     rows = []
     for c in d["checkpoints"]:
         when = (
@@ -49,6 +55,7 @@ def _render_list(d: dict[str, Any]) -> str:
         state = "complete" if c["complete"] else f"INCOMPLETE ({c['reason']})"
         rows.append(
             [
+                c["name"],
                 str(c["step"]),
                 state,
                 human_bytes(c["size_bytes"]),
@@ -58,8 +65,9 @@ def _render_list(d: dict[str, Any]) -> str:
                 "latest" if c["latest"] else "",
             ]
         )
-    headers = ["step", "state", "size", "ranks", "saved", "metrics", ""]
-    return f"{d['root']}\n" + table(headers, rows, align="rlrr")
+    headers = ["save", "step", "state", "size", "ranks", "saved", "metrics", ""]
+    producers = sorted({c["producer"] for c in d["checkpoints"]})
+    return f"{d['root']} ({', '.join(producers)})\n" + table(headers, rows, align="lrlrr")
 
 
 @click.command("prune")

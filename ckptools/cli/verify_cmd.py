@@ -10,14 +10,16 @@ import click
 from ckptools.cli.exit_codes import EXIT_DIFFERENCES
 from ckptools.cli.options import (
     FORMAT_NAMES,
+    at_tag,
     format_option,
     json_option,
     quiet_option,
     storage_options_option,
+    tag_option,
     tolerance_options,
     workers_option,
 )
-from ckptools.cli.render import emit, human_bytes, table
+from ckptools.cli.render import emit, human_bytes, plural, table
 
 _DIFF_LIMIT = 50  # differing tensors shown in the table without --all
 
@@ -33,11 +35,12 @@ _DIFF_LIMIT = 50  # differing tensors shown in the table without --all
 @tolerance_options
 @quiet_option
 @format_option
+@tag_option
 @json_option
 @click.pass_context
 @storage_options_option
 def verify_command(
-    ctx: click.Context, /, path: str, quiet: bool, as_json: bool, **options: Any
+    ctx: click.Context, /, path: str, quiet: bool, as_json: bool, tag: str | None, **options: Any
 ) -> None:
     """Check that the checkpoint at PATH is whole; name every problem (file, FQN, rank).
 
@@ -55,7 +58,7 @@ def verify_command(
     """
     from ckptools.verify import verify
 
-    report = verify(path, quiet=quiet or as_json, distributed=True, **options)
+    report = verify(at_tag(path, tag), quiet=quiet or as_json, distributed=True, **options)
     emit(report, as_json, _render_verify)
     if not report.ok:  # on every rank: each has the same report
         ctx.exit(EXIT_DIFFERENCES)
@@ -69,7 +72,8 @@ def _render_verify(d: dict[str, Any]) -> str:
     if d["check_finite"]:
         level += " + finite values"
     lines.append(
-        f"  checked {level}: {d['tensors']} tensors, {d['chunks']} chunks, {d['files']} files; "
+        f"  checked {level}: {plural(d['tensors'], 'tensor')}, {plural(d['chunks'], 'chunk')}, "
+        f"{plural(d['files'], 'file')}; "
         f"read {human_bytes(d['bytes_read'])} in {d['seconds']:.2f} s"
     )
     if d["checksums_checked"]:
@@ -94,6 +98,8 @@ def _render_verify(d: dict[str, Any]) -> str:
 @tolerance_options
 @click.option("--format-a", type=click.Choice(FORMAT_NAMES), default=None, help="Layout of A.")
 @click.option("--format-b", type=click.Choice(FORMAT_NAMES), default=None, help="Layout of B.")
+@click.option("--tag-a", default=None, metavar="TAG", help="The save TAG inside A (as --tag).")
+@click.option("--tag-b", default=None, metavar="TAG", help="The save TAG inside B (as --tag).")
 @click.option("--all", "show_all", is_flag=True, help="List equal tensors too.")
 @click.option(
     "--config",
@@ -112,7 +118,15 @@ def _render_verify(d: dict[str, Any]) -> str:
 @click.pass_context
 @storage_options_option
 def diff_command(
-    ctx: click.Context, /, a: str, b: str, show_all: bool, as_json: bool, **options: Any
+    ctx: click.Context,
+    /,
+    a: str,
+    b: str,
+    show_all: bool,
+    as_json: bool,
+    tag_a: str | None,
+    tag_b: str | None,
+    **options: Any,
 ) -> None:
     """Compare the models in checkpoints A and B (any formats), tensor by tensor.
 
@@ -128,7 +142,7 @@ def diff_command(
     """
     from ckptools.diff import diff
 
-    report = diff(a, b, **options)
+    report = diff(at_tag(a, tag_a), at_tag(b, tag_b), **options)
     emit(report, as_json, partial(_render_diff, show_all=show_all))
     if not report.identical:
         ctx.exit(EXIT_DIFFERENCES)
@@ -180,9 +194,12 @@ def _detail(t: dict[str, Any]) -> str:
 @workers_option
 @quiet_option
 @format_option
+@tag_option
 @json_option
 @storage_options_option
-def checksum_command(path: str, quiet: bool, as_json: bool, **options: Any) -> None:
+def checksum_command(
+    path: str, quiet: bool, as_json: bool, tag: str | None, **options: Any
+) -> None:
     """Write a checksum manifest for the checkpoint at PATH (a hash per chunk and per file).
 
     `ckpt verify` then checks every chunk's bytes against it, catching what the checkpoint's own
@@ -196,6 +213,7 @@ def checksum_command(path: str, quiet: bool, as_json: bool, **options: Any) -> N
     """
     from ckptools.verify.checksums import write_checksums
 
+    path = at_tag(path, tag)
     sums = write_checksums(path, quiet=quiet or as_json, distributed=True, **options)
     data = {"path": path, "checksum_file": sums.path, "chunks": len(sums.items),
             "files": len(sums.files), "algorithm": sums.algorithm}  # fmt: skip
@@ -204,6 +222,6 @@ def checksum_command(path: str, quiet: bool, as_json: bool, **options: Any) -> N
 
 def _render_checksum(d: dict[str, Any]) -> str:
     return (
-        f"{d['path']}: wrote {d['checksum_file']} ({d['algorithm']}: {d['chunks']} items, "
-        f"{d['files']} files)"
+        f"{d['path']}: wrote {d['checksum_file']} ({d['algorithm']}: "
+        f"{plural(d['chunks'], 'item')}, {plural(d['files'], 'file')})"
     )

@@ -352,6 +352,29 @@ def check_writable(
     staging_for(out).check_writable(out, overwrite)
 
 
+def check_out(
+    out: str,
+    overwrite: bool,
+    *,
+    dry_run: bool,
+    src: str | None = None,
+    inside_src: bool = False,
+) -> list[str]:
+    """:func:`check_writable`, except that a dry run (which writes nothing) gets an OUT that
+    exists said, as the notes returned, rather than refused, so the plan is still shown; an
+    OUT that is or holds the source is refused either way."""
+    if not dry_run:
+        check_writable(out, overwrite, src=src, inside_src=inside_src)
+        return []
+    if src is not None:
+        storage.check_apart(src, out, allow_inside=inside_src)
+    try:
+        staging_for(out).check_writable(out, overwrite)
+    except UsageError as e:
+        return [f"{e} (without --dry-run the run would stop here)"]
+    return []
+
+
 def commit(tmp: str, out: str, overwrite: bool) -> None:
     """Publish the staging location ``tmp`` as ``out``.
 
@@ -417,10 +440,14 @@ def discard(tmp: str, error: BaseException | None = None) -> None:
     """
     keep = isinstance(error, KeyboardInterrupt) and _has_journal(tmp)
     if keep:
-        log.warning(
-            "interrupted: the files written so far are kept in %s; run the same command again "
-            "to resume, or delete it", tmp,
-        )  # fmt: skip
+        assert error is not None
+        # a note on the interrupt, not a log line: it shows in the traceback a library caller
+        # sees, and the CLI prints it as its one line
+        error.add_note(
+            f"the files written so far are kept in {tmp}: run the same command again to resume "
+            "(or delete it)"
+        )
+        log.info("interrupted: kept %s to resume from", tmp)
     staging_for(tmp).discard(tmp, keep=keep)
 
 

@@ -88,6 +88,9 @@ def detect(path: str, format: str | None = None) -> Layout:
         if reason is None:
             return layout
         reasons.append(f"  {layout.name}: {reason}")
+    inside = _checkpoints_inside(path)
+    if inside:
+        raise UnknownFormatError(_point_at(path, inside), path=path, details=tuple(reasons))
     raise UnknownFormatError(
         f"{path}: not a checkpoint ckptools recognises:\n"
         + "\n".join(reasons)
@@ -111,6 +114,46 @@ def _refuse_one_part(path: str) -> None:
         f"{path}: this is one file of the {family} checkpoint at {directory}; point at {directory}",
         path=path,
     )
+
+
+#: entries of a directory that is no checkpoint probed for one (the directory above a
+#: checkpoint holds it and a few files; a directory of thousands is no such mistake)
+_CHILDREN_PROBED_MAX = 32
+
+
+def _checkpoints_inside(path: str) -> list[tuple[str, str]]:
+    """(entry, layout name) of each checkpoint directory directly inside the directory
+    ``path``: what pointing one level too high meant (``run/`` for ``run/ckpt``)."""
+    names = directory_names(path)
+    if not names or len(names) > _CHILDREN_PROBED_MAX:
+        return []
+    found = []
+    for name in sorted(names):
+        if name.startswith(".") or storage.outside_reason(path, name) is not None:
+            continue
+        child = storage.join(path, name)
+        if not storage.isdir(child):  # a directory of files is the layouts' own to judge
+            continue
+        for layout in _REGISTRY:
+            try:
+                refused = layout.probe(child)
+            except (CkptError, OSError):
+                break  # a damaged child is no way forward to name
+            if refused is None:
+                found.append((name, layout.name))
+                break
+    return found
+
+
+def _point_at(path: str, inside: list[tuple[str, str]]) -> str:
+    if len(inside) == 1:
+        name, layout = inside[0]
+        return (
+            f"{path} is no checkpoint itself, but {storage.join(path, name)} holds a {layout} "
+            "checkpoint: point at it (--debug lists why each layout refused the directory)"
+        )
+    listed = ", ".join(f"{name} ({layout})" for name, layout in inside)
+    return f"{path} is no checkpoint itself, but holds {len(inside)}: {listed}: point at one"
 
 
 def read_manifest(path: str, format: str | None = None, *, model_only: bool = False) -> Manifest:
@@ -194,7 +237,10 @@ class Chosen:
 
     def note(self) -> str:
         """Which directory was read, and why."""
-        note = f"{self.parent}: using {self.name}, {self.why} of {self.total} checkpoints"
+        if self.total == 1:
+            note = f"{self.parent}: using {self.name}, the only checkpoint there"
+        else:
+            note = f"{self.parent}: using {self.name}, {self.why} of {self.total} checkpoints"
         if self.skipped:
             note += f" ({self.skipped_as}, ignored: {', '.join(self.skipped)})"
         if self.linked:

@@ -554,7 +554,7 @@ def _describe(
         span = f"{names[0]} .. {names[-1]}" if len(names) > 1 else (names[0] if names else "-")
         rd.notes.append(
             f"{files[r].rel}: rank {r}: {elements.get(r, 0)} master elements of "
-            f"{len(names)} parameters ({span}){moments}"
+            f"{len(names)} parameter{'' if len(names) == 1 else 's'} ({span}){moments}"
         )
     if len(files) > _NOTED_RANKS:
         rd.notes.append(f"... and {len(files) - _NOTED_RANKS} more rank files")

@@ -21,11 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools.core import dtypes
-from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnsupportedCheckpointError,
+    UsageError,
+)
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader
-from ckptools.layouts.base import digest, read_marker
+from ckptools.layouts.base import digest, directory_names, read_marker
 
 LATEST = "latest"
 #: stages 1/2 keep one model-states file (the whole 16-bit module and the model's facts)
@@ -259,6 +265,44 @@ def find_tag(root: str, names: set[str], *, peek: bool = False) -> tuple[str, st
         raise CorruptCheckpointError(f"{latest}: {raw[:80]!r} is not a tag name", path=latest)
     storage.contained(root, tag, named_by=latest, entry="names the tag directory")
     return tag, tag, raw
+
+
+def choose_tag(root: str, tag: str) -> str:
+    """The save ``tag`` inside the run directory ``root`` (``--tag``): a DeepSpeed tag other
+    than the one ``latest`` names (``global_step100``), or any run directory's save by name.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` is no directory, or holds no ``tag`` (the message
+            lists the saves it holds).
+        UsageError: ``root`` is a tag directory itself.
+        OutsideCheckpointError: ``tag`` leads outside ``root``.
+    """
+    names = directory_names(root)
+    if names is None:
+        raise CheckpointNotFoundError(
+            f"{root}: no such directory (--tag picks a save inside a run directory)", path=root
+        )
+    if any(OPTIM_RE.match(n) for n in names):
+        raise UsageError(
+            f"{root} is a DeepSpeed tag directory itself: drop --tag {tag}, or point at the "
+            "directory above it",
+            path=root,
+        )
+    path = storage.contained(root, tag, named_by="--tag", entry="names the save")
+    if not storage.isdir(path):
+        saves = sorted(
+            n for n in names if not n.startswith(".") and storage.isdir(storage.join(root, n))
+        )
+        try:
+            named = find_tag(root, set(names))[1]
+        except (CkptError, OSError):
+            named = None  # a damaged 'latest' is no reason to hide the list
+        latest = f" ('latest' names {named})" if named else ""
+        listed = ", ".join(saves[-20:]) if saves else "none"
+        raise CheckpointNotFoundError(
+            f"{root}: no save {tag!r}; --tag takes one of: {listed}{latest}", path=path
+        )
+    return path
 
 
 def content_digest(latest: bytes, files: Sequence[ArchiveFile]) -> str:

@@ -87,7 +87,12 @@ class CheckpointInfo:
         world_size: ranks that wrote it, when complete.
         metrics: the metrics passed to ``save``.
         size_bytes: bytes of all files in the directory.
-        latest: the newest complete checkpoint (what ``latest()`` returns).
+        latest: the newest complete checkpoint (what ``latest()`` returns); for another
+            producer's save, the one reading its run directory picks.
+        producer: who wrote it: ``ckptools`` (the manager), or the producer whose run
+            directory :func:`list_run` listed (``trainer``, ``deepspeed``, ``verl``,
+            ``torchtitan``).
+        name: the directory's name in the root.
     """
 
     step: int
@@ -99,9 +104,13 @@ class CheckpointInfo:
     metrics: Mapping[str, Any] = field(default_factory=dict)
     size_bytes: int = 0
     latest: bool = False
+    producer: str = "ckptools"
+    name: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "producer": self.producer,
+            "name": self.name or storage.basename(self.path),
             "step": self.step,
             "path": self.path,
             "complete": self.complete,
@@ -285,6 +294,34 @@ def list_checkpoints(
             CheckpointInfo(**{**c.__dict__, "latest": True}) if c is newest else c for c in infos
         ]
     return infos
+
+
+@storage.accepts_storage_options
+def list_run(
+    root: str, *, storage_options: storage.StorageOptions | None = None
+) -> list[CheckpointInfo]:
+    """The saves under ``root``: the checkpoint manager's (:func:`list_checkpoints`), or, in a
+    producer's run directory (a Trainer's ``output_dir``, a DeepSpeed or verl run, torchtitan's
+    checkpoint folder), that producer's numbered saves
+    (:func:`ckptools.layouts.saves.list_saves`). Reads listings, markers and sizes only.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` does not exist.
+    """
+    from ckptools.layouts.saves import list_saves
+
+    managed = list_checkpoints(root)
+    # torchtitan's step-N look like the manager's: the manager's have its marker
+    if any(c.complete for c in managed):
+        return managed
+    others = [
+        CheckpointInfo(
+            s.step, s.path, s.complete, s.reason, size_bytes=s.size_bytes, latest=s.latest,
+            producer=s.producer, name=s.name,
+        )
+        for s in list_saves(root)
+    ]  # fmt: skip
+    return others or managed
 
 
 def _trash_name(label: str) -> str:

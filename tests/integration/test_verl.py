@@ -387,3 +387,23 @@ def test_a_step_linked_outside_the_run_is_not_followed(tmp_path: Path) -> None:
         shutil.rmtree(run / f"global_step_{step}")
     with pytest.raises(OutsideCheckpointError, match="global_step_9"):
         read_manifest(str(run))
+
+
+@pytest.mark.parametrize(("latest", "picked"), [(1, "global_step_1"), (None, "global_step_2")])
+def test_list_shows_the_run_directorys_saves(
+    tmp_path: Path, latest: int | None, picked: str
+) -> None:
+    """``ckpt list`` on verl's run directory: every global_step_N, the cut-off one incomplete,
+    latest the one latest_checkpointed_iteration.txt records (else the newest complete)."""
+    run = _run_dir(tmp_path, latest)
+    result = _ckpt("list", str(run), "--json")
+    assert result.exit_code == 0, result.output
+    listed = [
+        (c["name"], c["step"], c["producer"], c["complete"], c["latest"])
+        for c in json.loads(result.output)["checkpoints"]
+    ]
+    assert listed == [
+        ("global_step_1", 1, "verl", True, picked == "global_step_1"),
+        ("global_step_2", 2, "verl", True, picked == "global_step_2"),
+        ("global_step_3", 3, "verl", False, False),
+    ]

@@ -32,7 +32,7 @@ from typing import Any
 
 from tests.support.dist import run_ranks
 
-__all__ = ["MOMENTS", "TAG", "case_dir", "deepspeed_available", "produce_zero"]
+__all__ = ["EARLIER_TAG", "MOMENTS", "TAG", "case_dir", "deepspeed_available", "produce_zero"]
 
 #: the tag every producer saves under (DeepSpeed writes it to ``latest``)
 TAG = "global_step2"
@@ -90,7 +90,13 @@ def _llama() -> Any:
     return LlamaForCausalLM(cfg)
 
 
-def _train_and_save(rank: int, out: str, stage: int, dtype: str, model_kind: str) -> None:
+#: the tag :func:`produce_zero` with ``earlier_tag=True`` also saves, after the first step
+EARLIER_TAG = "global_step1"
+
+
+def _train_and_save(
+    rank: int, out: str, stage: int, dtype: str, model_kind: str, earlier_tag: bool
+) -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -109,7 +115,8 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str, model_kind: str
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     gen = torch.Generator().manual_seed(1234 + rank)
-    for _ in range(2):
+    target = case_dir(out, stage, dtype)
+    for step in range(2):
         x = torch.randint(0, 37, (2, 5), generator=gen)
         if model_kind == "llama":
             loss = engine(input_ids=x, labels=x).loss
@@ -117,7 +124,8 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str, model_kind: str
             loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
-    target = case_dir(out, stage, dtype)
+        if earlier_tag and step == 0:
+            engine.save_checkpoint(target, tag=EARLIER_TAG)
     engine.save_checkpoint(target, tag=TAG)
     live, moments = {}, {}
     for name, p in engine.module.named_parameters():
@@ -139,16 +147,25 @@ def _train_and_save(rank: int, out: str, stage: int, dtype: str, model_kind: str
         # clones: tied names share a tensor, which torch.save would keep shared
         reference = {k: v.contiguous().clone() for k, v in converted.items()}
         torch.save(reference, os.path.join(target, "zero_to_fp32.pt"))
+        if earlier_tag:
+            earlier = get_fp32_state_dict_from_zero_checkpoint(target, tag=EARLIER_TAG)
+            reference = {k: v.contiguous().clone() for k, v in earlier.items()}
+            torch.save(reference, os.path.join(target, f"zero_to_fp32-{EARLIER_TAG}.pt"))
     engine.destroy()
 
 
 def _rank(
-    rank: int, world_size: int, out: str, cases: Sequence[tuple[int, str]], model_kind: str
+    rank: int,
+    world_size: int,
+    out: str,
+    cases: Sequence[tuple[int, str]],
+    model_kind: str,
+    earlier_tag: bool,
 ) -> None:
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for stage, dtype in cases:
-        _train_and_save(rank, out, stage, dtype, model_kind)
+        _train_and_save(rank, out, stage, dtype, model_kind, earlier_tag)
 
 
 def produce_zero(
@@ -157,6 +174,8 @@ def produce_zero(
     cases: Sequence[tuple[int, str]],
     timeout: float = 600.0,
     model_kind: str = "tiny",
+    *,
+    earlier_tag: bool = False,
 ) -> dict[tuple[int, str], str]:
     """Write one ZeRO checkpoint per (stage, ``"fp32"`` or ``"bf16"``) under ``out``.
 
@@ -166,13 +185,15 @@ def produce_zero(
 
     Returns:
         (stage, dtype) -> the checkpoint directory (holding ``latest``, the tag directory,
-        ``live.pt`` and ``zero_to_fp32.pt``).
+        ``live.pt`` and ``zero_to_fp32.pt``). ``earlier_tag``: also a save after the first
+        step, tagged :data:`EARLIER_TAG` (``latest`` still names :data:`TAG`), with DeepSpeed's
+        converter's output for it in ``zero_to_fp32-<EARLIER_TAG>.pt``.
     """
     os.makedirs(out, exist_ok=True)
     saved = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        run_ranks(_rank, world_size, out, list(cases), model_kind, timeout=timeout)
+        run_ranks(_rank, world_size, out, list(cases), model_kind, earlier_tag, timeout=timeout)
     finally:
         if saved is None:
             os.environ.pop("DS_ACCELERATOR", None)

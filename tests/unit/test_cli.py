@@ -154,3 +154,75 @@ def test_emit_prints_json_or_text_on_the_reporting_rank(
     emit(Result(5), True, text)
     emit(Result(5), False, text)
     assert capsys.readouterr().out == ""
+
+
+def test_debug_is_accepted_after_the_command() -> None:
+    result = CliRunner().invoke(cli, ["inspect", "/nonexistent/ckpt", "--debug"])
+    # --debug took effect: the error propagates with its traceback instead of one line
+    assert isinstance(result.exception, CkptError)
+    assert "No such option" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["inspect", "/nonexistent/ckpt", "--json"], 1, "/nonexistent/ckpt: no such file"),
+        (["inspect", "--json"], 2, "Missing argument 'PATH'"),
+        (["consolidate", "/nonexistent/ckpt", "out", "--json", "--max-shard-size", "x"], 2, "x"),
+    ],
+)
+def test_json_errors_are_one_json_object_on_stdout(args: list[str], code: int, says: str) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == code
+    obj = json.loads(result.stdout)
+    assert obj["exit_code"] == code and says in obj["error"]
+    assert result.stderr == ""
+
+
+def _help_examples() -> list[tuple[str, str]]:
+    """(where, example) for each command line shown in ``ckpt --help`` and each command's."""
+    texts = {"ckpt": cli.get_help(click.Context(cli, info_name="ckpt"))}
+    for name, command in cli.commands.items():
+        texts[name] = command.get_help(click.Context(command, info_name=name))
+    found = []
+    for where, text in texts.items():
+        for line in text.split("\nOptions:")[0].splitlines():
+            # an example starts its line (``torchrun ... -m ckptools``), or the group's second
+            # column; prose that quotes a command does neither
+            for start in ("-m ckptools ", "ckpt "):
+                at = line.find(start)
+                lead = line[:at]
+                if at < 0 or line[at + len(start) :].startswith(("COMMAND", "[OPTIONS]")):
+                    continue
+                if lead.strip() and not lead.endswith("   ") and "torchrun" not in lead:
+                    continue
+                found.append((where, line[at + len(start) :].split(" | ")[0].strip()))
+                break
+    return found
+
+
+def test_help_names_every_family_the_readme_claims() -> None:
+    text = cli.get_help(click.Context(cli, info_name="ckpt"))
+    families = ["FSDP2", "accelerate", "Trainer", "Lightning", "torchtitan", "DeepSpeed"]
+    families += ["verl", "transformers distributed", "PEFT", "safetensors", "torch.save"]
+    for family in families:
+        assert family in text, family
+    assert len(_help_examples()) > 30
+
+
+@pytest.mark.parametrize(("where", "example"), _help_examples())
+def test_every_help_example_parses(where: str, example: str) -> None:
+    import shlex
+
+    assert "   " not in example, "lines joined in the docstring (a backslash-newline?)"
+    name, *args = shlex.split(example)
+    command = cli.commands[name]
+    # parsing the arguments checks every option exists, takes what it is given, and that
+    # every required argument is there; the paths are placeholders, so nothing runs
+    command.make_context(name, args, parent=click.Context(cli, info_name="ckpt"))
+
+
+def test_list_of_a_directory_without_saves_says_what_it_looked_for(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["list", str(tmp_path)])
+    assert result.exit_code == 0
+    assert result.output.startswith(f"{tmp_path}: no saves (looked for a CheckpointManager's")
