@@ -188,6 +188,8 @@ def test_sigkill_during_saves_never_leaves_a_bad_latest(tmp_path: Any) -> None:
     _crash_trials(tmp_path, trials=6)
 
 
+# 20 interpreters that import torch: ~80 s idle, several minutes on a loaded 2-core machine
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_sigkill_during_saves_many_times(tmp_path: Any) -> None:
     _crash_trials(tmp_path, trials=20)

@@ -64,18 +64,19 @@ class RankFailedError(RuntimeError):
     """A rank raised (or died) while running the function given to :func:`run_ranks`.
 
     Attributes:
-        rank: the first rank seen failing.
+        rank: the rank that failed first (the others usually failed because it did: a peer's
+            collective errors out once its partner has gone).
         rank_traceback: that rank's formatted traceback (or a note on how the process died).
         failures: every failed rank seen at the time, mapped to its traceback.
     """
 
-    def __init__(self, failures: dict[int, str]) -> None:
+    def __init__(self, failures: dict[int, str], first: int | None = None) -> None:
         self.failures = dict(sorted(failures.items()))
-        self.rank = next(iter(self.failures))
+        self.rank = next(iter(self.failures)) if first is None else first
         self.rank_traceback = self.failures[self.rank]
         parts = [f"rank {self.rank} failed; all ranks were killed."]
-        for rank, text in self.failures.items():
-            parts.append(f"--- traceback of rank {rank} ---\n{text.rstrip()}")
+        for rank in [self.rank, *(r for r in self.failures if r != self.rank)]:
+            parts.append(f"--- traceback of rank {rank} ---\n{self.failures[rank].rstrip()}")
         super().__init__("\n".join(parts))
 
 
@@ -234,12 +235,19 @@ def run_ranks(
                 p.start()
         deadline = time.monotonic() + timeout
         failures: dict[int, str] = {}
+        # when each failure happened: its error file's mtime; a rank that died without reporting
+        # (a signal, os._exit) counts as first, since a peer's failure makes a rank raise, never
+        # die. Ranks forked from the fork server start within milliseconds, so a rank blocked in
+        # a collective sees its peer's exit at once and may report in the same poll: the first
+        # to fail is the cause.
+        failed_at: dict[int, int] = {}
         while True:
             done = [os.path.exists(_result_path(workdir, r)) for r in range(world_size)]
             for rank, p in enumerate(procs):
                 if os.path.exists(_error_path(workdir, rank)):
                     with open(_error_path(workdir, rank), encoding="utf-8", errors="replace") as f:
                         failures[rank] = f.read()
+                    failed_at[rank] = os.stat(_error_path(workdir, rank)).st_mtime_ns
                 elif (
                     not done[rank]
                     and p.exitcode is not None
@@ -250,9 +258,10 @@ def run_ranks(
                         f"process exited with code {p.exitcode} without reporting a result "
                         "(killed by a signal if negative)"
                     )
+                    failed_at[rank] = -1
             if failures:
                 _kill_all(procs)
-                raise RankFailedError(failures)
+                raise RankFailedError(failures, first=min(failed_at, key=failed_at.__getitem__))
             if all(done):
                 break
             remaining = deadline - time.monotonic()
