@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing import get_context
 from multiprocessing.connection import wait
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -44,10 +45,10 @@ _TEARDOWN_GRACE_S = 15.0
 _POLL_INTERVAL_S = 0.05
 # Imported once, in the fork server, before it forks any rank: every rank is still a fresh
 # process (forked from a server that has run nothing but these imports), but does not pay them
-# again. Importing torch and its distributed packages cost each spawned rank ~4 s of CPU, which
-# made rank start-up the largest single cost of the suite on 2 cores (docs/testing.md).
-# Only modules that read no test-controlled environment at import time belong here: transformers
-# and huggingface_hub read HF_HUB_CACHE / HF_HUB_OFFLINE when imported, which tests set per test.
+# again. Importing torch and its distributed packages cost each spawned rank ~4 s of CPU, and
+# transformers' Llama, peft and accelerate as much again, which made rank start-up the largest
+# single cost of the suite on 2 cores (docs/testing.md). None of them starts a thread on import
+# (checked: one thread after all of them), so forking after them is safe.
 _PRELOAD = (
     "torch",
     "torch.distributed",
@@ -55,7 +56,22 @@ _PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
     "safetensors.torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "accelerate",
+    "peft",
 )
+# Variables these libraries read when imported (huggingface_hub's HF_HUB_CACHE / HF_HUB_OFFLINE,
+# ...). A run whose environment differs here from the fork server's is spawned instead, so that
+# its ranks import them under the test's environment, as before.
+# (Not TORCH*: torch sets TORCHINDUCTOR_CACHE_DIR in the pytest process once inductor loads, and
+# reads nothing a test sets when imported.)
+_IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "ACCELERATE_", "PEFT_")
+_IMPORT_TIME_NAMES = ("XDG_CACHE_HOME", "HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# The environment of the pytest process when this module was imported (before any fixture or
+# monkeypatch): the fork server starts with it, whatever test happens to start it.
+_BASE_ENV = dict(os.environ)
+_server_env: dict[str, str] | None = None
 # The fork server starts with these (OpenMP reads them once, when torch's libraries load there).
 _RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -172,6 +188,37 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(_IMPORT_TIME_PREFIXES) or k in _IMPORT_TIME_NAMES
+    }
+
+
+def _context(env: dict[str, str]) -> BaseContext:
+    """The fork server (started once, under :data:`_BASE_ENV`), or ``spawn`` for a run whose
+    environment would change what the preloaded modules read when imported."""
+    global _server_env
+    if _server_env is None:
+        from multiprocessing import forkserver
+
+        get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
+        server_env = {**_BASE_ENV, **_RANK_ENV}
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(server_env)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _server_env = _import_time_env(server_env)
+    if _import_time_env(env) != _server_env:
+        return get_context("spawn")
+    return get_context("forkserver")
+
+
 def _kill_all(procs: list[BaseProcess]) -> None:
     started = [p for p in procs if p.pid is not None]
     for p in started:
@@ -217,9 +264,8 @@ def run_ranks(
 
     workdir = tempfile.mkdtemp(prefix="ckptools-ranks-")
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
-    ctx = get_context("forkserver")
-    ctx.set_forkserver_preload(list(_PRELOAD))
     env = {**os.environ, **_RANK_ENV}
+    ctx = _context(env)
     procs: list[BaseProcess] = [
         ctx.Process(
             target=_rank_main,
