@@ -18,17 +18,18 @@ not a DTensor (AdamW's ``step``) and every plain value is the same on every rank
 rank 0.
 
 FSDP1 (``FSDP_version`` 1, ``SHARDED_STATE_DICT``): the model file holds ShardedTensors, each
-local shard at the offsets it records. The optimizer file is ``optimizer.state_dict()`` of
-FlatParameters (verl's ``use_orig_params=False``): per wrapped module, 1-D shards of its
-parameters concatenated and padded, without the record of which parameter lies where (FSDP
-keeps it in memory only). :mod:`ckptools.layouts.fsdp1_flat` recovers it from the model's
-parameters and the shards' sizes by FSDP's own rule and places each moment on its parameter
-(``optimizer.state.<fqn>.<name>``, the groups' ``params`` as FQNs, as
-``FSDP.optim_state_dict`` names them); where the sizes fit no wrapping, or several, the
+local shard at the offsets it records, or, when FSDP1 was given a ``device_mesh`` (as verl's
+FSDP engine wraps it), DTensors placed ``Shard(0)``, read as FSDP2's are. The optimizer file is
+``optimizer.state_dict()`` of FlatParameters (verl's ``use_orig_params=False``): per wrapped
+module, 1-D shards of its parameters concatenated and padded, without the record of which
+parameter lies where (FSDP keeps it in memory only). :mod:`ckptools.layouts.fsdp1_flat`
+recovers it from the model's parameters and the shards' sizes by FSDP's own rule and places
+each moment on its parameter (``optimizer.state.<fqn>.<name>``, the groups' ``params`` as FQNs,
+as ``FSDP.optim_state_dict`` names them); where the sizes fit no wrapping, or several, the
 optimizer is refused with the numbers and ``reshard`` carries it only with
-``--drop-optimizer``. With ``use_orig_params=True`` the optimizer holds the original
-parameters instead, each rank's state its 1-D slice of the parameter, which the ranks' slices
-in rank order make whole (:mod:`ckptools.layouts.fsdp1_optim`).
+``--drop-optimizer``. With ``use_orig_params=True`` the optimizer holds the original parameters
+instead, each rank's state its 1-D slice of the parameter, which the ranks' slices in rank
+order make whole (:mod:`ckptools.layouts.fsdp1_optim`).
 
 verl's trainers save each step as ``<default_local_dir>/global_step_N/actor/`` (and ``critic/``
 for PPO's value model), recording the last completed save's ``N`` in
