@@ -33,8 +33,9 @@ VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
 FSDP2 = ["fsdp2_ws2", "fsdp2_ws3", "fsdp2_hsdp_ws4"]
 FSDP1 = ["fsdp1_ws2", "fsdp1_ws3_tied", "fsdp1_ws2_orig_params", "fsdp1_ws3_tied_orig_params"]
 #: FSDP1 as verl's FSDP engine wraps it, given a device_mesh: DTensors in the model files (the
-#: cases above: ShardedTensors), FlatParameter shards in the optimizer's
-FSDP1_MESH = ["fsdp1_mesh_ws2", "fsdp1_mesh_ws3_tied"]
+#: cases above: ShardedTensors), FlatParameter shards in the optimizer's (HYBRID_SHARD on
+#: verl's 2 x 2 ("ddp", "fsdp") mesh: shards over 2 ranks, saved once per replica group)
+FSDP1_MESH = ["fsdp1_mesh_ws2", "fsdp1_mesh_ws3_tied", "fsdp1_mesh_hsdp_ws4"]
 
 
 def _ckpt(*args: str) -> Any:
@@ -178,6 +179,18 @@ def test_fsdp1_given_a_mesh_reads_from_its_dtensors() -> None:
     data = json.loads(_ckpt("inspect", str(VERL / "fsdp1_mesh_ws3_tied"), "--json").output)
     assert data["mesh"]["shape"] == [3]
     assert data["mesh"]["placements"] == {"(Shard(0))": len(manifest.details["placements"])}
+
+
+def test_fsdp1_hybrid_shard_moments_come_from_the_first_replica_group() -> None:
+    """HYBRID_SHARD at 4 ranks: each FlatParameter is cut in 2 (the replica group), not 4."""
+    manifest = read_manifest(str(VERL / "fsdp1_mesh_hsdp_ws4"))
+    assert (manifest.layout, manifest.world_size) == ("verl_fsdp1", 4)
+    assert OPTIMIZER_UNREADABLE not in manifest.details, manifest.notes
+    moment = manifest.tensors["optimizer.state.model.embed_tokens.weight.exp_avg"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in moment.chunks) == [
+        ((0, 0), (127, 32), 0)
+    ]  # the root's FlatParameter (embedding, norm, head: 8160) is 4080 per rank: rank 0's
+    assert {c.rank for c in manifest.tensors["model.embed_tokens.weight"].chunks} == {0, 1}
 
 
 def test_fsdp1_flat_moments_are_placed_where_fsdp_cut_them() -> None:
