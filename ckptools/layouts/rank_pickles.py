@@ -2,9 +2,10 @@
 
 A checkpoint that each rank writes as its own ``torch.save`` of its sharded state dict (verl's
 ``model_world_size_W_rank_r.pt`` files) holds, per FQN, one local piece per rank: a pickled
-``DTensor`` (placed by :func:`ckptools.formats.dtensor.local_box`, a ``_StridedShard`` run
-by run), an FSDP1 ``ShardedTensor`` (its local shards at their recorded offsets), or a
-plain value that every rank holds alike (read from rank 0). :class:`Merged` adds files one
+``DTensor`` (FSDP2's, or FSDP1's given a ``device_mesh``; placed by
+:func:`ckptools.formats.dtensor.local_box`, a ``_StridedShard`` run by run), an FSDP1
+``ShardedTensor`` (its local shards at their recorded offsets), or a plain value that every
+rank holds alike (read from rank 0). :class:`Merged` adds files one
 by one and checks that the ranks agree on every tensor's dtype and global shape.
 """
 
@@ -39,7 +40,9 @@ class Merged:
     placements: dict[str, tuple[str, ...]] = field(default_factory=dict)
     mesh: tuple[int, ...] | None = None  # the DeviceMesh's shape (FSDP2: from the first DTensor)
     offsets: dict[tuple[str, str], int] = field(default_factory=dict)  # (file, key) -> data
-    sharded: list[str] = field(default_factory=list)  # FSDP1's parameters, in rank 0's order
+    #: the sharded tensors (FSDP1's parameters, ShardedTensors or, given a device_mesh,
+    #: DTensors), in rank 0's order
+    sharded: list[str] = field(default_factory=list)
 
     def add_file(self, reader: Reader, rel: str, rank: int, under: tuple[str, ...]) -> None:
         archive = torch_archive.read_archive(reader, rel, 0, reader.size(rel))
@@ -48,11 +51,12 @@ class Merged:
             path = (*under, *key_path)
             fqn = ".".join(path)
             where = f"{storage.join(self.root, rel)}: {fqn!r}"
+            sharded = isinstance(leaf, dtensor.DTensorRef | dtensor.ShardedTensorRef)
+            if sharded and fqn not in self.paths:
+                self.sharded.append(fqn)
             if isinstance(leaf, dtensor.DTensorRef):
                 self._dtensor(reader, archive, rel, rank, fqn, path, leaf, where)
             elif isinstance(leaf, dtensor.ShardedTensorRef):
-                if fqn not in self.paths:
-                    self.sharded.append(fqn)
                 self.paths.setdefault(fqn, path)
                 self._put(fqn, leaf.dtype, leaf.shape, None, where)
                 for offsets, local in leaf.shards:

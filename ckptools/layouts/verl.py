@@ -18,17 +18,20 @@ not a DTensor (AdamW's ``step``) and every plain value is the same on every rank
 rank 0.
 
 FSDP1 (``FSDP_version`` 1, ``SHARDED_STATE_DICT``): the model file holds ShardedTensors, each
-local shard at the offsets it records. The optimizer file is ``optimizer.state_dict()`` of
-FlatParameters (verl's ``use_orig_params=False``): per wrapped module, 1-D shards of its
-parameters concatenated and padded, without the record of which parameter lies where (FSDP
-keeps it in memory only). :mod:`ckptools.layouts.fsdp1_flat` recovers it from the model's
-parameters and the shards' sizes by FSDP's own rule and places each moment on its parameter
-(``optimizer.state.<fqn>.<name>``, the groups' ``params`` as FQNs, as
-``FSDP.optim_state_dict`` names them); where the sizes fit no wrapping, or several, the
+local shard at the offsets it records, or, when FSDP1 was given a ``device_mesh`` (as verl's
+FSDP engine wraps it), DTensors placed ``Shard(0)``, read as FSDP2's are (with
+``HYBRID_SHARD`` on verl's ``("ddp", "fsdp")`` mesh, ``(Replicate(), Shard(0))``, and the
+optimizer read from the first replica group, :func:`_shard_group`). The optimizer file is
+``optimizer.state_dict()`` of FlatParameters (verl's ``use_orig_params=False``): per wrapped
+module, 1-D shards of its parameters concatenated and padded, without the record of which
+parameter lies where (FSDP keeps it in memory only). :mod:`ckptools.layouts.fsdp1_flat`
+recovers it from the model's parameters and the shards' sizes by FSDP's own rule and places
+each moment on its parameter (``optimizer.state.<fqn>.<name>``, the groups' ``params`` as FQNs,
+as ``FSDP.optim_state_dict`` names them); where the sizes fit no wrapping, or several, the
 optimizer is refused with the numbers and ``reshard`` carries it only with
-``--drop-optimizer``. With ``use_orig_params=True`` the optimizer holds the original
-parameters instead, each rank's state its 1-D slice of the parameter, which the ranks' slices
-in rank order make whole (:mod:`ckptools.layouts.fsdp1_optim`).
+``--drop-optimizer``. With ``use_orig_params=True`` the optimizer holds the original parameters
+instead, each rank's state its 1-D slice of the parameter, which the ranks' slices in rank
+order make whole (:mod:`ckptools.layouts.fsdp1_optim`).
 
 verl's trainers save each step as ``<default_local_dir>/global_step_N/actor/`` (and ``critic/``
 for PPO's value model), recording the last completed save's ``N`` in
@@ -175,7 +178,8 @@ def read_verl(path: str) -> Manifest:
         read.append("optim")
     elif files.get("optim"):
         try:
-            flat_optimizer(merged, reader, files["optim"], world)
+            shard_files, shard_world = _shard_group(path, merged, files["optim"], world)
+            flat_optimizer(merged, reader, shard_files, shard_world)
             read.append("optim")
         except UnsupportedCheckpointError as e:
             unreadable = str(e)
@@ -209,6 +213,31 @@ def read_verl(path: str) -> Manifest:
         data_root=path,
         aux_files=tuple(sorted(rel for rel in tree if rel not in data and rel != CONFIG)),
     )
+
+
+def _shard_group(
+    path: str, merged: Merged, optim: dict[int, str], world: int
+) -> tuple[dict[int, str], int]:
+    """The optimizer files of FSDP1's one shard group and its size: every rank's at
+    ``FULL_SHARD``; with ``HYBRID_SHARD`` (FSDP1 given verl's ``("ddp", "fsdp")`` mesh) the
+    first replica group's, ranks ``0..S-1`` of mesh ``R x S``, the ranks that hold the model's
+    DTensor shards (the other groups hold the same FlatParameter shards, all-reduced alike).
+
+    Raises:
+        UnsupportedCheckpointError: a 2-D mesh whose first replica group is not ranks 0..S-1.
+    """
+    mesh = merged.mesh
+    if mesh is None or len(mesh) < 2:
+        return optim, world
+    size = mesh[-1]
+    holders = {c.rank or 0 for fqn in merged.sharded for c in merged.chunks[fqn]}
+    if len(mesh) != 2 or holders != set(range(size)):
+        raise UnsupportedCheckpointError(
+            f"{path}: FSDP1 on a {' x '.join(map(str, mesh))} mesh whose model shards are held "
+            f"by ranks {sorted(holders)}, not the first replica group 0..{size - 1}; to carry "
+            "the model alone pass --drop-optimizer (ckptools.load: optimizer=None)"
+        )
+    return {r: optim[r] for r in range(size)}, size
 
 
 def _rank_of(rel: str) -> int | None:

@@ -188,11 +188,19 @@ def _check_against(got: dict[str, Any], model: dict[str, Any], optim_state: dict
 
 @pytest.mark.parametrize(
     ("name", "world_size"),
-    [("fsdp2_ws2", 2), ("fsdp2_ws2", 3), ("fsdp1_ws3_tied", 2), ("fsdp2_hsdp_ws4", 3)],
+    [
+        ("fsdp2_ws2", 2),
+        ("fsdp2_ws2", 3),
+        ("fsdp1_ws3_tied", 2),
+        ("fsdp1_mesh_ws2", 3),
+        ("fsdp1_mesh_hsdp_ws4", 2),
+        ("fsdp2_hsdp_ws4", 3),
+    ],
 )
 def test_a_verl_run_loads_straight_into_fsdp2(name: str, world_size: int, tmp_path: Path) -> None:
     """FSDP2, HSDP and FSDP1 runs (FSDP1's optimizer: FlatParameter shards placed on their
-    parameters; the tied head flattened once)."""
+    parameters; the tied head flattened once; FSDP1 given a device_mesh, as verl runs it:
+    DTensors in the model files, HYBRID_SHARD's moments from the first replica group)."""
     src = VERL / name
     got = _run("verl", str(src / "huggingface" / "config.json"), src, world_size, tmp_path)
     ref = load_reference(VERL / f"{name}.reference.pt")

@@ -70,6 +70,8 @@ def _resume_and_gather(
         "fsdp1_ws2",
         "fsdp1_ws3_tied",
         "fsdp1_ws3_tied_orig_params",
+        "fsdp1_mesh_ws3_tied",
+        "fsdp1_mesh_hsdp_ws4",
     ],
 )
 def test_resharded_verl_checkpoint_resumes_in_fsdp2(name: str, target: int, tmp_path: Path) -> None:

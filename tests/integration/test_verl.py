@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckptools.cli.main import cli
+from ckptools.core.manifest import OPTIMIZER_UNREADABLE
 from ckptools.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -31,6 +32,10 @@ from tests.support.reference import assert_bitwise_equal, load_reference
 VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
 FSDP2 = ["fsdp2_ws2", "fsdp2_ws3", "fsdp2_hsdp_ws4"]
 FSDP1 = ["fsdp1_ws2", "fsdp1_ws3_tied", "fsdp1_ws2_orig_params", "fsdp1_ws3_tied_orig_params"]
+#: FSDP1 as verl's FSDP engine wraps it, given a device_mesh: DTensors in the model files (the
+#: cases above: ShardedTensors), FlatParameter shards in the optimizer's (HYBRID_SHARD on
+#: verl's 2 x 2 ("ddp", "fsdp") mesh: shards over 2 ranks, saved once per replica group)
+FSDP1_MESH = ["fsdp1_mesh_ws2", "fsdp1_mesh_ws3_tied", "fsdp1_mesh_hsdp_ws4"]
 
 
 def _ckpt(*args: str) -> Any:
@@ -68,7 +73,7 @@ def test_uneven_split_offsets_are_torchs() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", [*FSDP2, *FSDP1])
+@pytest.mark.parametrize("name", [*FSDP2, *FSDP1, *FSDP1_MESH])
 def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     # the config comes from verl's huggingface/ without --config
@@ -86,7 +91,7 @@ def test_consolidate_is_bit_exact(name: str, tmp_path: Path) -> None:
     assert config["architectures"] == ["LlamaForCausalLM"]
 
 
-@pytest.mark.parametrize("name", [*FSDP2, *FSDP1])
+@pytest.mark.parametrize("name", [*FSDP2, *FSDP1, *FSDP1_MESH])
 def test_verify_and_diff(name: str) -> None:
     result = _ckpt("verify", str(VERL / name))
     assert result.exit_code == 0, result.output
@@ -150,6 +155,44 @@ def test_fsdp1_model_reads_from_its_sharded_tensors() -> None:
     ]
 
 
+def test_fsdp1_given_a_mesh_reads_from_its_dtensors() -> None:
+    """Issue 25, item 5: FSDP1 given verl's device_mesh saves DTensors, not ShardedTensors; the
+    optimizer's FlatParameter shards were refused as "over 0 parameters / 0 elements"."""
+    manifest = read_manifest(str(VERL / "fsdp1_mesh_ws3_tied"))
+    assert (manifest.layout, manifest.world_size) == ("verl_fsdp1", 3)
+    assert OPTIMIZER_UNREADABLE not in manifest.details, manifest.notes
+    assert not [n for n in manifest.notes if "optimizer not read" in n]
+    entry = manifest.tensors["model.embed_tokens.weight"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in entry.chunks) == [
+        ((0, 0), (43, 32), 0),
+        ((43, 0), (43, 32), 1),
+        ((86, 0), (41, 32), 2),
+    ]
+    # the same FlatParameter cut as without a mesh (see the test below)
+    moment = manifest.tensors["optimizer.state.model.layers.0.self_attn.o_proj.weight.exp_avg"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in moment.chunks) == [
+        ((0, 0), (16, 32), 0),
+        ((16, 0), (1, 22), 0),
+        ((16, 22), (1, 10), 1),
+        ((17, 0), (15, 32), 1),
+    ]
+    data = json.loads(_ckpt("inspect", str(VERL / "fsdp1_mesh_ws3_tied"), "--json").output)
+    assert data["mesh"]["shape"] == [3]
+    assert data["mesh"]["placements"] == {"(Shard(0))": len(manifest.details["placements"])}
+
+
+def test_fsdp1_hybrid_shard_moments_come_from_the_first_replica_group() -> None:
+    """HYBRID_SHARD at 4 ranks: each FlatParameter is cut in 2 (the replica group), not 4."""
+    manifest = read_manifest(str(VERL / "fsdp1_mesh_hsdp_ws4"))
+    assert (manifest.layout, manifest.world_size) == ("verl_fsdp1", 4)
+    assert OPTIMIZER_UNREADABLE not in manifest.details, manifest.notes
+    moment = manifest.tensors["optimizer.state.model.embed_tokens.weight.exp_avg"]
+    assert sorted((c.offsets, c.sizes, c.rank) for c in moment.chunks) == [
+        ((0, 0), (127, 32), 0)
+    ]  # the root's FlatParameter (embedding, norm, head: 8160) is 4080 per rank: rank 0's
+    assert {c.rank for c in manifest.tensors["model.embed_tokens.weight"].chunks} == {0, 1}
+
+
 def test_fsdp1_flat_moments_are_placed_where_fsdp_cut_them() -> None:
     """Layer 0's FlatParameter at 3 ranks: 7744 elements padded to 3 x 2582; o_proj (32 x 32)
     is elements 2048..3072 of it, so rank 0's shard ends 534 elements into it, mid-row 16."""
@@ -186,7 +229,7 @@ def test_one_ranks_optimizer_file_is_named_by_inspect(name: str) -> None:
     assert not [n for n in whole["notes"] if "FSDP1" in n]
 
 
-@pytest.mark.parametrize("name", FSDP1)
+@pytest.mark.parametrize("name", [*FSDP1, *FSDP1_MESH])
 def test_fsdp1_optimizer_reshards_bit_exactly(name: str, tmp_path: Path) -> None:
     """Every AdamW moment and step equals what torch's FSDP.optim_state_dict gathered from the
     live job (read back with torch's own DCP reader; the FSDP2 resume is tests/distributed)."""
