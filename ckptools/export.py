@@ -161,6 +161,11 @@ def select_tensors(
             renamed[new] = fqn
         out = renamed
     if not out:
+        from ckptools.layouts.optimizer_state import optimizer_alone
+
+        alone = optimizer_alone(manifest, out) if select is None else None
+        if alone is not None:
+            raise UsageError(f"{manifest.root}: {alone}")
         tops = sorted({keys.key_path(manifest, f)[0] for f in manifest.tensors})
         raise UsageError(
             f"{manifest.root}: no tensors selected"
