@@ -197,16 +197,24 @@ def _up_to_the_run(here: str) -> list[str]:
     """``here`` and the directories above it where a model's files may lie: its parent, and,
     when ``here`` is one numbered save of a run (its name, or the parent's record of the last
     save, says so), the run directory's parent too: the config a run keeps beside its
-    checkpoints' directory is found from a save as from the run directory itself."""
+    checkpoints' directory is found from a save as from the run directory itself. A directory
+    inside a numbered save (verl's ``global_step_N/actor/``) is searched as the save is, so the
+    run's config is found from it too."""
     url = storage.is_url(here)
 
     def up(path: str) -> str:
         return storage.dirname(path) if url else os.path.dirname(os.path.abspath(path))
 
+    def name(path: str) -> str:
+        return path.rstrip("/").rsplit("/", 1)[-1] if url else os.path.basename(path)
+
+    found = [here]
     parent = up(here)
-    found = [here, parent]
-    name = here.rstrip("/").rsplit("/", 1)[-1] if url else os.path.basename(here)
-    if _NUMBERED_SAVE.match(name) or storage.file_sizes(parent, _RUN_RECORDS):
+    if _NUMBERED_SAVE.match(name(parent)):
+        here, parent = parent, up(parent)
+        found.append(here)
+    found.append(parent)
+    if _NUMBERED_SAVE.match(name(here)) or storage.file_sizes(parent, _RUN_RECORDS):
         found.append(up(parent))
     return found
 
