@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ckptools import lora
 from ckptools.core import dtypes, keys
@@ -100,6 +100,18 @@ class ExportOptions:
     adapter_name: str | None = None
     max_shard_bytes: int = field(init=False, repr=False)
 
+    #: what a refusal of a PEFT-wrapped model's plain export names as the ways forward
+    #: (``{select}``: the selection that keeps peft's names), in the caller's own terms: here
+    #: :func:`consolidate`'s, whose options are the CLI's flags
+    PEFT_WAYS: ClassVar[str] = (
+        "use --merge-lora for the merged model or --adapter for peft's adapter directory "
+        "(--select {select} keeps peft's names as stored)"
+    )
+    #: what LoRA options given without a LoRA export need
+    LORA_NEEDS: ClassVar[str] = (
+        "--lora-alpha, --adapter-config, --adapter-name: need --adapter or --merge-lora"
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
         if self.dtype is not None and (
@@ -110,8 +122,7 @@ class ExportOptions:
             raise UsageError("--adapter and --merge-lora: choose one")
         lora_option = self.lora_alpha is not None or self.adapter_config or self.adapter_name
         if lora_option and not (self.adapter or self.merge_lora):
-            raise UsageError("--lora-alpha, --adapter-config, --adapter-name: need --adapter "
-                             "or --merge-lora")  # fmt: skip
+            raise UsageError(self.LORA_NEEDS)
         if self.merge_lora and self.dtype is not None:
             raise UsageError("--merge-lora merges in the weights' dtype: drop --dtype")
 
@@ -445,9 +456,8 @@ def plan_export(
     if options.adapter:
         return _plan_adapter(manifest, names, options, config)
     if options.select is None and not options.merge_lora:
-        lora.refuse_peft_names(
-            names, manifest, ".".join(keys.find_model_part(manifest).path) or "'*'"
-        )
+        select = ".".join(keys.find_model_part(manifest).path) or "'*'"
+        lora.refuse_peft_names(names, manifest, options.PEFT_WAYS.format(select=select))
     merge: list[lora.MergeTarget] = []
     if options.merge_lora:
         found = lora.adapter_names(names, manifest, options.adapter_name)
