@@ -36,7 +36,11 @@ def _optimizer_file(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(
     "verb",
-    [["consolidate", "{src}", "{out}"], ["reshard", "{src}", "{out}", "--world-size", "2"]],
+    [
+        ["consolidate", "{src}", "{out}"],
+        ["reshard", "{src}", "{out}", "--world-size", "2"],
+        ["shard", "{src}", "{out}", "--world-size", "2"],
+    ],
     ids=lambda v: v[0],
 )
 def test_an_optimizer_alone_is_refused_in_one_line(tmp_path: Path, verb: list[str]) -> None:
