@@ -129,7 +129,7 @@ def flat_shard_note(
     if not any(shapes) or any(len(s) > 1 for s in shapes):
         return None
     per_state = max(opt.elements.values())
-    # a file of the optimizer alone has its state found as "the model": not counted
+    # a model part the user named inside the optimizer (inspect --key state): not counted
     own = [f for f in model.values() if not _under_state(keys.key_path(manifest, f), root)]
     model_elems = sum(manifest.tensors[f].numel for f in own)
     if own and model_elems <= per_state:
