@@ -76,7 +76,7 @@ def detect(path: str, format: str | None = None) -> Layout:
                 reason = layout.probe(path)
                 if reason is not None:
                     raise UnknownFormatError(
-                        f"{path}: not a {format} checkpoint: {reason}", path=path
+                        f"{path}: not a {format} checkpoint: {reason}{_part_hint(path)}", path=path
                     )
                 return layout
         names = ", ".join(layout.name for layout in _REGISTRY)
@@ -94,6 +94,15 @@ def detect(path: str, format: str | None = None) -> Layout:
         + "\n(use --format NAME to force a layout and see its full error)",
         path=path,
     )
+
+
+def _part_hint(path: str) -> str:
+    """For a file of a multi-file checkpoint forced to a layout that cannot read it alone: the
+    directory to point at instead."""
+    from ckptools.layouts.part_files import part_of
+
+    part = part_of(path)
+    return "" if part is None else f"; it is one file of the checkpoint at {part[1]}: point at it"
 
 
 def _refuse_one_part(path: str) -> None:

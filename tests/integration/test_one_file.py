@@ -93,3 +93,16 @@ def test_a_rank_file_copied_out_alone_names_the_files_it_lacks(tmp_path: Path) -
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
         [line] = r.output.strip().splitlines()
         assert f"{lone} lacks model_world_size_2_rank_1.pt" in line, line
+
+
+@pytest.mark.parametrize(("directory", "name", "family"), PARTS[:4])
+def test_a_part_forced_to_its_familys_format_names_its_directory(
+    tmp_path: Path, directory: str, name: str, family: str
+) -> None:
+    # `--format verl` on a verl rank file: the family is right, the path is not
+    src, out = FIXTURES / directory / name, tmp_path / "out"
+    r = CliRunner().invoke(cli, ["consolidate", "--format", family, str(src), str(out)])
+    assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+    [line] = r.output.strip().splitlines()
+    assert line.endswith(f"it is one file of the checkpoint at {src.parent}: point at it"), line
+    assert not out.exists()
