@@ -15,7 +15,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ckptools import lora
 from ckptools.core import dtypes, keys
@@ -100,6 +100,18 @@ class ExportOptions:
     adapter_name: str | None = None
     max_shard_bytes: int = field(init=False, repr=False)
 
+    #: what a refusal of a PEFT-wrapped model's plain export names as the ways forward
+    #: (``{select}``: the selection that keeps peft's names), in the caller's own terms: here
+    #: :func:`consolidate`'s, whose options are the CLI's flags
+    PEFT_WAYS: ClassVar[str] = (
+        "use --merge-lora for the merged model or --adapter for peft's adapter directory "
+        "(--select {select} keeps peft's names as stored)"
+    )
+    #: what LoRA options given without a LoRA export need
+    LORA_NEEDS: ClassVar[str] = (
+        "--lora-alpha, --adapter-config, --adapter-name: need --adapter or --merge-lora"
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
         if self.dtype is not None and (
@@ -110,8 +122,7 @@ class ExportOptions:
             raise UsageError("--adapter and --merge-lora: choose one")
         lora_option = self.lora_alpha is not None or self.adapter_config or self.adapter_name
         if lora_option and not (self.adapter or self.merge_lora):
-            raise UsageError("--lora-alpha, --adapter-config, --adapter-name: need --adapter "
-                             "or --merge-lora")  # fmt: skip
+            raise UsageError(self.LORA_NEEDS)
         if self.merge_lora and self.dtype is not None:
             raise UsageError("--merge-lora merges in the weights' dtype: drop --dtype")
 
@@ -161,6 +172,11 @@ def select_tensors(
             renamed[new] = fqn
         out = renamed
     if not out:
+        from ckptools.layouts.optimizer_state import optimizer_alone
+
+        alone = optimizer_alone(manifest, out) if select is None else None
+        if alone is not None:
+            raise UsageError(f"{manifest.root}: {alone}")
         tops = sorted({keys.key_path(manifest, f)[0] for f in manifest.tensors})
         raise UsageError(
             f"{manifest.root}: no tensors selected"
@@ -192,16 +208,24 @@ def _up_to_the_run(here: str) -> list[str]:
     """``here`` and the directories above it where a model's files may lie: its parent, and,
     when ``here`` is one numbered save of a run (its name, or the parent's record of the last
     save, says so), the run directory's parent too: the config a run keeps beside its
-    checkpoints' directory is found from a save as from the run directory itself."""
+    checkpoints' directory is found from a save as from the run directory itself. A directory
+    inside a numbered save (verl's ``global_step_N/actor/``) is searched as the save is, so the
+    run's config is found from it too."""
     url = storage.is_url(here)
 
     def up(path: str) -> str:
         return storage.dirname(path) if url else os.path.dirname(os.path.abspath(path))
 
+    def name(path: str) -> str:
+        return path.rstrip("/").rsplit("/", 1)[-1] if url else os.path.basename(path)
+
+    found = [here]
     parent = up(here)
-    found = [here, parent]
-    name = here.rstrip("/").rsplit("/", 1)[-1] if url else os.path.basename(here)
-    if _NUMBERED_SAVE.match(name) or storage.file_sizes(parent, _RUN_RECORDS):
+    if _NUMBERED_SAVE.match(name(parent)):
+        here, parent = parent, up(parent)
+        found.append(here)
+    found.append(parent)
+    if _NUMBERED_SAVE.match(name(here)) or storage.file_sizes(parent, _RUN_RECORDS):
         found.append(up(parent))
     return found
 
@@ -432,9 +456,8 @@ def plan_export(
     if options.adapter:
         return _plan_adapter(manifest, names, options, config)
     if options.select is None and not options.merge_lora:
-        lora.refuse_peft_names(
-            names, manifest, ".".join(keys.find_model_part(manifest).path) or "'*'"
-        )
+        select = ".".join(keys.find_model_part(manifest).path) or "'*'"
+        lora.refuse_peft_names(names, manifest, options.PEFT_WAYS.format(select=select))
     merge: list[lora.MergeTarget] = []
     if options.merge_lora:
         found = lora.adapter_names(names, manifest, options.adapter_name)

@@ -15,7 +15,7 @@ from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import sharding_summary
-from ckptools.layouts.optimizer_state import flat_shard_note, optimizer_states
+from ckptools.layouts.optimizer_state import flat_shard_note, optimizer_alone, optimizer_states
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,8 @@ def inspect(
                 decoded[fqn] = {"error": str(e)}
     part = keys.find_model_part(manifest) if key is None else model_part_at(manifest, key)
     model = keys.model_keys(manifest, part)
-    notes = [flat_shard_note(manifest, o, model) for o in optimizer_states(manifest)]
+    notes = [optimizer_alone(manifest, model)]
+    notes += [flat_shard_note(manifest, o, model) for o in optimizer_states(manifest)]
     return InspectReport(manifest, part, decoded, tuple(n for n in notes if n))
 
 

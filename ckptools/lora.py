@@ -163,11 +163,12 @@ def describe(manifest: Manifest, names: Mapping[str, str]) -> dict[str, Any] | N
     return out
 
 
-def refuse_peft_names(names: Mapping[str, str], manifest: Manifest, select: str) -> None:
+def refuse_peft_names(names: Mapping[str, str], manifest: Manifest, ways: str) -> None:
     """Refuse a plain export of a PEFT-wrapped model (``names``: the model part): its names
     (``base_model.model.*``, ``base_layer``, ``lora_A/B``) are peft's, which ``from_pretrained``
-    loads as missing and unexpected keys, leaving the model on random weights. ``select``: the
-    ``--select`` value that asks for the raw names, named in the error.
+    loads as missing and unexpected keys, leaving the model on random weights. ``ways``: the
+    ways forward, in the caller's terms (flags for ``consolidate``, arguments for
+    ``save_pretrained``), ending the error.
 
     Raises:
         UsageError: ``names`` hold a LoRA adapter.
@@ -178,8 +179,7 @@ def refuse_peft_names(names: Mapping[str, str], manifest: Manifest, select: str)
     adapters = ", ".join(f"{a!r} on {', '.join(found.target_modules(a))}" for a in found.adapters)
     raise UsageError(
         f"{manifest.root}: a PEFT-wrapped model (LoRA {adapters}) whose names from_pretrained "
-        "cannot load: use --merge-lora for the merged model or --adapter for peft's adapter "
-        f"directory (--select {select} keeps peft's names as stored)"
+        f"cannot load: {ways}"
     )
 
 

@@ -54,6 +54,7 @@ from ckptools.io.staging import (
 )
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import require_plain
+from ckptools.layouts.optimizer_state import optimizer_alone
 from ckptools.plan.dcp import DcpPlan, file_name, plan_dcp
 from ckptools.plan.training import training_layout
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
@@ -329,9 +330,13 @@ def _read_source(
     manifest = read_manifest(src, options.format)
     if not accepts(manifest.format):
         raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")
-    placeholders = manifest.placeholders_only(model_keys(manifest).values())
+    model = model_keys(manifest)
+    placeholders = manifest.placeholders_only(model.values())
     if placeholders is not None:
         raise UsageError(placeholders)
+    alone = optimizer_alone(manifest, model)  # no model to shard or to resume
+    if alone is not None:
+        raise UsageError(f"{manifest.root}: {alone}")
     return replace(manifest, notes=(*manifest.notes, *exists)) if exists else manifest
 
 

@@ -47,6 +47,9 @@ WRAPPER_SEGMENTS = (
     "_checkpoint_wrapped_module",
     "_dp_wrapped_module",
 )
+#: the two keys of torch's ``optimizer.state_dict()``
+OPTIMIZER_STATE = "state"
+OPTIMIZER_GROUPS = "param_groups"
 #: DDP's attribute for the model it wraps: a wrapper only in front of every FQN of the model
 DDP_SEGMENT = "module"
 
@@ -79,9 +82,12 @@ def find_model_part(manifest: Manifest) -> ModelPart:
     Descends through containers: a known model container (``model``...) is taken; a single
     container that holds all tensors (``app``) is entered; when tensors sit at several top keys,
     those that name other training state (``optimizer``...) are excluded (torchtitan keeps the
-    model's FQNs at the top level beside ``optimizer``).
+    model's FQNs at the top level beside ``optimizer``). The ``state`` of an optimizer state dict
+    (:func:`optimizer_roots`) is never the model, whatever container it sits in: a file that
+    holds an ``optimizer.state_dict()`` alone has no model part (no tensors).
     """
     paths = [key_path(manifest, f) for f in manifest.tensors]
+    roots = optimizer_roots(manifest)
     prefix: tuple[str, ...] = ()
     while True:
         n = len(prefix)
@@ -90,15 +96,34 @@ def find_model_part(manifest: Manifest) -> ModelPart:
             if p[:n] == prefix and len(p) > n + 1:
                 heads[p[n]] = heads.get(p[n], 0) + 1
         leaves = sum(1 for p in paths if p[:n] == prefix and len(p) == n + 1)
+        other = NON_MODEL_CONTAINERS + ((OPTIMIZER_STATE,) if prefix in roots else ())
         chosen = next((c for c in MODEL_CONTAINERS if c in heads), None)
         if chosen is not None:
             prefix = (*prefix, chosen)
             continue
-        if len(heads) == 1 and leaves == 0 and next(iter(heads)) not in NON_MODEL_CONTAINERS:
+        if len(heads) == 1 and leaves == 0 and next(iter(heads)) not in other:
             prefix = (*prefix, next(iter(heads)))
             continue
-        excluded = tuple(sorted(h for h in heads if h in NON_MODEL_CONTAINERS))
+        excluded = tuple(sorted(h for h in heads if h in other))
         return ModelPart(prefix, excluded)
+
+
+def optimizer_roots(manifest: Manifest) -> set[tuple[str, ...]]:
+    """The key paths of the optimizer state dicts in ``manifest``: torch's
+    ``optimizer.state_dict()`` is ``{"state": {...}, "param_groups": [{...}, ...]}``, so a
+    ``param_groups`` list of dicts marks one (an empty ``state`` leaves no entry, the groups
+    always do)."""
+    roots: set[tuple[str, ...]] = set()
+    for fqn, entry in manifest.objects.items():
+        path = key_path(manifest, fqn)
+        if path[-1] == OPTIMIZER_GROUPS and is_param_groups(entry.value):
+            roots.add(path[:-1])
+    return roots
+
+
+def is_param_groups(value: object) -> bool:
+    """Whether ``value`` looks like an optimizer's ``param_groups``: a list of dicts."""
+    return isinstance(value, list) and all(isinstance(g, dict) for g in value)
 
 
 def strip_wrappers(fqn: str) -> str:

@@ -76,7 +76,7 @@ def detect(path: str, format: str | None = None) -> Layout:
                 reason = layout.probe(path)
                 if reason is not None:
                     raise UnknownFormatError(
-                        f"{path}: not a {format} checkpoint: {reason}", path=path
+                        f"{path}: not a {format} checkpoint: {reason}{_part_hint(path)}", path=path
                     )
                 return layout
         names = ", ".join(layout.name for layout in _REGISTRY)
@@ -99,15 +99,34 @@ def detect(path: str, format: str | None = None) -> Layout:
     )
 
 
+def _part_hint(path: str) -> str:
+    """For a file of a multi-file checkpoint forced to a layout that cannot read it alone: the
+    directory to point at instead."""
+    from ckptools.layouts.part_files import part_of
+
+    part = part_of(path)
+    return "" if part is None else f"; it is one file of the checkpoint at {part[1]}: point at it"
+
+
 def _refuse_one_part(path: str) -> None:
     """A file that is one part of a multi-file checkpoint (:mod:`ckptools.layouts.part_files`)
     is refused, naming the directory to point at (``--format`` still reads the file alone)."""
-    from ckptools.layouts.part_files import part_of
+    from ckptools.layouts.part_files import missing_siblings, part_of
 
     part = part_of(path)
     if part is None:
         return
     family, directory = part
+    total, missing = missing_siblings(path)
+    if missing:  # the directory alone would be read as something else, or fail
+        shown = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        raise UsageError(
+            f"{path}: this is one of {total} files of a {family} checkpoint, and {directory} "
+            f"lacks {shown}; point at the directory that holds all of them",
+            path=path,
+        )
     with suppress(CkptError):  # the directory's own problem is told when the user points at it
         family = detect(directory).name
     raise UsageError(

@@ -69,7 +69,7 @@ def optimizer_states(manifest: Manifest) -> list[OptimizerState]:
     roots: dict[tuple[str, ...], list[Any]] = {}
     for fqn, entry in manifest.objects.items():
         path = keys.key_path(manifest, fqn)
-        if path[-1] == "param_groups" and _is_groups(entry.value):
+        if path[-1] == keys.OPTIMIZER_GROUPS and keys.is_param_groups(entry.value):
             roots[path[:-1]] = entry.value
     if not roots:
         return []
@@ -81,10 +81,6 @@ def optimizer_states(manifest: Manifest) -> list[OptimizerState]:
             per_entry = found[path[:-3]].setdefault(path[-2], {})
             per_entry[path[-1]] = tensor.numel if tensor is not None else 0
     return [_describe(root, found[root], roots[root]) for root in sorted(roots)]
-
-
-def _is_groups(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(g, dict) for g in value)
 
 
 def _describe(
@@ -133,7 +129,7 @@ def flat_shard_note(
     if not any(shapes) or any(len(s) > 1 for s in shapes):
         return None
     per_state = max(opt.elements.values())
-    # a file of the optimizer alone has its state found as "the model": not counted
+    # a model part the user named inside the optimizer (inspect --key state): not counted
     own = [f for f in model.values() if not _under_state(keys.key_path(manifest, f), root)]
     model_elems = sum(manifest.tensors[f].numel for f in own)
     if own and model_elems <= per_state:
@@ -160,3 +156,27 @@ def flat_shard_note(
 def _under_state(path: tuple[str, ...], root: tuple[str, ...]) -> bool:
     """Whether ``path`` is a state tensor (``<root>.state.<id>.<name>``) of the optimizer."""
     return len(path) == len(root) + 3 and path[: len(root) + 1] == (*root, "state")
+
+
+def optimizer_alone(manifest: Manifest, model: Mapping[str, str]) -> str | None:
+    """What ``manifest`` is when it holds optimizer state and no ``model`` tensor (its model
+    part, :func:`ckptools.core.keys.model_keys`), in words that end with where to point
+    instead; None when there is a model, or no optimizer either.
+
+    An ``optimizer.state_dict()`` saved alone (verl's ``optim_world_size_*_rank_*.pt``, a
+    Trainer's ``optimizer.pt``, accelerate's ``optimizer.bin``) holds tensors, but none of them
+    is a weight: exported as a model it would write optimizer moments under parameter-like
+    names.
+    """
+    if model:
+        return None
+    found = optimizer_states(manifest)
+    if not found:
+        return None
+    opt = found[0]
+    where = f"under {opt.key!r}" if opt.key else "at the top level"
+    return (
+        f"this is an optimizer state dict (torch's optimizer.state_dict(): 'state' and "
+        f"'param_groups' {where}, {opt.entries} entries), not a model; point at the model's "
+        "file, or at the checkpoint directory that holds the model and the optimizer"
+    )

@@ -25,10 +25,15 @@ _PARTS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^(.+_)?mp_rank_\d+_optim_states\.pt$"), "deepspeed"),
     (re.compile(r"^shard-\d+-.+\.safetensors$"), "transformers_distributed"),
 )
-#: (file name whose group ``n`` counts the files of the whole, family): alone when ``n`` is 1
-_COUNTED: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^(model|optim|extra_state)_world_size_(?P<n>\d+)_rank_\d+\.pt$"), "verl"),
-    (re.compile(r"^.+-\d+-of-(?P<n>\d+)\.(safetensors|bin)$"), "safetensors"),
+#: (file name whose group ``n`` counts the files of the whole and ``i`` numbers this one,
+#: family, the number of the first file): alone when ``n`` is 1
+_COUNTED: tuple[tuple[re.Pattern[str], str, int], ...] = (
+    (
+        re.compile(r"^(model|optim|extra_state)_world_size_(?P<n>\d+)_rank_(?P<i>\d+)\.pt$"),
+        "verl",
+        0,
+    ),
+    (re.compile(r"^.+-(?P<i>\d+)-of-(?P<n>\d+)\.(safetensors|bin)$"), "safetensors", 1),
 )
 
 
@@ -48,8 +53,34 @@ def part_of(path: str) -> tuple[str, str] | None:
     for pattern, family in _PARTS:
         if pattern.match(name):
             return family, directory
-    for pattern, family in _COUNTED:
+    for pattern, family, _ in _COUNTED:
         m = pattern.match(name)
         if m and int(m["n"]) > 1:
             return family, directory
     return None
+
+
+def missing_siblings(path: str) -> tuple[int, list[str]]:
+    """How many files make the whole that ``path`` (a numbered part,
+    ``model_world_size_2_rank_0.pt``) belongs to, and those of them its directory lacks:
+    ``(2, ["model_world_size_2_rank_1.pt"])`` for a rank file copied out alone. ``(0, [])`` for
+    any other file."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if not storage.is_url(path):
+        name = os.path.basename(path.rstrip(os.sep))
+    for pattern, _, first in _COUNTED:
+        m = pattern.match(name)
+        if m is None:
+            continue
+        start, end = m.span("i")
+        width = len(m["i"])
+        wanted = [
+            name[:start] + str(k).zfill(width) + name[end:]
+            for k in range(first, first + int(m["n"]))
+        ]
+        directory = part_of(path)
+        if directory is None:
+            return 0, []
+        present = set(storage.listdir(directory[1]))
+        return len(wanted), [w for w in wanted if w not in present]
+    return 0, []

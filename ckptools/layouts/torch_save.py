@@ -39,7 +39,9 @@ from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnknownFormatError,
+    UnsafeCheckpointError,
     UnsupportedCheckpointError,
+    UsageError,
 )
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
@@ -102,6 +104,36 @@ def flatten(value: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str,
     return walk(value, path)
 
 
+#: classes whose pickled instances are one rank's piece of a tensor sharded across ranks
+_SHARDED_CLASSES = (
+    "torch.distributed.tensor.",
+    "torch.distributed._tensor.",
+    "torch.distributed._shard.",
+)
+
+
+def _one_rank(path: str, global_name: str) -> UsageError:
+    """The error for a ``torch.save`` file of DTensors / ShardedTensors read as a whole model:
+    it is one rank's file of a checkpoint every rank saved (FSDP2's or FSDP1's sharded state
+    dict, verl's ``*_world_size_W_rank_r.pt``), readable only with the others."""
+    from ckptools.layouts.part_files import missing_siblings, part_of
+
+    cls = global_name.rsplit(".", 1)[-1]
+    part = part_of(path)
+    _, missing = missing_siblings(path)
+    if part is not None and not missing:
+        where = f"point at {part[1]}, the directory that holds every rank's files, without --format"
+    elif part is not None:
+        where = f"{part[1]} lacks {', '.join(missing[:3])}: point at the directory that holds them"
+    else:
+        where = "point at the directory that holds every rank's files"
+    return UsageError(
+        f"{path}: holds {cls} pieces, one rank's part of a checkpoint that every rank saved, "
+        f"not a whole model; {where}",
+        path=path,
+    )
+
+
 def read_torch_save_file(
     reader: Reader, rel: str, allowed: Mapping[str, Any] = safe_pickle.WEIGHTS_ONLY_GLOBALS
 ) -> tuple[list[TensorEntry], list[ObjectEntry], dict[str, tuple[str, ...]], FileInfo]:
@@ -126,7 +158,12 @@ def read_torch_save_file(
             path=path,
         )
     archive = torch_archive.read_archive(reader, rel, 0, size)
-    obj = torch_archive.load_pickle(reader, archive, allowed)
+    try:
+        obj = torch_archive.load_pickle(reader, archive, allowed)
+    except UnsafeCheckpointError as e:
+        if not e.global_name.startswith(_SHARDED_CLASSES):
+            raise
+        raise _one_rank(path, e.global_name) from e
     data_offsets: dict[str, int] = {}
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []

@@ -35,7 +35,7 @@ from typing import Any
 from ckptools.core.keys import find_model_part, key_path, model_keys, own_names
 from ckptools.core.manifest import MODEL_ORDER_UNKNOWN, OPTIMIZER_UNREADABLE, Manifest
 from ckptools.errors import UnsupportedCheckpointError, UsageError
-from ckptools.layouts.optimizer_state import optimizer_states
+from ckptools.layouts.optimizer_state import optimizer_alone, optimizer_states
 
 MODEL = "model"
 OPTIM = "optim"
@@ -330,6 +330,9 @@ def training_layout(
     out = TrainingLayout()
     part = find_model_part(manifest)
     model = model_keys(manifest, part)
+    alone = optimizer_alone(manifest, model)
+    if alone is not None:
+        raise UsageError(f"{manifest.root}: {alone}")
     for own, stored in model.items():
         _tensor(out, (MODEL, own), stored)
     optimizers = find_optimizers(manifest)

@@ -29,7 +29,7 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -226,6 +226,22 @@ def _staging_dir(out: str) -> str:
     if not storage.is_url(out):
         return staging.make_tmp_dir(out)
     return staging.make_spool_dir("ckptools-pretrained-")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PretrainedOptions(ExportOptions):
+    """:class:`ExportOptions` as :func:`save_pretrained` takes them: keyword arguments, not
+    flags, and no ``merge_lora`` or ``select``, so its errors name what it does take."""
+
+    PEFT_WAYS: ClassVar[str] = (
+        "pass adapter=True (and lora_alpha=) for peft's adapter directory; for the merged model "
+        "call merge_and_unload() on the peft model before save_pretrained, or ckptools.save() "
+        "it and ckptools.consolidate(..., merge_lora=True)"
+    )
+    LORA_NEEDS: ClassVar[str] = (
+        "lora_alpha, adapter_config, adapter_name: need adapter=True (a merged model: "
+        "merge_and_unload() on the peft model before save_pretrained)"
+    )
 
 
 @dataclass(frozen=True)
@@ -440,7 +456,7 @@ def save_pretrained(
     """
     started = time.perf_counter()
     out = os.fspath(out_dir).rstrip("/") or os.fspath(out_dir)
-    options = ExportOptions(
+    options = PretrainedOptions(
         max_shard_size=max_shard_size, dtype=dtype, config=config, overwrite=overwrite,
         keep_in_memory_names=keep_in_memory_names, adapter=adapter, lora_alpha=lora_alpha,
         adapter_config=adapter_config, adapter_name=adapter_name,

@@ -351,3 +351,37 @@ def test_plain_consolidate_of_a_peft_model_is_refused_naming_the_ways(trained: A
             names.update(st.keys())
     assert any(".lora_A.default." in n for n in names)
     assert all(n.startswith("base_model.model.") for n in names if ".lora_" in n)
+
+
+def _save_pretrained_without_a_way(rank: int, world_size: int, root: str) -> list[str]:
+    """Every rank: the FSDP2-wrapped peft model given to ``ckptools.save_pretrained`` plainly,
+    then with a LoRA argument but no ``adapter``; each call's error, as this rank saw it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _peft(0, False)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    seen = []
+    for kwargs in ({}, {"lora_alpha": _ALPHA}):
+        with pytest.raises(UsageError) as caught:
+            ckptools.save_pretrained(model, os.path.join(root, "out"), **kwargs)
+        seen.append(str(caught.value))
+    return seen
+
+
+@pytest.mark.distributed
+def test_save_pretrained_of_a_peft_model_names_its_arguments(tmp_path: Path) -> None:
+    """``save_pretrained`` shares consolidate's planning, but takes arguments, not flags, and
+    has no merge_lora or select: its refusal of a PEFT model names what it does take, on every
+    rank, and writes nothing."""
+    errors = run_ranks(_save_pretrained_without_a_way, 2, str(tmp_path), timeout=300)
+    for plain, alpha_only in errors:
+        assert "PEFT-wrapped model" in plain and "adapter=True" in plain, plain
+        assert "merge_and_unload()" in plain and "merge_lora=True" in plain, plain
+        assert "--" not in plain and "\n" not in plain, plain
+        assert "adapter=True" in alpha_only and "--" not in alpha_only, alpha_only
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]

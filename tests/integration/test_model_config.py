@@ -77,3 +77,47 @@ def test_torchtitan_step_finds_the_run_config(
         result = ckptools.consolidate(str(src), str(out), quiet=True)
         assert result.config_files == ("config.json",), src
         assert (out / "config.json").read_text() == config
+
+
+VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"
+
+
+@pytest.mark.parametrize("kept", ["huggingface", "run"])
+def test_verl_global_step_finds_the_config(tmp_path: Path, kept: str) -> None:
+    """verl saves ``<run>/global_step_N/actor/`` with the model's config in its
+    ``huggingface/``; with that folder left out, a config kept in the run directory is found
+    from ``actor/`` as from ``global_step_N/`` and the run directory."""
+    run = tmp_path / "checkpoints"
+    actor = run / "global_step_2" / "actor"
+    shutil.copytree(VERL / "fsdp2_ws2", actor)
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    config = (actor / "huggingface" / "config.json").read_text()
+    if kept == "run":
+        shutil.rmtree(actor / "huggingface")
+        (run / "config.json").write_text(config)
+    for src in (run, run / "global_step_2", actor):
+        out = tmp_path / f"out-{src.name}"
+        result = ckptools.consolidate(str(src), str(out), quiet=True)
+        assert result.config_files == ("config.json",), src
+        assert (out / "config.json").read_text() == config
+
+
+@pytest.mark.distributed
+def test_trainer_checkpoint_finds_the_output_dir_config(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """A Trainer with FSDP's sharded state dict writes no config.json into ``checkpoint-N/``;
+    ``trainer.save_model()`` puts it in ``output_dir``: found from the output dir, from
+    ``checkpoint-N/`` and from the DCP folder inside it."""
+    p = produced("trainer")
+    output_dir = tmp_path / "output"
+    shutil.copytree(p.path, output_dir / "checkpoint-2")
+    assert not (output_dir / "checkpoint-2" / "config.json").exists()
+    config = json.dumps(hf_config_dict())
+    (output_dir / "config.json").write_text(config)
+    dcp_dir = output_dir / "checkpoint-2" / "pytorch_model_fsdp_0"
+    for src in (output_dir, output_dir / "checkpoint-2", dcp_dir):
+        out = tmp_path / f"out-{src.name}"
+        result = ckptools.consolidate(str(src), str(out), quiet=True)
+        assert result.config_files == ("config.json",), src
+        assert (out / "config.json").read_text() == config

@@ -214,7 +214,9 @@ def test_one_ranks_optimizer_file_is_named_by_inspect(name: str) -> None:
     # issue 25, item 17: the file a user opens first, alone; reshard explained it, inspect did not
     world_size = name.split("_ws")[1][0]
     file = VERL / name / f"optim_world_size_{world_size}_rank_0.pt"
-    result = _ckpt("inspect", str(file), "--json")
+    # without --format the file is refused, naming its directory (tests/integration/test_one_file)
+    assert _ckpt("inspect", str(file)).exit_code == 2
+    result = _ckpt("inspect", str(file), "--json", "--format", "torch_save")
     assert result.exit_code == 0, result.output
     notes = json.loads(result.output)["notes"]
     [note] = [n for n in notes if "FSDP1 flat-parameter shard" in n]
@@ -222,7 +224,7 @@ def test_one_ranks_optimizer_file_is_named_by_inspect(name: str) -> None:
     per_state = sum(s["exp_avg"].numel() for s in state.values())
     assert f"holds {len(state)} flat entries / {per_state:,} elements per state" in note
     assert "no model beside it" in note and "actor/" in note
-    text = _ckpt("inspect", str(file)).output
+    text = _ckpt("inspect", str(file), "--format", "torch_save").output
     assert "  note: the optimizer state at the top level holds" in text
     # the directory that holds every rank's files reads it: nothing to say there
     whole = json.loads(_ckpt("inspect", str(VERL / name), "--json").output)
