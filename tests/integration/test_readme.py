@@ -15,8 +15,10 @@ what the real producers wrote, under the names the README uses:
 
 The only elisions a README example may use: a line ``...`` stands for any lines (none
 included), and in a line ``<time>`` stands for a duration (``0.03 s``), ``<memory>`` for a size
-(``24.5 MiB``). Commands in ```bash blocks are not run: they need what a test cannot have here
-(the Hub, S3, torchrun on many ranks).
+(``24.5 MiB``). An example whose output shows an ``error:`` line (or a ``--json`` error object)
+must fail with exit code 1 or 2, every other one succeed (0, or 3 for a diff). Commands in
+```bash blocks are not run: they need what a test cannot have here (the Hub, S3, torchrun on
+many ranks, a model to download).
 """
 
 from __future__ import annotations
@@ -172,7 +174,11 @@ def test_every_console_example_of_the_readme_prints_what_it_shows(workdir: Path)
         code, actual = run_ckpt(example.args, workdir)
         shown = "\n".join(actual)
         where = f"README.md:{example.line}: $ ckpt {' '.join(example.args)}"
-        assert code in (0, 3), f"{where} exited {code}:\n{shown}"
+        # an example of a wrong turn shows its error; every other one must succeed (3: a diff)
+        shows_error = any(
+            line.startswith("error: ") or '"error": ' in line for line in example.expected
+        )
+        assert code in ((1, 2) if shows_error else (0, 3)), f"{where} exited {code}:\n{shown}"
         assert matches(example.expected, actual), (
             f"{where} printed:\n{shown}\n--- README shows:\n" + "\n".join(example.expected)
         )
