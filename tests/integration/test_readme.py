@@ -167,6 +167,8 @@ def test_the_parser_reads_commands_outputs_and_elisions() -> None:
     assert not matches(("in <memory>",), ["in 3 apples"])
 
 
+@pytest.mark.distributed  # the FSDP2 and DeepSpeed producers run on gloo ranks (made once, cached)
+@pytest.mark.deepspeed
 def test_every_console_example_of_the_readme_prints_what_it_shows(workdir: Path) -> None:
     examples = console_examples(README.read_text())
     assert len(examples) >= 8  # one per family at least: the parser found the blocks
