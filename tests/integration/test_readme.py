@@ -184,3 +184,10 @@ def test_every_console_example_of_the_readme_prints_what_it_shows(workdir: Path)
         assert matches(example.expected, actual), (
             f"{where} printed:\n{shown}\n--- README shows:\n" + "\n".join(example.expected)
         )
+    # what the examples exported is what they promise: a model directory from_pretrained loads,
+    # every weight in place (no missing or unexpected key)
+    from transformers import AutoModelForCausalLM
+
+    for name in ("hf_model", "hf_ds", "hf_verl", "hf_pt"):
+        _, info = AutoModelForCausalLM.from_pretrained(workdir / name, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
