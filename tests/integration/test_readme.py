@@ -11,7 +11,9 @@ what the real producers wrote, under the names the README uses:
 * ``ds_run``: DeepSpeed ZeRO-2 ``save_checkpoint`` of a tiny transformers Llama on 2 ranks
   (``latest``, ``global_step2/``, ``config.json``);
 * ``verl/global_step_100/actor``: verl's FSDP2 per-rank files (``fixtures/verl/fsdp2_ws2``,
-  written by verl itself).
+  written by verl itself);
+* ``lora/step-100``: a peft LoRA Llama trained under FSDP2 on 2 ranks, ``dcp.save``, its
+  ``config.json`` in ``lora/``.
 
 The only elisions a README example may use: a line ``...`` stands for any lines (none
 included), and in a line ``<time>`` stands for a duration (``0.03 s``), ``<memory>`` for a size
@@ -140,7 +142,24 @@ def workdir(
     )
     _copy_zero_run(Path(ds.case_dir(str(zero), 2, "fp32")), work / "ds_run")
     shutil.copytree(VERL_FIXTURE, work / "verl" / "global_step_100" / "actor")
+    _peft_run(cached_output, work / "lora")
     return work
+
+
+def _peft_run(cached_output: Callable[..., Path], run: Path) -> None:
+    """A peft LoRA Llama trained a step under FSDP2 on 2 ranks and saved with ``dcp.save``
+    (test_lora.py's producer), its base model's ``config.json`` beside the save."""
+    pytest.importorskip("peft")
+    from tests.distributed import test_lora
+    from tests.support.dist import run_ranks
+
+    root = cached_output(
+        "readme-lora-fsdp2",
+        [Path(test_lora.__file__)],
+        lambda d: run_ranks(test_lora._train_save, 2, str(d), False, "float32", "dcp", timeout=300),
+    )
+    shutil.copytree(root / "src", run / "step-100")
+    shutil.copy2(root / "base_config" / "config.json", run / "config.json")
 
 
 def run_ckpt(args: tuple[str, ...], cwd: Path) -> tuple[int, list[str]]:
@@ -188,6 +207,6 @@ def test_every_console_example_of_the_readme_prints_what_it_shows(workdir: Path)
     # every weight in place (no missing or unexpected key)
     from transformers import AutoModelForCausalLM
 
-    for name in ("hf_model", "hf_ds", "hf_verl", "hf_pt"):
+    for name in ("hf_model", "hf_ds", "hf_verl", "hf_pt", "merged"):
         _, info = AutoModelForCausalLM.from_pretrained(workdir / name, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
