@@ -75,4 +75,5 @@ def test_torchtitan_checkpoint_folder_resolves_to_newest_step(
     report = inspect_json(p.path.parent)
     assert report["layout"] == "torchtitan"
     assert report["path"].endswith("step-2")
-    assert any("newest complete" in note for note in report["notes"])
+    # the folder holds one save, and the note says which one was read and why
+    assert any("using step-2, the only checkpoint there" in n for n in report["notes"]), report

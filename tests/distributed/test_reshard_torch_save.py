@@ -109,6 +109,13 @@ def _reshard(src: Path, out: Path, world_size: int, *extra: str) -> Any:
     )
 
 
+def _json_error(output: str) -> str:
+    """The one-line message of a ``--json`` command's error object."""
+    report = json.loads(output)
+    assert report["exit_code"] == 1 and "\n" not in report["error"], report
+    return str(report["error"])
+
+
 def _written(tmp_path: Path, groups: int, named: bool, tied: bool = False) -> tuple[Path, Path]:
     src, ref = tmp_path / "checkpoint.pth", tmp_path / "reference.pt"
     run_ranks(_ddp_train_and_save, 2, str(src), str(ref), groups, named, tied, timeout=180)
@@ -177,8 +184,7 @@ def test_two_unnamed_groups_are_refused_then_placed_by_param_order(tmp_path: Pat
     out = tmp_path / "refused"
     result = _reshard(src, out, 2)
     assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
+    lines = [_json_error(result.output)]
     assert "integer ids" in lines[0] and "--param-order" in lines[0], lines[0]
     assert "2 param group(s)" in lines[0], lines[0]
     assert not out.exists() and _digest(src) == before
@@ -284,8 +290,7 @@ def test_fsdp1_tutorial_optimizer_is_named_not_resumed(
     p = produced("fsdp1_full", use_orig_params=use_orig_params)
     result = _reshard(p.path, tmp_path / "refused", 2)
     assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
+    lines = [_json_error(result.output)]
     assert "FSDP1 flat-parameter shard" in lines[0] and "--drop-optimizer" in lines[0], lines
     model = TinyLlama(DEFAULT_CONFIG)
     n_params = sum(1 for _ in model.parameters())

@@ -25,11 +25,17 @@ def _copy(p: Produced, tmp_path: Path) -> Path:
 
 
 def _one_line_error(args: list[str]) -> str:
+    """The error a command ends with: one ``error:`` line, or with ``--json`` one JSON object
+    ``{"error": ..., "exit_code": 1}`` (returned as ``error: <message>``)."""
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1, result.output
     text = result.output.strip()
-    assert text.startswith("error: ") and "\n" not in text, text
     assert "Traceback" not in text
+    if "--json" in args:
+        report = json.loads(text)
+        assert report["exit_code"] == 1 and "\n" not in report["error"], report
+        return f"error: {report['error']}"
+    assert text.startswith("error: ") and "\n" not in text, text
     return text
 
 
