@@ -36,9 +36,10 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(PYTEST)
 
-# The inner loop: lint, types, and the unit and integration tests that start no rank processes.
+# The inner loop: lint, types, and the unit and integration tests that start no rank processes
+# (the slow soaks, such as the kill sweeps, run in `make test`).
 check: lint typecheck
-	$(PYTEST) -m "not distributed" tests/unit tests/integration
+	$(PYTEST) -m "not distributed and not slow" tests/unit tests/integration
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -163,10 +163,10 @@ def src(produced: Callable[..., Produced]) -> Produced:
     return produced("fsdp2", world_size=2, optimizer=True, cfg=CONFIG)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["consolidate", "reshard", pytest.param("consolidate-ctrl-c", marks=pytest.mark.slow)],
-)
+# Each sweep is a soak of many killed CLI processes (12-60 s): slow, so `make check`'s inner
+# loop leaves them to `make test`.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["consolidate", "reshard", "consolidate-ctrl-c"])
 def test_killed_at_random_points_then_finished(name: str, src: Produced, tmp_path: Path) -> None:
     sweep = SWEEPS[name]
     before = _hashes(src.path)
