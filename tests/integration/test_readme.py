@@ -150,12 +150,15 @@ def _peft_run(cached_output: Callable[..., Path], run: Path) -> None:
     """A peft LoRA Llama trained a step under FSDP2 on 2 ranks and saved with ``dcp.save``
     (test_lora.py's producer), its base model's ``config.json`` beside the save."""
     pytest.importorskip("peft")
+    import ckptools
     from tests.distributed import test_lora
     from tests.support.dist import run_ranks
 
+    # the producer also calls ckptools.save_pretrained: any change to ckptools rebuilds it
+    package = sorted(Path(ckptools.__file__).parent.rglob("*.py"))
     root = cached_output(
         "readme-lora-fsdp2",
-        [Path(test_lora.__file__)],
+        [Path(test_lora.__file__), *package],
         lambda d: run_ranks(test_lora._train_save, 2, str(d), False, "float32", "dcp", timeout=300),
     )
     shutil.copytree(root / "src", run / "step-100")
