@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
@@ -25,6 +24,7 @@ from ckptools.engine.converted import to_disk_names
 from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
+from ckptools.layouts.saves import is_numbered_save
 from ckptools.plan.conversions import KeyMap
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
 
@@ -199,7 +199,6 @@ def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
 
 #: Names of one numbered save inside a run directory: the Trainer's ``checkpoint-N``,
 #: DeepSpeed's ``global_stepN`` tag, verl's ``global_step_N``, torchtitan's ``step-N``.
-_NUMBERED_SAVE = re.compile(r"^(checkpoint-|global_step_?|step-)\d+$")
 #: A run directory's record of its last save (DeepSpeed's tag file, verl's step file).
 _RUN_RECORDS = ("latest", "latest_checkpointed_iteration.txt")
 
@@ -221,11 +220,11 @@ def _up_to_the_run(here: str) -> list[str]:
 
     found = [here]
     parent = up(here)
-    if _NUMBERED_SAVE.match(name(parent)):
+    if is_numbered_save(name(parent)):
         here, parent = parent, up(parent)
         found.append(here)
     found.append(parent)
-    if _NUMBERED_SAVE.match(name(here)) or storage.file_sizes(parent, _RUN_RECORDS):
+    if is_numbered_save(name(here)) or storage.file_sizes(parent, _RUN_RECORDS):
         found.append(up(parent))
     return found
 

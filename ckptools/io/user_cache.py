@@ -9,10 +9,10 @@ reader never sees half of it and concurrent writers (the ranks of one job) leave
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
+
+from ckptools.io.durable import replace_synced
 
 __all__ = ["CACHE_DIR_ENV", "cache_dir", "read", "write"]
 
@@ -49,18 +49,11 @@ def write(data: bytes, *parts: str) -> str | None:
     """Write the entry ``cache_dir()/parts...`` atomically; its path, or None when the cache
     cannot be written (read-only home, full disk: the run goes on without it)."""
     path = os.path.join(cache_dir(), *parts)
-    directory = os.path.dirname(path)
-    tmp = None
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # no directory fsync: a crash that loses the entry only means deriving it again
+        replace_synced(path, data, sync_dir=False)
         return path
-    except OSError as e:
+    except OSError as e:  # DiskFullError is an OSError too
         log.debug("cache entry %s not written: %s", path, e)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
         return None

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,16 +60,24 @@ def _verl_latest(root: str, names: list[str]) -> str | None:
     return recorded[0] if recorded else None
 
 
+#: the tag names DeepSpeed's engines give their saves by default
+_DEEPSPEED_TAG = re.compile(r"^global_step(\d+)$")
+
 PRODUCERS = (
-    Producer("trainer", re.compile(r"^checkpoint-(\d+)$"), wrappers._trainer_checkpoint_complete,
+    Producer("trainer", wrappers._TRAINER_CKPT, wrappers._trainer_checkpoint_complete,
              "no DCP .metadata, no model file", _no_record),
-    Producer("deepspeed", re.compile(r"^global_step(\d+)$"), _deepspeed_whole,
+    Producer("deepspeed", _DEEPSPEED_TAG, _deepspeed_whole,
              "no *_optim_states.pt rank files", _deepspeed_latest),
     Producer("verl", verl.STEP_DIR, lambda p: bool(verl._roles(p)),
              "no actor/ or critic/ holding fsdp_config.json and rank files", _verl_latest),
-    Producer("torchtitan", re.compile(r"^step-(\d+)$"), wrappers._is_dcp, "no DCP .metadata",
+    Producer("torchtitan", wrappers._TITAN_STEP, wrappers._is_dcp, "no DCP .metadata",
              _no_record),
 )  # fmt: skip
+
+
+def is_numbered_save(name: str) -> bool:
+    """Whether ``name`` is how one of :data:`PRODUCERS` names one save of a run."""
+    return any(p.pattern.match(name) for p in PRODUCERS)
 
 
 @dataclass(frozen=True)
@@ -85,16 +94,7 @@ class Save:
     latest: bool  # the one reading the run directory picks
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "producer": self.producer,
-            "name": self.name,
-            "step": self.step,
-            "path": self.path,
-            "complete": self.complete,
-            "reason": self.reason,
-            "size_bytes": self.size_bytes,
-            "latest": self.latest,
-        }
+        return dataclasses.asdict(self)
 
 
 def list_saves(root: str) -> list[Save]:
