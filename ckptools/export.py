@@ -14,19 +14,20 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ckptools import lora
 from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import parse_size
-from ckptools.engine.converted import to_disk_names
 from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
 from ckptools.layouts.saves import is_numbered_save
-from ckptools.plan.conversions import KeyMap
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+
+if TYPE_CHECKING:
+    from ckptools.plan.conversions import KeyMap
 
 #: transformers' own default for ``save_pretrained`` and what the Hub expects.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -468,6 +469,10 @@ def plan_export(
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
     keymap = None
     if config is not None and not options.keep_in_memory_names:
+        # imported here: a source without a config (or kept in memory names) needs none of the
+        # conversion machinery, and its import is most of a small consolidate's start-up
+        from ckptools.engine.converted import to_disk_names
+
         manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
                                                check=check, quiet=_quiet(options))  # fmt: skip
     placeholders = manifest.placeholders_only(names.values())

@@ -148,19 +148,21 @@ def copy_segments(
         CorruptCheckpointError: a source record's bytes do not match its stored CRC-32.
     """
     crc: int | None = None
+
+    def buffer() -> memoryview:  # only where the kernel cannot copy or the page cache is not ours
+        return scratch.view(BLOCK_BYTES)
+
     for seg in segments:
         raw = seg.raw
         part, _ = checked_copy.copy_range(
-            reader, raw, seg.start, seg.length, fd, pos, progress.update, scratch.view(BLOCK_BYTES)
+            reader, raw, seg.start, seg.length, fd, pos, progress.update, buffer
         )
         if seg.check == "whole":
             checked_copy.check(reader, raw, fqn, part)
         elif seg.check == "part":
             checks.add(reader, raw, fqn, seg.start, seg.length, part)
         elif seg.check == "record":
-            checked_copy.check(
-                reader, raw, fqn, checked_copy.record_crc(reader, raw, scratch.view(BLOCK_BYTES))
-            )
+            checked_copy.check(reader, raw, fqn, checked_copy.record_crc(reader, raw, buffer))
         crc = part if crc is None else crc32_combine(crc, part, seg.length)
         pos += seg.length
     return crc or 0

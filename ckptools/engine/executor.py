@@ -295,7 +295,7 @@ class _Copier:
             src, dst, n = first_run
             crc, in_kernel = checked_copy.copy_range(
                 self.reader, raw, src * isz, n * isz, fd, tensor.begin + dst * isz,
-                self.progress.update, self.buffer(), kernel=self.copy_range_ok, stop=self.stop,
+                self.progress.update, self.buffer, kernel=self.copy_range_ok, stop=self.stop,
                 checksum=raw.crc32 is not None,
             )  # fmt: skip
             if in_kernel < n * isz:
@@ -326,7 +326,7 @@ class _Copier:
         if raw.crc32 is None or self.stop.is_set():
             return
         if crc is None:
-            crc = checked_copy.record_crc(self.reader, raw, self.buffer())
+            crc = checked_copy.record_crc(self.reader, raw, self.buffer)
         checked_copy.check(self.reader, raw, fqn, crc)
 
     def _copy_with_torch(self, fd: int, tensor: TensorPlan, raw: Chunk) -> None:

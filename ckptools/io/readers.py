@@ -101,8 +101,9 @@ def _open_read(path: str) -> int:
 
 
 #: Bytes of one read-only mapping when checksumming in place: large enough that the mmap calls
-#: are few, small enough that the resident set stays far below the memory budget.
-CRC_WINDOW_BYTES = 64 * 2**20
+#: are few (~120 per GB), small enough that the
+#: resident set, which counts mapped pages, stays small: 8 MiB per copying thread.
+CRC_WINDOW_BYTES = 8 * 2**20
 #: Ranges at most this long are checksummed from a read into memory, not through a mapping.
 CRC_READ_BYTES = 2**20
 

@@ -20,12 +20,10 @@ cached: they are raised each time.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
 from collections.abc import Mapping
-from importlib import metadata
 from typing import Any, Literal
 
 from ckptools.io import progress, user_cache
@@ -43,6 +41,8 @@ Direction = Literal["disk", "memory"]
 
 
 def _version() -> str:
+    from importlib import metadata  # ~30 ms: only where a config asks for the conversion
+
     try:
         return metadata.version("transformers")
     except metadata.PackageNotFoundError:
@@ -68,6 +68,8 @@ def _digest(
         text = json.dumps(config, sort_keys=True, default=str)
     except (TypeError, ValueError):
         return None
+    import hashlib  # loads OpenSSL: only where a cache entry is named
+
     h = hashlib.sha256()
     for part in (
         f"ckptools-conversion/{FORMAT}/{direction}",
@@ -99,6 +101,8 @@ def _encode(key: str, keymap: KeyMap | None) -> bytes:
 
 def _body_digest(body: Any) -> str:
     """A digest of an entry's content: a damaged byte that still parses is caught too."""
+    import hashlib
+
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 

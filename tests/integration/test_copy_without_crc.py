@@ -6,18 +6,20 @@ still checked (tests/integration/test_reshard_crc.py)."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import ckptools
 from ckptools.core.manifest import Chunk
 from ckptools.engine import checked_copy
 from ckptools.io import readers
 from ckptools.io.storage import LocalReader
+from tests.conftest import Produced
 
 
 def _no_crc(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
@@ -80,3 +82,30 @@ def test_consolidate_of_a_source_without_crcs_computes_none(
         for k, v in state.items():
             got = f.get_tensor(k)
             assert got.dtype == v.dtype and torch.equal(got.view(-1), v.view(-1)), k
+
+
+def test_kernel_copies_make_no_block_buffer(
+    produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consolidate whose chunks all move in the kernel (FSDP2: dim-0 shards) checks every
+    CRC in place and never makes a copy buffer: each thread's 16 MiB block, zero-filled, was
+    made for nothing and counted in the resident set (bench/RESULTS.md, issue 27)."""
+    from ckptools.engine import executor
+
+    p = produced("fsdp2", world_size=2, optimizer=True)
+    made: list[int] = []
+    real = executor._Copier.buffer
+
+    def counting(self: executor._Copier) -> memoryview:
+        made.append(self.block)
+        return real(self)
+
+    monkeypatch.setattr(executor._Copier, "buffer", counting)
+    asked = _no_crc(monkeypatch)
+    out = tmp_path / "out"
+    ckptools.consolidate(str(p.path), str(out), quiet=True, workers=2)
+    assert not made
+    assert asked  # the CRCs were checked, in place
+    got = load_file(str(out / "model.safetensors"))
+    ref = p.reference()["model"]
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in got)

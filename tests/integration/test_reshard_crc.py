@@ -27,7 +27,7 @@ from ckptools.io.storage import LocalReader
 from ckptools.layouts.dcp import read_dcp
 from ckptools.plan.dcp import DcpPlan, plan_dcp
 from tests.conftest import Produced
-from tests.support.producers import flip_bit
+from tests.support.producers import ModelConfig, flip_bit
 
 
 def _segment_checks(src: str, world_size: int) -> Counter[str]:
@@ -326,3 +326,69 @@ def test_damaged_torch_save_record_stops_the_copy(
     assert result.exit_code == 1, result.output
     assert "CRC-32" in result.output and repr(tensor.fqn) in result.output, result.output
     assert not out.exists() and _tree_digest(src) == before
+
+
+@pytest.mark.parametrize("side", ["before", "after"])
+def test_damage_at_a_window_boundary_is_caught(
+    produced: Callable[..., Produced],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    side: str,
+) -> None:
+    """consolidate checks a kernel-copied record window by window (each window's CRC computed in
+    place, mapped piecewise): a flipped byte on either side of a window's edge is caught, and the
+    same small windows copy an undamaged source bit-exactly."""
+    import mmap
+
+    from safetensors.torch import load_file
+
+    from ckptools.engine import checked_copy
+    from ckptools.io import readers
+
+    granule = mmap.ALLOCATIONGRANULARITY
+    monkeypatch.setattr(checked_copy, "WINDOW_BYTES", 2 * granule)
+    monkeypatch.setattr(readers, "CRC_WINDOW_BYTES", granule)  # each window mapped in two
+    monkeypatch.setattr(readers, "CRC_READ_BYTES", 4096)
+    # the tiny Llama scaled up (test_disk_full's): records of up to 512 KiB, many windows each
+    cfg = ModelConfig(vocab=2048, hidden=128, n_heads=8, n_kv_heads=2, head_dim=16,
+                      intermediate=301, n_layers=2)  # fmt: skip
+    p = produced("fsdp2", world_size=2, optimizer=True, cfg=cfg)
+    src = tmp_path / "src"
+    shutil.copytree(p.path, src)
+    manifest = read_dcp(str(src))
+    with LocalReader(str(src)) as reader:
+        tensor, raw = max(
+            (
+                (t, raw)
+                for t in manifest.tensors.values()
+                if t.fqn.startswith("model.")
+                for c in t.chunks
+                if (raw := resolve_chunk(reader, t, c)).crc32 is not None
+            ),
+            key=lambda tr: tr[1].length,
+        )
+    assert raw.length > 2 * checked_copy.WINDOW_BYTES, raw  # several windows, so an edge inside
+
+    windows: list[int] = []
+    real_crc = LocalReader.crc32
+
+    def spy(self: LocalReader, rel: str, offset: int, length: int) -> int | None:
+        if rel == raw.file and raw.offset <= offset < raw.offset + raw.length:
+            windows.append(offset - raw.offset)
+        return real_crc(self, rel, offset, length)
+
+    monkeypatch.setattr(LocalReader, "crc32", spy)
+    clean = tmp_path / "clean"
+    ckptools.consolidate(str(src), str(clean), quiet=True)
+    assert checked_copy.WINDOW_BYTES in windows  # the record went through the windowed path
+    ref = p.reference()
+    got = load_file(str(clean / "model.safetensors"))
+    assert got.keys() == ref["model"].keys()
+    assert all(got[k].equal(ref["model"][k]) for k in got)
+
+    edge = checked_copy.WINDOW_BYTES  # the second window's first byte
+    flip_bit(src / raw.file, raw.offset + (edge - 1 if side == "before" else edge), 3)
+    with pytest.raises(CorruptCheckpointError, match="CRC-32") as caught:
+        ckptools.consolidate(str(src), str(tmp_path / "out"), quiet=True)
+    assert raw.file in str(caught.value) and repr(tensor.fqn) in str(caught.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
