@@ -1,25 +1,31 @@
 """Benchmark: two revisions of ckptools in the same run (a refactor must not cost speed).
 
 Generates (or reuses) the Llama-shaped fp32 checkpoint of ``bench/consolidate.py`` (4 real FSDP2
-ranks, model + AdamW state with ``--optim``), exports revision ``--base`` into a scratch
-worktree, then alternates, for ``--repeat`` rounds, the same commands from both trees (each in a
-fresh child with ``PYTHONPATH`` pointing at its tree) and ``cp -r`` + ``sync`` of the same bytes:
+ranks), or takes any checkpoint with ``--src`` (e.g. one ``bench/per_rank.py --keep`` wrote),
+exports revision ``--base`` (and ``--head``, default: this working tree) into scratch
+directories, then alternates, for ``--repeat`` rounds, ``cp -r`` + ``sync`` of the same bytes
+and the same commands from both trees:
 
 * ``ckpt consolidate SRC OUT --quiet``
 * ``ckpt reshard SRC OUT --world-size 8 --quiet``
 * ``ckpt verify SRC --quiet``
 
-Alternating rounds under the same load make the ratio between the revisions meaningful even on a
-noisy machine; the absolute times are not. Prints medians, peak RSS and the ratios.
+Each command runs in a fresh child started as ``python -P`` with only its tree on
+``PYTHONPATH`` (without ``-P`` a run from the repository root imports the working tree's
+ckptools for both revisions); each tree's child prints ``ckptools.__file__`` once, first, so
+the report shows which code ran. Wall time (start-up included), CPU time (user + sys, steadier
+than wall on a shared machine) and peak RSS are those of the child. Ratios are medians of
+same-round ratios. Prints one table and the ratios.
 
 Usage::
 
-    python bench/ab.py --base da620c1 --size-gb 2.0 --repeat 3 [--workdir /tmp/ckbench-ab]
+    python bench/ab.py --base da620c1 --size-gb 2.0 --repeat 5 [--commands consolidate]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -28,13 +34,31 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-import consolidate as gen  # the generator and the measuring wrapper
+import consolidate as gen  # the generator
 
 COMMANDS = {
     "consolidate": lambda src, out: ["consolidate", src, out, "--quiet"],
     "reshard 4->8": lambda src, out: ["reshard", src, out, "--world-size", "8", "--quiet"],
     "verify": lambda src, out: ["verify", src, "--quiet"],
 }
+
+_MEASURE = (
+    "import json, resource, subprocess, sys, time\n"
+    "t = time.perf_counter()\n"
+    "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)\n"
+    "dt = time.perf_counter() - t\n"
+    "ru = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+    "print(json.dumps([dt, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024]))\n"
+)
+
+
+def _measure(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall s, CPU s and peak RSS MiB of ``cmd``, run in a fresh wrapper process."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *cmd], check=True, stdout=subprocess.PIPE, text=True
+    )
+    wall, cpu, rss = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(wall), float(cpu), float(rss)
 
 
 def _export(rev: str, workdir: str) -> str:
@@ -49,60 +73,90 @@ def _export(rev: str, workdir: str) -> str:
     return tree
 
 
-def _ckpt(tree: str, args: list[str]) -> list[str]:
-    # -P: no current directory ahead of PYTHONPATH, or a run from the repository root would
-    # import the working tree's ckptools for both revisions
-    return ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "ckptools", *args]
+def _python(tree: str) -> list[str]:
+    # -P: no current directory (or script directory) ahead of PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = tree
+    return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-P"]
+
+
+def _imported_from(tree: str) -> str:
+    """Byte-compile ``tree`` (as an install would be: the first round must not pay for it) and
+    say which ckptools its children import."""
+    subprocess.run([*_python(tree), "-m", "compileall", "-q", os.path.join(tree, "ckptools")],
+                   check=True)  # fmt: skip
+    code = "import ckptools; print(ckptools.__file__)"
+    return subprocess.run(
+        [*_python(tree), "-c", code], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", required=True, help="the git revision to compare HEAD's tree with")
+    ap.add_argument("--base", required=True, help="the git revision to compare with")
+    ap.add_argument("--head", default=None, help="a git revision (default: this working tree)")
     ap.add_argument("--size-gb", type=float, default=2.0, choices=sorted(gen.SHAPES))
+    ap.add_argument("--src", default=None, help="an existing checkpoint instead of generating")
+    ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/ckbench-ab")
     args = ap.parse_args()
 
     os.makedirs(args.workdir, exist_ok=True)
-    src = os.path.join(args.workdir, f"fsdp2-{args.size_gb}gb")
+    src = args.src or os.path.join(args.workdir, f"fsdp2-{args.size_gb}gb")
     if not os.path.isdir(src):
         print(f"generating {src} ...", flush=True)
         gen.generate(src, args.size_gb)
     nbytes = gen._du(src)
-    trees = {"base": _export(args.base, args.workdir), "head": os.getcwd()}
-    results: dict[str, list[tuple[float, int]]] = {}
+    head = os.getcwd() if args.head is None else _export(args.head, args.workdir)
+    trees = {"base": _export(args.base, args.workdir), "head": head}
+    for label, tree in trees.items():
+        print(f"{label}: imports {_imported_from(tree)}", flush=True)
+    results: dict[str, list[tuple[float, float, float]]] = {}
     out = os.path.join(args.workdir, "out")
 
     def run(name: str, cmd: list[str]) -> None:
         shutil.rmtree(out, ignore_errors=True)
-        results.setdefault(name, []).append(gen._measure(cmd))
+        subprocess.run(["sync"], check=True)
+        results.setdefault(name, []).append(_measure(cmd))
 
-    for _ in range(args.repeat):
+    for r in range(args.repeat):
         run("cp -r + sync", ["sh", "-c", f'cp -r "{src}" "$0" && sync "$0"/*', out])
-        for command, make in COMMANDS.items():
+        for command in args.commands:
             for label, tree in trees.items():
-                run(f"{command} ({label})", _ckpt(tree, make(src, out)))
+                run(f"{command} ({label})", [*_python(tree), "-m", "ckptools",
+                                             *COMMANDS[command](src, out)])  # fmt: skip
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.2f} s" for k, v in results.items()),
+              flush=True)  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
     print(_report(results, nbytes, args))
 
 
-def _report(results: dict[str, list[tuple[float, int]]], nbytes: int, args: Any) -> str:
-    med = {k: statistics.median(w for w, _ in v) for k, v in results.items()}
-    floor = med["cp -r + sync"]
+def _ratio(a: list[tuple[float, float, float]], b: list[tuple[float, float, float]]) -> float:
+    return statistics.median(x[0] / y[0] for x, y in zip(a, b, strict=True))
+
+
+def _report(results: dict[str, list[tuple[float, float, float]]], nbytes: int, args: Any) -> str:
+    floor = results["cp -r + sync"]
     lines = [
-        f"### {nbytes / 1e9:.2f} GB, base {args.base} vs HEAD, median of {args.repeat} "
-        "alternating rounds",
+        f"### {nbytes / 1e9:.2f} GB, base {args.base} vs {args.head or 'working tree'}, "
+        f"median of {args.repeat} alternating rounds",
         "",
-        "| command | wall s (median) | peak RSS MiB | x cp -r + sync |",
-        "| --- | ---: | ---: | ---: |",
+        "| command | wall s | CPU s | peak RSS MiB | x cp -r + sync (same-round) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for k, v in results.items():
-        rss = max(r for _, r in v) / 2**20
-        lines.append(f"| {k} | {med[k]:.2f} | {rss:.0f} | {med[k] / floor:.2f} |")
+        wall = statistics.median(x[0] for x in v)
+        cpu = statistics.median(x[1] for x in v)
+        lines.append(
+            f"| {k} | {wall:.2f} | {cpu:.2f} | {max(x[2] for x in v):.0f} | "
+            f"{_ratio(v, floor):.2f} |"
+        )
     lines.append("")
-    for command in COMMANDS:
-        base, head = med[f"{command} (base)"], med[f"{command} (head)"]
-        lines.append(f"{command}: HEAD / base = {head / base:.2f}")
+    for command in args.commands:
+        base, head = results[f"{command} (base)"], results[f"{command} (head)"]
+        cpu = statistics.median(h[1] / b[1] for h, b in zip(head, base, strict=True))
+        lines.append(f"{command}: head / base = {_ratio(head, base):.2f} wall, {cpu:.2f} CPU")
     return "\n".join(lines)
 
 

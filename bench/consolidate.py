@@ -12,11 +12,13 @@ rank allocates only its shard; model state only, saved as
 * torch: ``dcp.load`` into preallocated tensors, then ``save_file``;
 * ``accelerate merge-weights`` when accelerate is installed.
 
-Each command runs in a fresh child; wall time is measured around it and peak RSS is the child's
-``ru_maxrss`` (the wrapper has that one child). The page cache is warm (the machine gives no way to
-drop it), so all tools read from memory and write to the page cache + disk; ckpt fsyncs its
-output before the rename that commits it, so ``cp -r`` + ``sync`` of the copied files is listed
-as a second floor.
+Each command runs in a fresh child; wall time is measured around it, CPU time (user + sys) and
+peak RSS are the child's (the wrapper has that one child); ``× cp`` is the median of same-round
+ratios. ckpt runs as ``python -P -m ckptools`` with this checkout on ``PYTHONPATH`` (an editable
+install elsewhere does not win; the tree it imports is printed). The page cache is warm (the
+machine gives no way to drop it), so all tools read from memory and write to the page cache +
+disk; ckpt fsyncs its output before the rename that commits it, so ``cp -r`` + ``sync`` of the
+copied files is listed as a second floor.
 
 Usage::
 
@@ -138,21 +140,44 @@ def generate(out: str, size_gb: float, world: int = 4, *, optim: bool = False) -
     mp.spawn(_worker, args=(world, out, shape, free_port(), optim), nprocs=world, join=True)
 
 
-def _measure(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS bytes of ``cmd`` run in a fresh wrapper process."""
+def measure(cmd: list[str]) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS bytes and CPU seconds (user + sys) of ``cmd`` run in a fresh
+    wrapper process."""
     code = (
         "import resource, subprocess, sys, time, json\n"
         "t = time.perf_counter()\n"
         "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)\n"
         "dt = time.perf_counter() - t\n"
-        "print(json.dumps([dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024]))\n"
+        "ru = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+        "print(json.dumps([dt, ru.ru_maxrss * 1024, ru.ru_utime + ru.ru_stime]))\n"
     )
     # stderr passes through, so a failing tool says why
     out = subprocess.run(
         [sys.executable, "-c", code, *cmd], check=True, stdout=subprocess.PIPE, text=True
     )
-    wall, rss = json.loads(out.stdout.strip().splitlines()[-1])
-    return float(wall), int(rss)
+    wall, rss, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(wall), int(rss), float(cpu)
+
+
+def _measure(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS bytes of ``cmd`` (what the other benches take)."""
+    wall, rss, _ = measure(cmd)
+    return wall, rss
+
+
+#: this checkout, which the ckpt children import (not whatever tree an editable install names)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ckpt_command() -> list[str]:
+    """``python -P -m ckptools`` importing this checkout only (``-P``: no current directory
+    ahead of ``PYTHONPATH``); prints which ckptools that is, once."""
+    env = ["env", f"PYTHONPATH={REPO}"]
+    code = "import ckptools; print(ckptools.__file__)"
+    where = subprocess.run([*env, sys.executable, "-P", "-c", code], check=True,
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    print(f"ckpt runs {where}", file=sys.stderr)
+    return [*env, sys.executable, "-P", "-m", "ckptools"]
 
 
 TORCH_SAVE_PATH = """
@@ -240,8 +265,7 @@ def main() -> None:
         generate(src, args.size_gb)
         print(f"generated {src} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     nbytes = _du(src)
-    bin_dir = os.path.dirname(sys.executable)
-    ckpt_cmd = [os.path.join(bin_dir, "ckpt"), "consolidate", src, "{out}", "--quiet"]
+    ckpt_cmd = [*ckpt_command(), "consolidate", src, "{out}", "--quiet"]
     if args.workers:
         ckpt_cmd += ["--workers", str(args.workers)]
     tools: dict[str, list[str]] = {
@@ -267,7 +291,7 @@ def main() -> None:
     }
     if shutil.which("accelerate"):
         tools["accelerate merge-weights"] = ["accelerate", "merge-weights", src, "{out}"]
-    results: dict[str, list[tuple[float, int]]] = {k: [] for k in tools}
+    results: dict[str, list[tuple[float, int, float]]] = {k: [] for k in tools}
     for r in range(args.repeat):
         for name, cmd in tools.items():
             out = os.path.join(args.workdir, f"out-{r}")
@@ -276,7 +300,7 @@ def main() -> None:
                     os.remove(p) if os.path.exists(p) else None
                 )
             subprocess.run(["sync"], check=True)
-            results[name].append(_measure([c.replace("{out}", out) for c in cmd]))
+            results[name].append(measure([c.replace("{out}", out) for c in cmd]))
             for p in (out, out + ".pt", out + ".safetensors"):
                 shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (
                     os.remove(p) if os.path.exists(p) else None
@@ -287,26 +311,28 @@ def main() -> None:
         shutil.rmtree(src, ignore_errors=True)
 
 
-def _report(results: dict[str, list[tuple[float, int]]], nbytes: int, args: Any) -> str:
-    cp = statistics.median(w for w, _ in results["cp -r"])
+def _report(results: dict[str, list[tuple[float, int, float]]], nbytes: int, args: Any) -> str:
+    cp = [w for w, _, _ in results["cp -r"]]
     now = datetime.datetime.now(datetime.timezone.utc)
     lines = [
         f"### {nbytes / 1e9:.2f} GB fp32 FSDP2 checkpoint (4 ranks, model only), "
         f"median of {args.repeat} alternating runs",
         "",
         f"{platform.node()}: {os.cpu_count()} CPUs, {platform.platform()}, python "
-        f"{platform.python_version()}, {now:%Y-%m-%d %H:%M} UTC",
+        f"{platform.python_version()}, {now:%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.1f}",
         "",
-        "| tool | wall s (median) | min s | GB/s | peak RSS MiB | × cp |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| tool | wall s (median) | min s | CPU s (median) | GB/s | peak RSS MiB | × cp |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, runs in results.items():
-        walls = [w for w, _ in runs]
+        walls = [w for w, _, _ in runs]
         med = statistics.median(walls)
-        rss = max(r for _, r in runs)
+        cpu = statistics.median(c for _, _, c in runs)
+        rss = max(r for _, r, _ in runs)
+        ratio = statistics.median(w / c for w, c in zip(walls, cp, strict=True))  # same-round
         lines.append(
-            f"| {name} | {med:.2f} | {min(walls):.2f} | {nbytes / med / 1e9:.2f} | "
-            f"{rss / 2**20:.0f} | {med / cp:.2f} |"
+            f"| {name} | {med:.2f} | {min(walls):.2f} | {cpu:.2f} | {nbytes / med / 1e9:.2f} | "
+            f"{rss / 2**20:.0f} | {ratio:.2f} |"
         )
     return "\n".join(lines)
 
