@@ -487,7 +487,7 @@ def _shard_megatron(
                 rotary_base=cfg.get("rope_theta"),
                 max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
     common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
-    values: dict[str, Any] = {layout.COMMON_STATE: common}
+    values: dict[str, Any] = {layout.COMMON_STATE: common, **layout.extra_states(dims.layers)}
     paths = {n: (n,) for n in (*names, *values)}
     plan = plan_dcp(source, options.world_size, names, paths, objects=[], values=values)
     sub = layout.iteration_dir_name(layout.CONVERTED_ITERATION)

@@ -239,7 +239,10 @@ def test_shard_to_megatron_writes_what_megatron_writes(tmp_path: Path) -> None:
         "--make-vocab-size-divisible-by", "16")  # fmt: skip
     ours, theirs = _ok("inspect", str(run)), _ok("inspect", str(FIXTURES / "tp2_pp1"))
     assert _model_entries(ours) == _model_entries(theirs)
-    assert "common_state/shard_0_1" in {o["fqn"] for o in ours["objects"]}
+    objects = {o["fqn"] for o in ours["objects"]}
+    assert "common_state/shard_0_1" in objects
+    extra = {o["fqn"] for o in theirs["objects"] if "._extra_state/" in o["fqn"]}
+    assert extra and extra == {o for o in objects if "._extra_state/" in o}
 
 
 def test_families_beyond_the_llama_family_are_refused_by_name(tmp_path: Path) -> None:
