@@ -133,7 +133,13 @@ def test_inspect_shows_the_run(case: str) -> None:
     assert mg["data_parallel"] == truth["dp"]
     assert mg["padded_vocab_size"] == truth["padded_vocab_size"]
     assert mg["vocab_size"] is None  # the run used an HF tokenizer: only the config knows
-    assert (mg["num_layers"], mg["num_attention_heads"], mg["num_query_groups"]) == (2, 4, 2)
+    config = json.loads(truth["hf_config"])
+    sizes = (
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    assert (mg["num_layers"], mg["num_attention_heads"], mg["num_query_groups"]) == sizes
     assert mg["optimizer_sharding"] == truth["distrib_optim_sharding_type"]
     assert mg["params_dtype"] == truth["params_dtype"].removeprefix("torch.")
     assert {"model", "optimizer", "rng", "common"} <= set(mg["parts"])
