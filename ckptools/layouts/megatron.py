@@ -429,11 +429,14 @@ class MegatronLayout(Layout):
             return None
         if _ITER.match(storage.basename(path)):
             return None  # a save without its metadata.json: read_manifest says what is missing
-        if storage.isfile(storage.join(path, TRACKER_FILE)) or any(
-            _is_save(storage.join(path, n)) for n in saves(path)[-1:]
+        # verl's trainer writes the same tracker file beside its global_step_N/: the saves decide
+        held = saves(path)
+        if held and (
+            storage.isfile(storage.join(path, TRACKER_FILE))
+            or any(_is_save(storage.join(path, n)) for n in held[-1:])
         ):
             return None
-        return f"no {TRACKER_FILE}, iter_*/ save or metadata.json naming torch_dist"
+        return f"no iter_*/ save (with {TRACKER_FILE}) or metadata.json naming torch_dist"
 
     def read_manifest(self, path: str) -> Manifest:
         inner, chosen = resolve(path)
