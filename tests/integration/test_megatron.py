@@ -156,6 +156,12 @@ def test_iteration_picks_a_save_and_a_missing_one_lists_them() -> None:
     assert "no iteration 7 (iter_0000007/)" in result.output and "iter_0000010" in result.output
     result = _invoke("inspect", f"{run}/iter_0000010", "--iteration", "10")
     assert result.exit_code != 0 and "drop --iteration 10" in result.output
+    (listed,) = _ok("list", run)["checkpoints"]
+    assert (listed["producer"], listed["name"], listed["latest"]) == (
+        "megatron",
+        "iter_0000010",
+        True,
+    )
 
 
 def test_consolidate_without_config_asks_for_it(tmp_path: Path) -> None:
