@@ -37,7 +37,7 @@ def _invoke(*args: str) -> Any:
 
 
 def _ok(*args: str) -> dict[str, Any]:
-    quiet = ("-q",) if args[0] != "inspect" else ()
+    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
     result = _invoke(*args, "--json", *quiet)
     assert result.exit_code == 0, result.output
     out: dict[str, Any] = json.loads(result.output)
