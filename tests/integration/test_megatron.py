@@ -268,3 +268,12 @@ def test_families_beyond_the_llama_family_are_refused_by_name(tmp_path: Path) ->
                      "--to", "megatron")  # fmt: skip
     assert result.exit_code != 0 and "mixtral" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_of_another_model_is_refused(tmp_path: Path) -> None:
+    """qwen2_tp2 has a QKV bias; tp2_pp1's Llama config has none: named, nothing written."""
+    config = _config_file(tmp_path, "tp2_pp1")
+    out = tmp_path / "out"
+    result = _invoke("consolidate", str(FIXTURES / "qwen2_tp2"), str(out), "--config", str(config))
+    assert result.exit_code != 0 and "QKV bias" in result.output and "--config" in result.output
+    assert not out.exists()
