@@ -9,6 +9,8 @@ logits (``fixtures/megatron/README.md``); the Hugging Face side is transformers'
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -277,3 +279,30 @@ def test_a_config_of_another_model_is_refused(tmp_path: Path) -> None:
     result = _invoke("consolidate", str(FIXTURES / "qwen2_tp2"), str(out), "--config", str(config))
     assert result.exit_code != 0 and "QKV bias" in result.output and "--config" in result.output
     assert not out.exists()
+
+
+#: the Python of a venv with megatron-core 0.19.2 (fixtures/megatron/make_venv.sh); the test
+#: that loads ckptools' output into real Megatron runs only where there is one
+MEGATRON_PYTHON = os.environ.get("CKPTOOLS_MEGATRON_PYTHON", "/work/megatron-venv/bin/python")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(MEGATRON_PYTHON), reason="no megatron-core venv")
+def test_megatron_loads_what_shard_writes(tmp_path: Path) -> None:
+    """fixtures/megatron/generate.py check-load: Megatron-core builds the model at TP 2,
+    ``dist_checkpointing.load`` + ``load_state_dict(strict=True)`` what ``shard --to megatron``
+    wrote, and its logits match transformers' on the same HF model (exit 1 above 1e-4)."""
+    run = tmp_path / "megatron"
+    _ok("shard", str(FIXTURES / "hf_qwen2"), str(run), "--world-size", "2", "--to", "megatron",
+        "--make-vocab-size-divisible-by", "16")  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        [MEGATRON_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         f"--master-port={29600 + os.getpid() % 300}", str(FIXTURES / "generate.py"),
+         "check-load", "--ckpt", str(run), "--hf", str(FIXTURES / "hf_qwen2"), "--tp", "2",
+         "--pp", "1"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "max_abs_diff=" in done.stdout + done.stderr
