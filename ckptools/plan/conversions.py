@@ -548,11 +548,11 @@ def _within(
     raw: Callable[[TensorEntry, Chunk], Chunk],
     unchecked: dict[tuple[str, int], tuple[str, Chunk]],
 ) -> tuple[Chunk, ...]:
-    """The stored chunks of on-disk ``entry`` that piece ``p`` takes: all of them, or for a
-    piece that is part of it (``Piece.at``) their boxes inside that part, resolved by ``raw``
+    """The stored chunks of on-disk ``entry`` that piece ``p`` takes, resolved by ``raw``: all
+    of them, or for a piece that is part of it (``Piece.at``) their boxes inside that part
     (offsets relative to the part)."""
     if not p.at:
-        return tuple(unique_chunks(entry))
+        return tuple(raw(entry, c) for c in unique_chunks(entry))
     offsets, sizes = p.disk_box
     part = Piece(p.disk, p.disk, offsets, sizes, None, p.rule)
     return _cut(entry, ChunkIndex(entry), part, raw, unchecked)
@@ -582,14 +582,13 @@ def _place(
                 f"joins both into {key!r}",
                 fqn=fqn,
             )
-        for c in _within(entry, p, raw, unchecked):
-            r = raw(entry, c) if not p.at else c
-            offsets = _insert(c.offsets, p.stack_dim, 0)
+        for r in _within(entry, p, raw, unchecked):
+            offsets = _insert(r.offsets, p.stack_dim, 0)
             placed.append(
                 replace(
                     r,
                     offsets=tuple(a + b for a, b in zip(offsets, p.offsets, strict=True)),
-                    sizes=_insert(c.sizes, p.stack_dim, 1),
+                    sizes=_insert(r.sizes, p.stack_dim, 1),
                     strides=None if r.strides is None else _insert(r.strides, p.stack_dim, 0),
                 )
             )
