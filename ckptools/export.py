@@ -422,6 +422,7 @@ class Export:
     keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
     adapter_config: dict[str, Any] | None = None
     merge: tuple[lora.MergeTarget, ...] = ()
+    config: dict[str, Any] | None = None  # the model's config.json a conversion made (Megatron)
 
 
 def _quiet(options: ExportOptions) -> bool:
@@ -467,8 +468,13 @@ def plan_export(
             defaults=False,  # the merge reads r, alpha, rslora: peft (115 MiB) stays unimported
         )  # fmt: skip
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
-    keymap = None
-    if config is not None and not options.keep_in_memory_names:
+    keymap, made = None, None
+    megatron = manifest.layout == "megatron" and options.select is None
+    if megatron and not options.keep_in_memory_names:
+        from ckptools.engine.converted import megatron_to_disk
+
+        manifest, names, keymap, made = megatron_to_disk(manifest, names, config, check=check)
+    elif config is not None and not options.keep_in_memory_names:
         # imported here: a source without a config (or kept in memory names) needs none of the
         # conversion machinery, and its import is most of a small consolidate's start-up
         from ckptools.engine.converted import to_disk_names
@@ -490,7 +496,7 @@ def plan_export(
     )
     return Export(
         names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
-        manifest=manifest, keymap=keymap, merge=tuple(merge),
+        manifest=manifest, keymap=keymap, merge=tuple(merge), config=made,
     )  # fmt: skip
 
 
