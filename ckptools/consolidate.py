@@ -10,6 +10,7 @@ dtype cast or a strided chunk: memory stays bounded whatever the model size.
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import time
@@ -314,12 +315,25 @@ class _Run:
         if export.keymap is not None:
             notes.append(f"on-disk format of {export.keymap.mapping}: "
                          + "; ".join(export.keymap.rules))  # fmt: skip
+        has_config = any(name == "config.json" for _, name in model_files)
+        if export.config is not None and not has_config:
+            family = export.config["model_type"]
+            notes.append(
+                f"config.json made from the run's args ({family}); give the model's own with "
+                "--config for everything else it sets"
+            )
+        if manifest.layout == "megatron" and not any(n != "config.json" for _, n in model_files):
+            notes.append(
+                "a Megatron checkpoint holds no tokenizer: copy the tokenizer files into OUT, "
+                "or give a directory holding them with --config"
+            )
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
         if (
             not options.adapter
             and options.select is None
-            and not any(name == "config.json" for _, name in model_files)
+            and not has_config
+            and export.config is None
         ):
             notes.append(
                 f"no config.json beside {src} or above it: {out} holds the weights only, which "
@@ -398,6 +412,9 @@ class _Run:
                 )
         for path, name in self.model_files:
             copy_into(path, storage.join(tmp, name))
+        if self.export.config is not None and "config.json" not in self.copied:
+            made = (json.dumps(self.export.config, indent=2) + "\n").encode()
+            write_file_synced(storage.join(tmp, "config.json"), made)
         if self.export.adapter_config is not None:
             write_file_synced(storage.join(tmp, lora.ADAPTER_CONFIG_NAME),
                               lora.config_json(self.export.adapter_config))  # fmt: skip

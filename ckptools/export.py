@@ -20,7 +20,7 @@ from ckptools import lora
 from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import parse_size
-from ckptools.engine.converted import to_disk_names
+from ckptools.engine.converted import megatron_to_disk, to_disk_names
 from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
@@ -421,6 +421,7 @@ class Export:
     keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
     adapter_config: dict[str, Any] | None = None
     merge: tuple[lora.MergeTarget, ...] = ()
+    config: dict[str, Any] | None = None  # the model's config.json a conversion made (Megatron)
 
 
 def _quiet(options: ExportOptions) -> bool:
@@ -466,8 +467,11 @@ def plan_export(
             defaults=False,  # the merge reads r, alpha, rslora: peft (115 MiB) stays unimported
         )  # fmt: skip
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
-    keymap = None
-    if config is not None and not options.keep_in_memory_names:
+    keymap, made = None, None
+    megatron = manifest.layout == "megatron" and options.select is None
+    if megatron and not options.keep_in_memory_names:
+        manifest, names, keymap, made = megatron_to_disk(manifest, names, config, check=check)
+    elif config is not None and not options.keep_in_memory_names:
         manifest, names, keymap = to_disk_names(manifest, names, config, boxes_only=boxes_only,
                                                check=check, quiet=_quiet(options))  # fmt: skip
     placeholders = manifest.placeholders_only(names.values())
@@ -485,7 +489,7 @@ def plan_export(
     )
     return Export(
         names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
-        manifest=manifest, keymap=keymap, merge=tuple(merge),
+        manifest=manifest, keymap=keymap, merge=tuple(merge), config=made,
     )  # fmt: skip
 
 

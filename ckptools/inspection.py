@@ -82,6 +82,7 @@ class InspectReport:
             },
             "sources": list(m.details.get("sources", ())),
             "step": m.details.get("step"),
+            "megatron": _megatron(m),
             "optimizers": [o.to_dict() for o in optimizer_states(m)],
             "peft": lora.describe(m, model_tensors),
             "sharding": sharding_summary(m),
@@ -104,6 +105,14 @@ class InspectReport:
                 "chunks_per_rank": {str(k): v for k, v in sorted(chunks_per_rank.items())},
             },
         }
+
+
+def _megatron(m: Manifest) -> dict[str, Any] | None:
+    """A Megatron run's facts (``layouts.megatron``) and what its entries are."""
+    facts = m.details.get("megatron")
+    if facts is None:
+        return None
+    return {**facts, "parts": dict(m.details.get("megatron_parts") or {})}
 
 
 def _mesh(m: Manifest) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ from ckptools.engine.converted import to_memory_names
 from ckptools.engine.dcp_writer import write_dcp
 from ckptools.errors import UsageError
 from ckptools.export import suggested_optimizer_order
+from ckptools.formats import torch_archive
 from ckptools.io import storage
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
@@ -51,11 +52,13 @@ from ckptools.io.staging import (
     fsync_dir,
     reserve,
     resumable_staging,
+    write_file_synced,
 )
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import require_plain
 from ckptools.layouts.optimizer_state import optimizer_alone
 from ckptools.plan.dcp import DcpPlan, file_name, plan_dcp
+from ckptools.plan.megatron import VOCAB_DIVISOR
 from ckptools.plan.training import training_layout
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 
@@ -376,6 +379,8 @@ def shard(
     quiet: bool = False,
     format: str | None = None,
     distributed: bool = True,
+    to: Literal["dcp", "megatron"] = "dcp",
+    make_vocab_size_divisible_by: int = VOCAB_DIVISOR,
     storage_options: storage.StorageOptions | None = None,
 ) -> ReshardResult:
     """Make a DCP checkpoint for ``world_size`` ranks from a full model.
@@ -389,6 +394,10 @@ def shard(
     names and shapes.
     Under torchrun the output files are split over the ranks, as :func:`reshard` does.
 
+    ``to="megatron"``: a Megatron-core ``torch_dist`` run directory instead
+    (:func:`_shard_megatron`), from a Llama-family model, its vocabulary padded to a multiple
+    of ``make_vocab_size_divisible_by``.
+
     Example:
         >>> ckptools.shard("Llama-3-8B/", "ckpt/step-0", world_size=8)  # doctest: +SKIP
     """
@@ -397,6 +406,10 @@ def shard(
         world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
     )  # fmt: skip
+    if to == "megatron":
+        return _shard_megatron(src, out, options, config, make_vocab_size_divisible_by, started)
+    if to != "dcp":
+        raise UsageError(f"--to {to!r}: choose dcp or megatron")
     manifest = _read_source(
         src, out, options, lambda format: format in PUBLISHED_FORMATS,
         "is already sharded; use `ckpt reshard`",
@@ -434,6 +447,64 @@ def shard(
     return run.execute({"prefix": prefix, "in_memory": keymap is not None})
 
 
+def _shard_megatron(
+    src: str,
+    out: str,
+    options: ReshardOptions,
+    config: str | None,
+    divisor: int,
+    started: float,
+) -> ReshardResult:
+    """``shard --to megatron``: the HF model at ``src`` as Megatron-core saves it: a run
+    directory with ``latest_checkpointed_iteration.txt`` and ``iter_0000001/`` (the DCP with
+    Megatron's names, stacked layers, fused QKV and fc1, padded vocabulary, ``common_state``,
+    and ``metadata.json``), committed as one rename."""
+    from ckptools.engine.converted import merge_source
+    from ckptools.layouts import megatron as layout
+    from ckptools.plan import megatron
+    from ckptools.plan.dcp import Archived
+
+    if divisor < 1:
+        raise UsageError(f"--make-vocab-size-divisible-by {divisor}: must be at least 1")
+    manifest = _read_source(
+        src, out, options, lambda format: format in PUBLISHED_FORMATS,
+        "is already sharded; consolidate it first",
+    )  # fmt: skip
+    cfg = _shard_config(src, config)
+    if cfg is None:
+        raise UsageError(
+            f"{src}: no config.json beside it: give the model's config with --config "
+            "(Megatron's sizes and the true vocabulary come from it)"
+        )
+    tensors = dict(model_keys(manifest)) if manifest.format == "torch_save" else {
+        f: f for f in manifest.tensors}  # fmt: skip
+    shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
+    keymap, dims = megatron.from_hf(shapes, cfg, divisor, src)
+    source, names = merge_source(manifest, tensors, keymap)
+    dtype = source.tensors[names["embedding.word_embeddings.weight"]].dtype
+    args = layout.converted_args(dims, dtype)
+    args.update(make_vocab_size_divisible_by=divisor, norm_epsilon=cfg.get("rms_norm_eps"),
+                rotary_base=cfg.get("rope_theta"),
+                max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
+    common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
+    values: dict[str, Any] = {layout.COMMON_STATE: common}
+    paths = {n: (n,) for n in (*names, *values)}
+    plan = plan_dcp(source, options.world_size, names, paths, objects=[], values=values)
+    sub = layout.iteration_dir_name(layout.CONVERTED_ITERATION)
+    notes = [
+        *manifest.notes,
+        f"{keymap.mapping}: " + "; ".join(keymap.rules),
+        f"vocabulary {dims.vocab} padded to {dims.padded_vocab} rows (a multiple of {divisor}; "
+        "Megatron pads to --make-vocab-size-divisible-by x TP: pass that product for TP > 1)",
+    ]
+    run = _Run(
+        kind="shard", src=src, out=out, options=options, parts={sub: (source, plan)},
+        source=manifest, source_root=manifest.data_dir(), notes=notes, started=started,
+        made=layout.marker_files(),
+    )  # fmt: skip
+    return run.execute({"to": "megatron", "divisor": divisor})
+
+
 def _shard_config(src: str, config: str | None) -> dict[str, Any] | None:
     """The model's config.json: ``config``, or the one beside ``src``."""
     if config is None:
@@ -456,6 +527,7 @@ class _Run:
     source: Manifest
     source_root: str  # what the parts' file paths and ``copied`` are relative to
     copied: tuple[str, ...] = ()
+    made: Mapping[str, bytes] = field(default_factory=dict)  # files written after the markers
     rank_items: tuple[str, ...] = ()
     notes: list[str]
     started: float
@@ -563,6 +635,8 @@ def _write(ranks: Ranks, run: _Run, identity: str) -> tuple[int, int]:
         for sub, (_, plan) in parts.items():
             # through the module: tests interrupt a run here
             dcp_write.write_metadata(_target(tmp, sub), plan)
+        for name, data in run.made.items():  # a producer's own markers (Megatron's), last
+            write_file_synced(storage.join(tmp, name), data)
 
     def rename(tmp: str) -> None:
         fsync_dir(tmp)

@@ -109,6 +109,8 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.append(f"  {src['role']} file: {src['file']}{under}, keys: {', '.join(src['keys'])}")
     if d["step"] is not None:
         out.append(f"  step: {d['step']}")
+    if d.get("megatron"):
+        out.extend(_megatron_lines(d["megatron"]))
     for opt in d["optimizers"]:
         out.append("  " + _optimizer_line(opt))
     if d.get("peft"):
@@ -168,6 +170,24 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         )
         out.extend(_idle_ranks(d))
     return "\n".join(out)
+
+
+def _megatron_lines(mg: dict[str, Any]) -> list[str]:
+    """``inspect``'s lines for a Megatron-core run (:mod:`ckptools.layouts.megatron`)."""
+
+    def shown(key: str) -> str:
+        return "?" if mg.get(key) is None else str(mg[key])
+
+    groups = f"{shown('num_query_groups')} query groups"
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(mg["parts"].items()))
+    return [
+        f"  megatron: iteration {shown('iteration')}, TP {shown('tensor_parallel')} x PP "
+        f"{shown('pipeline_parallel')} x DP {shown('data_parallel')}, {shown('params_dtype')}",
+        f"  model: {shown('num_layers')} layers, hidden {shown('hidden_size')}, ffn "
+        f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, vocab "
+        f"{shown('vocab_size')} (padded {shown('padded_vocab_size')})",
+        f"  optimizer sharding: {mg['optimizer_sharding']}; entries: {parts}",
+    ]
 
 
 def _peft_lines(peft: dict[str, Any]) -> list[str]:

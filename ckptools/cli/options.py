@@ -95,9 +95,26 @@ def storage_options_option(f: F) -> F:
     )(f)
 
 
+_ITERATION = "ckptools_iteration"
+
+
+def _keep_iteration(ctx: click.Context, _: click.Parameter, value: int | None) -> None:
+    ctx.meta[_ITERATION] = value
+
+
 def tag_option(f: F) -> F:
-    """``--tag``: which save of a run directory to read (not a library keyword: the command
-    resolves it to the save's own path with :func:`at_tag`, which every verb accepts)."""
+    """``--tag`` / ``--iteration``: which save of a run directory to read (not library
+    keywords: the command resolves them to the save's own path with :func:`at_tag`, which
+    every verb accepts)."""
+    f = click.option(
+        "--iteration",
+        type=click.IntRange(min=0),
+        default=None,
+        expose_value=False,
+        callback=_keep_iteration,
+        help="Read iteration N of a Megatron run directory (iter_000000N/) instead of the one "
+        "latest_checkpointed_iteration.txt names.",
+    )(f)
     return click.option(
         "--tag",
         default=None,
@@ -108,7 +125,16 @@ def tag_option(f: F) -> F:
 
 
 def at_tag(path: str, tag: str | None) -> str:
-    """``path``, or with ``--tag`` the save ``tag`` inside it (checked to be there)."""
+    """``path``, or with ``--tag`` the save ``tag`` inside it (checked to be there), or with
+    ``--iteration`` that iteration's save of a Megatron run."""
+    ctx = click.get_current_context(silent=True)
+    iteration = ctx.meta.get(_ITERATION) if ctx is not None else None
+    if iteration is not None:
+        if tag is not None:
+            raise click.UsageError("--tag and --iteration both name a save: give one")
+        from ckptools.layouts.megatron import iteration_dir
+
+        return iteration_dir(path, iteration)
     if tag is None:
         return path
     from ckptools.layouts.deepspeed_files import choose_tag

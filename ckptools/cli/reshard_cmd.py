@@ -122,6 +122,22 @@ def reshard_command(
     help="Keep SRC's names and shapes instead of the in-memory layout transformers loads into "
     "(e.g. per-expert MoE tensors fused).",
 )
+@click.option(
+    "--to",
+    type=click.Choice(["dcp", "megatron"]),
+    default="dcp",
+    show_default=True,
+    help="dcp: what dcp.load into the model reads; megatron: a Megatron-core torch_dist run "
+    "directory (latest_checkpointed_iteration.txt + iter_0000001/) from a Llama-family model.",
+)
+@click.option(
+    "--make-vocab-size-divisible-by",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="--to megatron: pad the vocabulary to a multiple of this (Megatron-LM's option of "
+    "that name times the tensor-parallel size it will load with).",
+)
 def shard_command(
     src: str, out: str, quiet: bool, as_json: bool, tag: str | None, **options: Any
 ) -> None:
@@ -130,8 +146,9 @@ def shard_command(
     SRC is a Hugging Face safetensors directory or file, or a torch.save state dict.
 
     \b
-    Example:
+    Examples:
       ckpt shard ./Llama-3-8B ckpt/step-0 --world-size 8
+      ckpt shard ./Llama-3-8B megatron_run --world-size 1 --to megatron
     """
     from ckptools.reshard import shard
 

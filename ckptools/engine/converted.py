@@ -18,6 +18,7 @@ from ckptools.engine.reader import SourceCache
 from ckptools.engine.runtime import BLOCK_BYTES
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
+from ckptools.plan import megatron
 from ckptools.plan.conversion_cache import keymap_for
 from ckptools.plan.conversions import KeyMap, merge_entries, split_entries
 
@@ -89,6 +90,27 @@ def to_disk_names(
     else:
         derived, out = split_source(manifest, names, keymap, check=check)
     return derived, out, keymap
+
+
+def megatron_to_disk(
+    manifest: Manifest,
+    names: dict[str, str],
+    config: Mapping[str, Any] | None,
+    *,
+    check: bool = True,
+) -> tuple[Manifest, dict[str, str], KeyMap, dict[str, Any]]:
+    """A Megatron run's model tensors ``names`` (stored name -> FQN) as the Hugging Face model's
+    (:func:`ckptools.plan.megatron.to_hf`): the manifest with the HF tensors' entries, HF name
+    -> FQN in it, the pieces, and the HF config (``config``, or made from the run's args).
+    ``check``: see :func:`split_source`.
+    """
+    from ckptools.layouts.megatron import DETAILS_KEY
+
+    shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
+    args = manifest.details.get(DETAILS_KEY) or {}
+    keymap, made = megatron.to_hf(shapes, args, config, manifest.root)
+    derived, out = split_source(manifest, names, keymap, check=check)
+    return derived, out, keymap, made
 
 
 def _refuse_joins(keymap: KeyMap) -> None:

@@ -406,6 +406,10 @@ _DCP_RECORDS = (
     f"{_DCP}.filesystem._StorageInfo",
     f"{_DCP}.filesystem._StoragePrefix",
     f"{_DCP}._hf_utils._HFStorageInfo",
+    # Megatron-core's torch_dist adds every rank's plan to the metadata (``all_local_plans``)
+    f"{_DCP}.planner.SavePlan",
+    f"{_DCP}.planner.WriteItem",
+    f"{_DCP}.planner.TensorWriteData",
     # torch < 2.2 kept TensorProperties with ShardedTensor.
     "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
 )
@@ -427,6 +431,7 @@ METADATA_GLOBALS: dict[str, Any] = {
     "copyreg._reconstructor": _reconstructor,
     **{q: _record_class(q) for q in _DCP_RECORDS},
     f"{_DCP}.metadata._MEM_FORMAT_ENCODING": _enum_value,
+    f"{_DCP}.planner.WriteItemType": _enum_value,
     "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": _enum_value,
     "pathlib.PosixPath": _path,
     "pathlib.WindowsPath": _path,
@@ -445,9 +450,56 @@ WEIGHTS_ONLY_GLOBALS: dict[str, Any] = {
     **torch_rebuild.TORCH_GLOBALS,
 }
 
+
+@dataclass(frozen=True, slots=True)
+class EnumValue:
+    """A member of an enum class a checkpoint names (Megatron's ``AttnBackend``), as data:
+    the class's qualified name and the member's value, never the class itself."""
+
+    enum: str
+    value: Any
+
+    def __str__(self) -> str:
+        return f"{self.enum.rsplit('.', 1)[-1]}({self.value!r})"
+
+
+def _enum_class(qualname: str) -> Callable[[Any], EnumValue]:
+    def member(value: Any) -> EnumValue:
+        return EnumValue(qualname, _enum_value(value))
+
+    member.__qualname__ = member.__name__ = qualname
+    return member
+
+
+# What Megatron-core's ``common_state`` and ``rng_state`` objects name: Megatron's own
+# ``safe_globals.SAFE_GLOBALS`` (the list it admits with ``weights_only=True``), as data:
+# namespaces and dataclasses as records, enums as :class:`EnumValue`.
+_MEGATRON_ENUMS = (
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.enums.ModelType",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "signal.Signals",
+)
+_MEGATRON_RECORDS = (
+    "argparse.Namespace",
+    "types.SimpleNamespace",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+)
+MEGATRON_GLOBALS: dict[str, Any] = {
+    **{q: _enum_class(q) for q in _MEGATRON_ENUMS},
+    **{q: _record_class(q) for q in _MEGATRON_RECORDS},
+    "pathlib.PosixPath": _path,
+}
+
 # Globals a DCP object item may name: torch loads those with ``weights_only=False``, and
 # training state holds RNG states (numpy arrays), ``io.BytesIO`` and a few more builtins.
 ARCHIVE_GLOBALS: dict[str, Any] = {
+    **MEGATRON_GLOBALS,
     **WEIGHTS_ONLY_GLOBALS,
     "builtins.frozenset": _copying(frozenset, "frozenset"),
     "builtins.object": object,
@@ -575,6 +627,8 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if isinstance(value, complex):
         return {"type": "complex", "real": value.real, "imag": value.imag}
+    if isinstance(value, EnumValue):
+        return {"type": value.enum.rsplit(".", 1)[-1], "value": plain(value.value)}
     if value is None or isinstance(value, bool | int | float | str):
         return value
     return {"type": type(value).__name__, "repr": short(value)[:200]}

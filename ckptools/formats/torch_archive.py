@@ -476,8 +476,15 @@ def object_archive(value: Any) -> bytes:
     """
     if not _is_plain(value):
         raise TypeError(f"not a plain value: {type(value).__name__}")
+    return pickled_archive(pickle.dumps(value, protocol=2))
+
+
+def pickled_archive(data_pkl: bytes) -> bytes:
+    """The ``torch.save`` archive around the pickle ``data_pkl`` of a value without tensors
+    (:func:`object_archive`'s, or a producer's value pickled by its writer, e.g. Megatron's
+    ``common_state`` with its ``argparse.Namespace``)."""
     records = [
-        ("data.pkl", pickle.dumps(value, protocol=2)),
+        ("data.pkl", data_pkl),
         (".format_version", b"1"),
         (".storage_alignment", str(_STORAGE_ALIGNMENT).encode()),
         ("byteorder", b"little"),

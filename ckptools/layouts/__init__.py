@@ -11,6 +11,7 @@ from ckptools.layouts import (
     dcp_rank_local,  # noqa: F401  (registers dcp_rank_local)
     deepspeed,  # noqa: F401  (registers deepspeed)
     hf_distributed,  # noqa: F401  (registers transformers_distributed)
+    megatron,  # noqa: F401  (registers megatron)
     safetensors,  # noqa: F401  (registers safetensors)
     torch_save,  # noqa: F401  (registers torch_save)
     verl,  # noqa: F401  (registers verl)

@@ -59,6 +59,10 @@ class Piece:
         fused_shape: when not empty, the fused tensor is the on-disk one, of this shape, and the
             box is in it: the in-memory tensor is a ``Chunk`` of a file tensor (a fused
             ``qkv``), the reverse of the usual MoE case.
+        at: when not empty, the box is only part of the on-disk tensor, at these offsets in it
+            (``stack_dim`` dropped), and ``whole_shape`` is the on-disk tensor's shape: several
+            pieces (row ranges of Megatron's fused QKV, one per query group) make one tensor.
+        whole_shape: the on-disk tensor's shape when ``at`` is set.
     """
 
     disk: str
@@ -68,6 +72,8 @@ class Piece:
     stack_dim: int | None
     rule: str
     fused_shape: tuple[int, ...] = ()
+    at: tuple[int, ...] = ()
+    whole_shape: tuple[int, ...] = ()
 
     @property
     def fused_on_disk(self) -> bool:
@@ -75,7 +81,13 @@ class Piece:
 
     @property
     def disk_shape(self) -> tuple[int, ...]:
-        return self.fused_shape or _drop(self.sizes, self.stack_dim)
+        return self.whole_shape or self.fused_shape or _drop(self.sizes, self.stack_dim)
+
+    @property
+    def disk_box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) of the box in the on-disk tensor."""
+        sizes = _drop(self.sizes, self.stack_dim)
+        return (self.at or (0,) * len(sizes)), sizes
 
     @property
     def whole(self) -> bool:
@@ -521,12 +533,38 @@ def _cut(
     return tuple(chunks)
 
 
+def _shifted(chunks: tuple[Chunk, ...], at: tuple[int, ...]) -> tuple[Chunk, ...]:
+    """``chunks`` (offsets in a box) moved to the box's place ``at`` (none: where they are)."""
+    if not any(at):
+        return chunks
+    return tuple(
+        replace(c, offsets=tuple(a + o for a, o in zip(at, c.offsets, strict=True))) for c in chunks
+    )
+
+
+def _within(
+    entry: TensorEntry,
+    p: Piece,
+    raw: Callable[[TensorEntry, Chunk], Chunk],
+    unchecked: dict[tuple[str, int], tuple[str, Chunk]],
+) -> tuple[Chunk, ...]:
+    """The stored chunks of on-disk ``entry`` that piece ``p`` takes: all of them, or for a
+    piece that is part of it (``Piece.at``) their boxes inside that part, resolved by ``raw``
+    (offsets relative to the part)."""
+    if not p.at:
+        return tuple(unique_chunks(entry))
+    offsets, sizes = p.disk_box
+    part = Piece(p.disk, p.disk, offsets, sizes, None, p.rule)
+    return _cut(entry, ChunkIndex(entry), part, raw, unchecked)
+
+
 def _place(
     manifest: Manifest,
     members: list[tuple[str, Piece]],
     raw: Callable[[TensorEntry, Chunk], Chunk],
     key: str,
     shape: tuple[int, ...],
+    unchecked: dict[tuple[str, int], tuple[str, Chunk]],
 ) -> TensorEntry:
     """Entry ``key`` of ``shape`` made of stored tensors ``members`` ((stored FQN, piece)),
     each placed at its piece's box: the chunks are theirs, moved.
@@ -544,8 +582,8 @@ def _place(
                 f"joins both into {key!r}",
                 fqn=fqn,
             )
-        for c in unique_chunks(entry):
-            r = raw(entry, c)
+        for c in _within(entry, p, raw, unchecked):
+            r = raw(entry, c) if not p.at else c
             offsets = _insert(c.offsets, p.stack_dim, 0)
             placed.append(
                 replace(
@@ -601,11 +639,15 @@ def split_entries(
             else:
                 new_fqn = split_fqn(fqn, p.disk)
                 sources = sources or ChunkIndex(entry)
-                chunks = _cut(entry, sources, p, raw, unchecked)
+                chunks = _shifted(_cut(entry, sources, p, raw, unchecked), p.at)
+                if new_fqn in added:  # another box of the same on-disk tensor (``Piece.at``)
+                    chunks = added[new_fqn].chunks + chunks
                 added[new_fqn] = TensorEntry(new_fqn, entry.dtype, p.disk_shape, chunks)
                 out[p.disk] = new_fqn
     for disk, members in joins.items():
-        added[out[disk]] = _place(manifest, members, raw, out[disk], members[0][1].disk_shape)
+        added[out[disk]] = _place(
+            manifest, members, raw, out[disk], members[0][1].disk_shape, unchecked
+        )
     tensors = {**manifest.tensors, **added}
     return replace(manifest, tensors=tensors), out, list(unchecked.values())
 
@@ -651,6 +693,6 @@ def merge_entries(
             out[p.memory] = _free_key(manifest, p.memory)
     for memory, members in stacks.items():
         key = out[memory]
-        added[key] = _place(manifest, members, raw, key, keymap.memory_shapes[memory])
+        added[key] = _place(manifest, members, raw, key, keymap.memory_shapes[memory], unchecked)
     tensors = {**manifest.tensors, **added}
     return replace(manifest, tensors=tensors), out, list(unchecked.values())

@@ -62,6 +62,14 @@ class ObjectItem:
     data: bytes | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Archived:
+    """A non-tensor value already in the bytes DCP stores (a ``torch.save`` archive), for
+    :func:`plan_dcp`'s ``values``: stored as they are."""
+
+    data: bytes
+
+
 @dataclass(frozen=True)
 class DcpPlan:
     """Every item of every rank file, and what ``.metadata`` records about each tensor."""
@@ -162,7 +170,10 @@ def plan_dcp(
             _plan_value_tensor(packer, fqn, value)
             continue
         try:
-            data = torch_archive.object_archive(value)
+            if isinstance(value, Archived):
+                data = value.data
+            else:
+                data = torch_archive.object_archive(value)
         except TypeError as e:
             raise UnsupportedCheckpointError(
                 f"{manifest.root}: {fqn!r} cannot be stored in DCP ({e})", fqn=fqn

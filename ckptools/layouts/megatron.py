@@ -1,0 +1,423 @@
+"""Megatron-core ``torch_dist`` checkpoints: a run directory of ``iter_<7 digits>/`` DCP saves.
+
+Megatron-LM (and NeMo, Megatron-Bridge, slime, verl's Megatron backend) save through
+``megatron.core.dist_checkpointing`` whose default backend, ``torch_dist``, is a DCP directory:
+
+* the run directory holds ``latest_checkpointed_iteration.txt`` (the newest iteration, or
+  ``release``) and one ``iter_0000010/`` (or ``release/``) per save;
+* a save holds ``.metadata`` (torch's ``Metadata`` with Megatron's ``all_local_plans`` added:
+  pickled ``SavePlan`` / ``WriteItem`` records, read as data by the allowlist), one
+  ``__<rank>_0.distcp`` per rank and ``metadata.json`` (``{"sharded_backend": "torch_dist"}``,
+  written after the DCP commit, so it is the save's marker);
+* every non-tensor value is a ``ShardedObject`` stored as the ``torch.save`` bytes of a list of
+  its data, under ``<key>/shard_<offsets>_<shape>``: ``common_state`` (the run's ``args``
+  namespace, the iteration, the scheduler...), ``rng_state``, the layers' ``_extra_state``.
+
+Model tensors have no prefix; the decoder layers are stacked on a leading dim of size
+``num_layers`` (or per layer, ``decoder.layers.<i>.``); the optimizer is under ``optimizer.``.
+This module finds the save, reads it as DCP and decodes ``common_state`` into
+``Manifest.details["megatron"]`` (:class:`RunArgs`' fields): what ``inspect`` shows and the HF
+mapping (:mod:`ckptools.plan.megatron`) reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ckptools.core.manifest import Manifest
+from ckptools.errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UsageError,
+)
+from ckptools.formats import safe_pickle, torch_archive
+from ckptools.io import storage
+from ckptools.layouts.base import Chosen, Layout, directory_names, register
+from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CONFIG_FILE = "metadata.json"
+BACKEND = "torch_dist"
+RELEASE = "release"
+_ITER = re.compile(r"^iter_(\d{7,})$")
+COMMON_STATE = "common_state/shard_0_1"
+#: ``Manifest.details`` key of the run's facts (:class:`RunArgs` as a dict)
+DETAILS_KEY = "megatron"
+
+
+def iteration_dir_name(iteration: int) -> str:
+    """The directory Megatron-LM saves iteration ``iteration`` in (``iter_0000010``)."""
+    return f"iter_{iteration:07d}"
+
+
+def _backend(path: str) -> str | None:
+    """The ``sharded_backend`` of ``path/metadata.json``; None without one."""
+    config = storage.join(path, CONFIG_FILE)
+    if not storage.isfile(config):
+        return None
+    try:
+        data = json.loads(storage.read_bytes(config))
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{config}: not JSON ({e})", path=config) from e
+    backend = data.get("sharded_backend") if isinstance(data, dict) else None
+    return backend if isinstance(backend, str) else ""
+
+
+def _is_save(path: str) -> bool:
+    return _backend(path) == BACKEND and storage.isfile(storage.join(path, METADATA_FILE))
+
+
+def _tracked(run: str) -> str | None:
+    """The save the tracker file names (``iter_0000010`` or ``release``), None without one."""
+    tracker = storage.join(run, TRACKER_FILE)
+    if not storage.isfile(tracker):
+        return None
+    text = storage.read_bytes(tracker).decode(errors="replace").strip()
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise CorruptCheckpointError(
+            f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'", path=tracker
+        )
+    return iteration_dir_name(int(text))
+
+
+def saves(run: str) -> list[str]:
+    """The save directories of the run directory ``run`` (``iter_*`` in order, ``release``)."""
+    names = directory_names(run) or []
+    found = sorted((int(m.group(1)), n) for n in names if (m := _ITER.match(n)))
+    return [n for _, n in found] + ([RELEASE] if RELEASE in names else [])
+
+
+def iteration_dir(run: str, iteration: int) -> str:
+    """The save of iteration ``iteration`` in the run directory ``run`` (``--iteration``).
+
+    Raises:
+        CheckpointNotFoundError: ``run`` holds no such save (the message lists those it holds).
+        UsageError: ``run`` is one save itself.
+    """
+    if _ITER.match(storage.basename(run)) or _is_save(run):
+        raise UsageError(
+            f"{run} is one Megatron save itself: drop --iteration {iteration}, or point at the "
+            "run directory above it",
+            path=run,
+        )
+    name = iteration_dir_name(iteration)
+    path = storage.contained(run, name, named_by="--iteration", entry="names the save")
+    if not storage.isdir(path):
+        held = saves(run)
+        listed = ", ".join(held) if held else "none"
+        raise CheckpointNotFoundError(
+            f"{run}: no iteration {iteration} ({name}/); the saves there: {listed}", path=path
+        )
+    return path
+
+
+def resolve(path: str) -> tuple[str, Chosen | None]:
+    """The save directory ``path`` means: itself, or in a run directory the one the tracker
+    names (else the newest complete one).
+
+    Raises:
+        IncompleteCheckpointError: the save has no ``metadata.json`` / ``.metadata``.
+    """
+    if _ITER.match(storage.basename(path)) or _backend(path) is not None:
+        if not _is_save(path):
+            raise IncompleteCheckpointError(
+                f"{path}: no {CONFIG_FILE} naming {BACKEND} with a DCP {METADATA_FILE}: the save "
+                "never finished (Megatron writes metadata.json last)",
+                path=path,
+            )
+        return path, None
+    held = saves(path)
+    tracked = _tracked(path)
+    complete = [n for n in held if _is_save(storage.join(path, n))]
+    if not complete:
+        raise IncompleteCheckpointError(
+            f"{path}: none of {', '.join(held) or 'its saves'} is a complete torch_dist save "
+            f"({CONFIG_FILE} and {METADATA_FILE})",
+            path=path,
+        )
+    if tracked in complete:
+        name, why, skipped_as = tracked, f"the save {TRACKER_FILE} names,", "newer than that"
+    else:
+        name, why, skipped_as = complete[-1], "the newest complete", "incomplete"
+    newer = held[held.index(name) + 1 :]
+    inner = storage.contained(path, name, named_by=path, entry="holds")
+    return inner, Chosen(path, name, len(held), tuple(newer), (), why, skipped_as)
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """What a Megatron run's ``args`` say about the model and its parallel layout (None where
+    the run did not record it)."""
+
+    iteration: int | None
+    tensor_parallel: int | None
+    pipeline_parallel: int | None
+    data_parallel: int | None
+    num_layers: int | None
+    hidden_size: int | None
+    ffn_hidden_size: int | None
+    num_attention_heads: int | None
+    num_query_groups: int | None
+    kv_channels: int | None
+    vocab_size: int | None
+    padded_vocab_size: int | None
+    make_vocab_size_divisible_by: int | None
+    max_position_embeddings: int | None
+    norm_epsilon: float | None
+    rotary_base: float | None
+    normalization: str | None
+    swiglu: bool | None
+    add_qkv_bias: bool | None
+    add_bias_linear: bool | None
+    qk_layernorm: bool | None
+    untie_embeddings_and_output_weights: bool | None
+    num_experts: int | None
+    multi_latent_attention: bool | None
+    params_dtype: str | None
+    optimizer_sharding: str  # "dp_reshardable", "fully_reshardable" or "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _arg(args: Any, name: str, kind: type | tuple[type, ...]) -> Any:
+    """``args.<name>`` when it is a ``kind`` (a bool is no int here), else None."""
+    value = getattr(args, name, None)
+    if isinstance(value, bool) != (kind is bool):
+        return None
+    return value if isinstance(value, kind) else None
+
+
+def _dtype(args: Any) -> str | None:
+    if getattr(args, "bf16", False) is True:
+        return "bfloat16"
+    if getattr(args, "fp16", False) is True:
+        return "float16"
+    raw = getattr(args, "params_dtype", None)
+    if isinstance(raw, safe_pickle.DTypeName):
+        return str(raw)
+    return "float32" if args is not None else None
+
+
+def optimizer_sharding(manifest: Manifest) -> str:
+    """How the distributed optimizer stored its state: by DP buckets, per parameter, or none."""
+    for fqn in manifest.tensors:
+        if fqn.startswith("optimizer.distributed."):
+            return "dp_reshardable"
+        if fqn.startswith("optimizer.state."):
+            return "fully_reshardable"
+    return "none"
+
+
+_INT_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "padded_vocab_size",
+    "make_vocab_size_divisible_by",
+    "max_position_embeddings",
+    "num_experts",
+)
+_BOOL_ARGS = (
+    "swiglu",
+    "add_qkv_bias",
+    "add_bias_linear",
+    "qk_layernorm",
+    "untie_embeddings_and_output_weights",
+    "multi_latent_attention",
+)
+
+
+def run_args(common: Mapping[str, Any] | None, manifest: Manifest) -> RunArgs:
+    """:class:`RunArgs` of ``common_state`` (``common``) and the tensors of ``manifest``."""
+    args = (common or {}).get("args")
+    iteration = (common or {}).get("iteration")
+    ints = {
+        "tensor_parallel": "tensor_model_parallel_size",
+        "pipeline_parallel": "pipeline_model_parallel_size",
+        "data_parallel": "data_parallel_size",
+    }
+    fields: dict[str, Any] = {k: _arg(args, v, int) for k, v in ints.items()}
+    for name in _INT_ARGS:
+        fields[name] = _arg(args, name, int)
+    for name in ("norm_epsilon", "rotary_base"):
+        value = _arg(args, name, (int, float))
+        fields[name] = None if value is None else float(value)
+    fields["normalization"] = _arg(args, "normalization", str)
+    for name in _BOOL_ARGS:
+        fields[name] = _arg(args, name, bool)
+    if getattr(args, "group_query_attention", None) is False:
+        fields["num_query_groups"] = fields["num_attention_heads"]
+    return RunArgs(
+        iteration=iteration if isinstance(iteration, int) else None,
+        params_dtype=_dtype(args),
+        optimizer_sharding=optimizer_sharding(manifest),
+        **fields,
+    )
+
+
+def common_state(manifest: Manifest) -> dict[str, Any] | None:
+    """The decoded ``common_state`` object (the run's ``args``, iteration...), None without one.
+
+    Raises:
+        UnsafeCheckpointError: it names a global outside the allowlist.
+    """
+    entry = manifest.objects.get(COMMON_STATE)
+    if entry is None or entry.file is None:
+        return None
+    with storage.open_reader(manifest.data_dir()) as reader:
+        archive = torch_archive.read_archive(reader, entry.file, entry.offset, entry.length)
+        value = torch_archive.load_pickle(reader, archive)
+    # a ShardedObject is saved as torch.save([data]): the list of this rank's data
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(
+            f"{manifest.root}: {COMMON_STATE} holds {safe_pickle.short(value)}, not a dict",
+            path=manifest.root,
+        )
+    return value
+
+
+def kind_of(fqn: str) -> str:
+    """What a Megatron entry is: "model", "optimizer", "rng", "common" or "extra_state"."""
+    head = fqn.split("/", 1)[0]
+    if head.startswith("optimizer.") or head == "optimizer":
+        return "optimizer"
+    if head == "rng_state":
+        return "rng"
+    if head in ("common_state", "content_metadata"):
+        return "common"
+    if head.endswith("._extra_state"):
+        return "extra_state"
+    return "model"
+
+
+def read_save(path: str, chosen: Chosen | None = None) -> Manifest:
+    """The manifest of the Megatron save directory ``path`` (a DCP directory), with the run's
+    facts in ``details["megatron"]`` and a count of what is model, optimizer, RNG and common
+    state in ``details["megatron_parts"]``."""
+    manifest = read_dcp_tree(path, layout="megatron")
+    try:
+        common = common_state(manifest)
+    except CkptError as e:
+        manifest = replace(manifest, notes=(*manifest.notes, f"common_state not decoded: {e}"))
+        common = None
+    facts = run_args(common, manifest)
+    counts: dict[str, int] = {}
+    for fqn in manifest:
+        counts[kind_of(fqn)] = counts.get(kind_of(fqn), 0) + 1
+    details = {**manifest.details, DETAILS_KEY: facts.to_dict(), "megatron_parts": counts}
+    # the optimizer's flat FQNs under one container, so that the model part is the rest
+    paths = {
+        fqn: ("optimizer", fqn[len("optimizer.") :])
+        for fqn in manifest.tensors
+        if fqn.startswith("optimizer.")
+    }
+    manifest = replace(manifest, details=details, paths={**manifest.paths, **paths})
+    return chosen.noted(manifest) if chosen is not None else manifest
+
+
+#: the iteration Megatron-LM's own Hugging Face loaders give a fresh conversion
+#: (``tools/checkpoint/loader_*_hf.py``: "'0', 'release' don't work")
+CONVERTED_ITERATION = 1
+#: ``common_state``'s ``checkpoint_version`` in what Megatron-LM saves today
+CHECKPOINT_VERSION = 3.0
+
+
+def run_namespace(args: Mapping[str, Any]) -> bytes:
+    """The pickle of ``torch.save``'s ``[common_state]`` for a converted model: the model's
+    ``args`` as the ``argparse.Namespace`` Megatron-LM keeps, the checkpoint version and
+    iteration (what ``load_checkpoint`` reads; Megatron admits a ``Namespace`` on load)."""
+    import argparse
+    import pickle
+
+    common = {
+        "args": argparse.Namespace(**args),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": CONVERTED_ITERATION,
+    }
+    return pickle.dumps([common], protocol=2)
+
+
+def converted_args(d: Any, params_dtype: str) -> dict[str, Any]:
+    """The Megatron-LM ``args`` of a model of sizes ``d`` (:class:`ckptools.plan.megatron.Dims`)
+    that a converted checkpoint records: what ``--use-checkpoint-args`` would read back."""
+    return {
+        "num_layers": d.layers,
+        "hidden_size": d.hidden,
+        "ffn_hidden_size": d.ffn,
+        "num_attention_heads": d.heads,
+        "group_query_attention": d.groups != d.heads,
+        "num_query_groups": d.groups,
+        "kv_channels": d.head_dim,
+        "vocab_size": d.vocab,
+        "padded_vocab_size": d.padded_vocab,
+        "untie_embeddings_and_output_weights": not d.tied,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "add_bias_linear": False,
+        "add_qkv_bias": d.qkv_bias,
+        "qk_layernorm": d.qk_norm,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "bf16": params_dtype == "bfloat16",
+        "fp16": params_dtype == "float16",
+        "ckpt_format": BACKEND,
+        "iteration": CONVERTED_ITERATION,
+    }
+
+
+def marker_files(iteration: int = CONVERTED_ITERATION) -> dict[str, bytes]:
+    """The files that make a run directory of one ``torch_dist`` save (relative path -> bytes):
+    the save's ``metadata.json`` and the run's tracker file."""
+    config = {"sharded_backend": BACKEND, "sharded_backend_version": 1}
+    return {
+        f"{iteration_dir_name(iteration)}/{CONFIG_FILE}": json.dumps(config).encode(),
+        TRACKER_FILE: str(iteration).encode(),
+    }
+
+
+class MegatronLayout(Layout):
+    priority = 14
+    name = "megatron"
+    description = (
+        "Megatron-core torch_dist checkpoint (run directory with "
+        "latest_checkpointed_iteration.txt, an iter_*/ save, or a save's metadata.json)"
+    )
+
+    def probe(self, path: str) -> str | None:
+        if not storage.isdir(path):
+            return "not a directory"
+        backend = _backend(path)
+        if backend is not None:
+            if backend != BACKEND:
+                return f"metadata.json names sharded_backend {backend!r}; ckptools reads torch_dist"
+            return None
+        if _ITER.match(storage.basename(path)):
+            return None  # a save without its metadata.json: read_manifest says what is missing
+        if storage.isfile(storage.join(path, TRACKER_FILE)) or any(
+            _is_save(storage.join(path, n)) for n in saves(path)[-1:]
+        ):
+            return None
+        return f"no {TRACKER_FILE}, iter_*/ save or metadata.json naming torch_dist"
+
+    def read_manifest(self, path: str) -> Manifest:
+        inner, chosen = resolve(path)
+        return read_save(inner, chosen)
+
+
+register(MegatronLayout())

@@ -1,0 +1,479 @@
+"""Megatron-core's GPT model <-> a Hugging Face Llama-family model, as byte boxes (pure).
+
+One description, read in both directions: every Hugging Face tensor is one or more boxes of a
+Megatron tensor (a :class:`~ckptools.plan.conversions.Piece` each), so ``consolidate`` cuts the
+stored Megatron chunks into the HF tensors (``split_entries``) and ``shard --to megatron``
+places the HF tensors' chunks into the Megatron ones (``merge_entries``), the same planner and
+executor as transformers' MoE mapping. What Megatron does differently is all boxes:
+
+* the decoder layers are stacked on a leading dim (``decoder.layers.X`` [L, ...]), or kept per
+  layer (``decoder.layers.<i>.X``): layer ``i`` is the box ``[i:i+1]`` (the stacked dim dropped);
+* ``linear_qkv`` holds, per query group ``g``, the group's query heads, then its key head, then
+  its value head (``head_dim`` rows each): ``q_proj`` is ``num_query_groups`` row ranges of it,
+  ``k_proj`` and ``v_proj`` as many single-head ranges (``Piece.at``: where each lands);
+* ``linear_fc1`` is all gate rows then all up rows (SwiGLU);
+* the local spec saves its norms under the fused names (``linear_qkv.layer_norm_weight`` is
+  ``input_layernorm``, ``linear_fc1.layer_norm_weight`` ``post_attention_layernorm``);
+* the vocabulary is padded (``make_vocab_size_divisible_by`` x TP): HF's rows are the first
+  ``vocab_size``; going to Megatron the padding rows repeat the last row, as Megatron-LM's own
+  converter (``tools/checkpoint``) pads.
+
+Families this does not describe are refused by name (MoE experts, multi-latent attention,
+non-SwiGLU MLPs, LayerNorm with bias).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptools.errors import UnsupportedCheckpointError, UsageError
+from ckptools.plan.conversions import KeyMap, Piece, Shapes
+
+#: the Hugging Face ``model_type`` s whose layers are this module's layout
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+#: Megatron-LM's default ``--make-vocab-size-divisible-by``
+VOCAB_DIVISOR = 128
+_LAYERS = "decoder.layers."
+_QKV = "self_attention.linear_qkv"
+_FC1 = "mlp.linear_fc1"
+#: MoE and MLA tensors, by a name part only they have, and what they are
+_REFUSED = (
+    ("mlp.experts", "MoE experts"),
+    ("mlp.router", "an MoE router"),
+    ("linear_q_down_proj", "multi-latent attention (MLA)"),
+    ("linear_kv_down_proj", "multi-latent attention (MLA)"),
+    ("linear_q_proj", "multi-latent attention (MLA)"),
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The model's sizes, as both sides must agree on them."""
+
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int  # the tokenizer's (HF's) vocabulary
+    padded_vocab: int  # Megatron's rows
+    tied: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    stacked: bool = True  # Megatron's layers on one leading dim (else decoder.layers.<i>.)
+
+    @property
+    def per_group(self) -> int:
+        return self.heads // self.groups
+
+
+def padded_vocab(vocab: int, divisor: int) -> int:
+    """Megatron's padded vocabulary: ``vocab`` rounded up to a multiple of ``divisor``."""
+    return math.ceil(vocab / divisor) * divisor
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One Megatron tensor of a layer (or of the model) and the HF tensors it holds, as
+    ``(HF name, Megatron first row, HF first row, rows)`` row ranges (rows: dim 0 of the
+    layer's slice; the other dims are whole)."""
+
+    megatron: str
+    rest: tuple[int, ...]  # the layer slice's dims after dim 0
+    parts: tuple[tuple[str, int, int, int], ...]
+    rule: str
+
+    @property
+    def rows(self) -> int:
+        return sum(n for _, _, _, n in self.parts)
+
+
+def _qkv_parts(d: Dims, suffix: str) -> tuple[tuple[str, int, int, int], ...]:
+    """``linear_qkv``'s row ranges: per group its query heads, its key head, its value head."""
+    hd, per = d.head_dim, d.per_group
+    out = []
+    for g in range(d.groups):
+        base = g * (per + 2) * hd
+        out.append((f"self_attn.q_proj.{suffix}", base, g * per * hd, per * hd))
+        out.append((f"self_attn.k_proj.{suffix}", base + per * hd, g * hd, hd))
+        out.append((f"self_attn.v_proj.{suffix}", base + (per + 1) * hd, g * hd, hd))
+    return tuple(out)
+
+
+def _layer_tensors(d: Dims, norms: Mapping[str, str]) -> list[_Tensor]:
+    """The tensors of one decoder layer. ``norms``: the Megatron name of each layer norm (the
+    fused names by default; ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight`` when a
+    checkpoint has those)."""
+    h, hd, qkv_rows = d.hidden, d.head_dim, (d.heads + 2 * d.groups) * d.head_dim
+    out = [
+        _Tensor(f"{_QKV}.weight", (h,), _qkv_parts(d, "weight"), "linear_qkv -> q/k/v per group"),
+        _Tensor("self_attention.linear_proj.weight", (d.heads * hd,),
+                (("self_attn.o_proj.weight", 0, 0, h),), "linear_proj -> o_proj"),
+        _Tensor(f"{_FC1}.weight", (h,), (("mlp.gate_proj.weight", 0, 0, d.ffn),
+                ("mlp.up_proj.weight", d.ffn, 0, d.ffn)), "linear_fc1 -> gate/up"),
+        _Tensor("mlp.linear_fc2.weight", (d.ffn,), (("mlp.down_proj.weight", 0, 0, h),),
+                "linear_fc2 -> down_proj"),
+        _Tensor(norms["input"], (), (("input_layernorm.weight", 0, 0, h),), "layer norm"),
+        _Tensor(norms["post"], (), (("post_attention_layernorm.weight", 0, 0, h),),
+                "layer norm"),
+    ]  # fmt: skip
+    if d.qkv_bias:
+        out.append(_Tensor(f"{_QKV}.bias", (), _qkv_parts(d, "bias"), "linear_qkv bias"))
+    if d.qk_norm:
+        out.append(_Tensor("self_attention.q_layernorm.weight", (),
+                           (("self_attn.q_norm.weight", 0, 0, hd),), "q/k norm"))  # fmt: skip
+        out.append(_Tensor("self_attention.k_layernorm.weight", (),
+                           (("self_attn.k_norm.weight", 0, 0, hd),), "q/k norm"))  # fmt: skip
+    assert out[0].rows == qkv_rows
+    return out
+
+
+FUSED_NORMS = {
+    "input": f"{_QKV}.layer_norm_weight",
+    "post": f"{_FC1}.layer_norm_weight",
+}
+SEPARATE_NORMS = {"input": "input_layernorm.weight", "post": "pre_mlp_layernorm.weight"}
+
+
+def _layer_pieces(d: Dims, t: _Tensor) -> tuple[str, tuple[int, ...], list[Piece]]:
+    """The pieces of layer tensor ``t`` over all layers: (stacked name, stacked shape, pieces);
+    per-layer keys give one name per layer, each piece naming its own."""
+    pieces: list[Piece] = []
+    rows = t.rows
+    for i in range(d.layers):
+        memory = _LAYERS + t.megatron if d.stacked else f"{_LAYERS}{i}.{t.megatron}"
+        for hf, first, at, n in t.parts:
+            disk = f"model.layers.{i}.{hf}"
+            hf_rows = sum(m for name, _, _, m in t.parts if name == hf)
+            zeros = (0,) * len(t.rest)
+            if d.stacked:
+                offsets, sizes, stack = (i, first, *zeros), (1, n, *t.rest), 0
+            else:
+                offsets, sizes, stack = (first, *zeros), (n, *t.rest), None
+            if not d.stacked and n == rows:  # a per-layer key that is the HF tensor, renamed
+                pieces.append(Piece(disk, memory, offsets, sizes, None, "rename"))
+                continue
+            pieces.append(Piece(disk, memory, offsets, sizes, stack, t.rule, at=(at, *zeros),
+                                whole_shape=(hf_rows, *t.rest)))  # fmt: skip
+    shape = (d.layers, rows, *t.rest) if d.stacked else (rows, *t.rest)
+    return _LAYERS + t.megatron, shape, pieces
+
+
+def _vocab_pieces(d: Dims, megatron: str, hf: str, padding: bool) -> list[Piece]:
+    """The embedding (or output layer): HF's rows are Megatron's first ``vocab``; with
+    ``padding`` (going to Megatron) each padding row is a copy of the last real row."""
+    h, v = d.hidden, d.vocab
+    if v == d.padded_vocab:
+        return [Piece(hf, megatron, (0, 0), (v, h), None, "rename")]
+    shape = (v, h)
+    out = [Piece(hf, megatron, (0, 0), (v, h), None, "vocab padding dropped", at=(0, 0),
+                 whole_shape=shape)]  # fmt: skip
+    if padding:
+        out.extend(
+            Piece(
+                hf,
+                megatron,
+                (r, 0),
+                (1, h),
+                None,
+                "vocab padding: last row repeated",
+                at=(v - 1, 0),
+                whole_shape=shape,
+            )
+            for r in range(v, d.padded_vocab)
+        )
+    return out
+
+
+def keymap(d: Dims, norms: Mapping[str, str], family: str, *, padding: bool) -> KeyMap:
+    """Every piece of the model ``d``: HF names as on-disk names, Megatron's as in-memory.
+
+    ``padding``: Megatron's vocabulary padding rows are filled (``shard --to megatron``); else
+    they are left out (``consolidate``, whose HF tensors do not hold them).
+    """
+    pieces: list[Piece] = []
+    shapes: dict[str, tuple[int, ...]] = {}
+    for t in _layer_tensors(d, norms):
+        name, shape, made = _layer_pieces(d, t)
+        pieces.extend(made)
+        if d.stacked:
+            shapes[name] = shape
+        else:
+            shapes.update({p.memory: shape for p in made})
+    embedding = "embedding.word_embeddings.weight"
+    pieces.extend(_vocab_pieces(d, embedding, "model.embed_tokens.weight", padding))
+    shapes[embedding] = (d.padded_vocab, d.hidden)
+    pieces.append(Piece("model.norm.weight", "decoder.final_layernorm.weight", (0,), (d.hidden,),
+                        None, "rename"))  # fmt: skip
+    shapes["decoder.final_layernorm.weight"] = (d.hidden,)
+    if not d.tied:
+        pieces.extend(_vocab_pieces(d, "output_layer.weight", "lm_head.weight", padding))
+        shapes["output_layer.weight"] = (d.padded_vocab, d.hidden)
+    return KeyMap(tuple(pieces), shapes, f"megatron <-> {family}")
+
+
+def refuse_family(names: Any, where: str) -> None:
+    """Refuse a model whose tensors only MoE or MLA models have, by name.
+
+    Raises:
+        UnsupportedCheckpointError: naming the tensor and the family.
+    """
+    for fqn in names:
+        for part, what in _REFUSED:
+            if part in fqn:
+                raise UnsupportedCheckpointError(
+                    f"{where}: {fqn!r} is {what}; ckptools maps only dense Llama-family models "
+                    f"({', '.join(FAMILIES)}) between Megatron and Hugging Face: keep the stored "
+                    "names (--keep-in-memory-names / --select)",
+                    fqn=fqn,
+                )
+
+
+def family_of(config: Mapping[str, Any], where: str) -> str:
+    """The config's ``model_type``, one of :data:`FAMILIES`.
+
+    Raises:
+        UnsupportedCheckpointError: another family, named.
+    """
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise UnsupportedCheckpointError(
+            f"{where}: model_type {family!r}: ckptools maps only {', '.join(FAMILIES)} between "
+            "Megatron and Hugging Face"
+        )
+    return str(family)
+
+
+def _int(config: Mapping[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(f"{where}: config.json has no positive integer {key!r}")
+    return value
+
+
+def dims_from_hf(config: Mapping[str, Any], shapes: Shapes, divisor: int, where: str) -> Dims:
+    """:class:`Dims` of the HF model of ``config`` (its tensors' ``shapes`` checked against it),
+    Megatron's vocabulary padded to a multiple of ``divisor``.
+
+    Raises:
+        UsageError: the config lacks a size; UnsupportedCheckpointError: not this family.
+    """
+    family_of(config, where)
+    refuse_family(shapes, where)
+    heads = _int(config, "num_attention_heads", where)
+    hidden = _int(config, "hidden_size", where)
+    groups = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = _int(config, "vocab_size", where)
+    tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in shapes
+    return Dims(
+        layers=_int(config, "num_hidden_layers", where), hidden=hidden, heads=heads,
+        groups=int(groups), head_dim=int(head_dim),
+        ffn=_int(config, "intermediate_size", where), vocab=vocab,
+        padded_vocab=padded_vocab(vocab, divisor), tied=tied,
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in shapes,
+    )  # fmt: skip
+
+
+def check_shapes(km: KeyMap, shapes: Shapes, side: str, where: str) -> None:
+    """Every tensor ``km`` names on ``side`` ("disk": HF, "memory": Megatron) is in ``shapes``
+    with the shape the model's sizes give it.
+
+    Raises:
+        UnsupportedCheckpointError: a tensor is missing or of another shape.
+    """
+    wanted: dict[str, tuple[int, ...]] = {}
+    for p in km.pieces:
+        if side == "disk":
+            wanted[p.disk] = p.disk_shape
+        else:
+            wanted[p.memory] = km.memory_shapes[p.memory]
+    for name, shape in wanted.items():
+        got = shapes.get(name)
+        if got is None:
+            raise UnsupportedCheckpointError(
+                f"{where}: no tensor {name!r}, which a {km.mapping} model of these sizes has",
+                fqn=name,
+            )
+        if tuple(got) != shape:
+            raise UnsupportedCheckpointError(
+                f"{where}: {name!r} is {list(got)}, but the model's sizes give {list(shape)} "
+                "(check --config and the run's args)",
+                fqn=name,
+            )
+
+
+def _layer_count(shapes: Shapes, stacked: str) -> int | None:
+    """Layers of the run: the stacked dim, or the per-layer keys' indices."""
+    if stacked in shapes:
+        return shapes[stacked][0]
+    found = set()
+    for name in shapes:
+        if name.startswith(_LAYERS):
+            head = name[len(_LAYERS) :].split(".", 1)[0]
+            if head.isdigit():
+                found.add(int(head))
+    return len(found) if found and found == set(range(len(found))) else None
+
+
+def _find(shapes: Shapes, suffix: str, stacked: bool) -> tuple[int, ...] | None:
+    return shapes.get(_LAYERS + suffix if stacked else f"{_LAYERS}0.{suffix}")
+
+
+def dims_from_run(
+    shapes: Shapes, args: Mapping[str, Any], config: Mapping[str, Any] | None, where: str
+) -> tuple[Dims, dict[str, str]]:
+    """:class:`Dims` of a Megatron run's model tensors ``shapes`` (name -> shape), its ``args``
+    (:class:`~ckptools.layouts.megatron.RunArgs` as a dict) and the HF ``config`` when given
+    (it wins where both say), and the layer norms' Megatron names.
+
+    Raises:
+        UnsupportedCheckpointError: MoE, MLA, no SwiGLU, or tensors this layout lacks.
+        UsageError: the true vocabulary size is nowhere (no config, ``args.vocab_size`` None).
+    """
+    refuse_family(shapes, where)
+    if args.get("num_experts"):
+        raise UnsupportedCheckpointError(
+            f"{where}: the run has {args['num_experts']} MoE experts (args.num_experts); ckptools "
+            f"maps only dense Llama-family models ({', '.join(FAMILIES)}) to Hugging Face"
+        )
+    if args.get("multi_latent_attention"):
+        raise UnsupportedCheckpointError(
+            f"{where}: the run uses multi-latent attention (MLA); ckptools maps only "
+            f"{', '.join(FAMILIES)} models to Hugging Face"
+        )
+    if config is not None:
+        family_of(config, where)
+    stacked = _LAYERS + f"{_QKV}.weight" in shapes
+    qkv = _find(shapes, f"{_QKV}.weight", stacked)
+    fc1 = _find(shapes, f"{_FC1}.weight", stacked)
+    embedding = shapes.get("embedding.word_embeddings.weight")
+    layers = _layer_count(shapes, _LAYERS + f"{_QKV}.weight")
+    if qkv is None or fc1 is None or embedding is None or not layers:
+        raise UnsupportedCheckpointError(
+            f"{where}: no {_LAYERS}{_QKV}.weight, {_FC1}.weight or embedding.word_embeddings: "
+            "not a GPT model of Megatron-core's layer specs"
+        )
+    if args.get("swiglu") is False:
+        raise UnsupportedCheckpointError(
+            f"{where}: the run's MLP is not SwiGLU (args.swiglu false); Llama-family models need it"
+        )
+    cfg = config or {}
+    heads = int(cfg.get("num_attention_heads") or args.get("num_attention_heads") or 0)
+    groups = int(cfg.get("num_key_value_heads") or args.get("num_query_groups") or heads)
+    vocab = int(cfg.get("vocab_size") or args.get("vocab_size") or 0)
+    if not heads:
+        raise UsageError(
+            f"{where}: the number of attention heads is in neither the run's args nor a config; "
+            "give the model's config.json with --config"
+        )
+    if not vocab:
+        raise UsageError(
+            f"{where}: the true vocabulary size is not in the run's args (Megatron keeps only "
+            f"the padded {embedding[0]} rows when it runs with a Hugging Face tokenizer); give "
+            "the model's config.json with --config"
+        )
+    rows = qkv[-2]
+    if rows % (heads + 2 * groups) or heads % groups:
+        raise UnsupportedCheckpointError(
+            f"{where}: linear_qkv has {rows} rows, which {heads} heads in {groups} query groups "
+            "do not divide; check --config"
+        )
+    norms = FUSED_NORMS if _find(shapes, FUSED_NORMS["input"], stacked) else SEPARATE_NORMS
+    dims = Dims(
+        layers=layers, hidden=embedding[1], heads=int(heads), groups=int(groups),
+        head_dim=rows // (heads + 2 * groups), ffn=fc1[-2] // 2, vocab=int(vocab),
+        padded_vocab=embedding[0], tied="output_layer.weight" not in shapes,
+        qkv_bias=_find(shapes, f"{_QKV}.bias", stacked) is not None,
+        qk_norm=_find(shapes, "self_attention.q_layernorm.weight", stacked) is not None,
+        stacked=stacked,
+    )  # fmt: skip
+    if dims.vocab > dims.padded_vocab:
+        raise UsageError(
+            f"{where}: the config's vocab_size {dims.vocab} exceeds the {dims.padded_vocab} "
+            "embedding rows stored: --config names another model"
+        )
+    return dims, dict(norms)
+
+
+def hf_config(d: Dims, args: Mapping[str, Any], config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The HF ``config.json`` of the model: ``config`` as given, else made from the run's args
+    (Qwen3 where it has q/k norms, Qwen2 where QKV has a bias, else Llama)."""
+    if config is not None:
+        return dict(config)
+    family = "qwen3" if d.qk_norm else "qwen2" if d.qkv_bias else "llama"
+    made: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.ffn,
+        "num_hidden_layers": d.layers,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.groups,
+        "head_dim": d.head_dim,
+        "vocab_size": d.vocab,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.get("max_position_embeddings") or 4096,
+        "rms_norm_eps": args.get("norm_epsilon") or 1e-5,
+        "rope_theta": args.get("rotary_base") or 10000.0,
+        "tie_word_embeddings": d.tied,
+        "torch_dtype": args.get("params_dtype") or "float32",
+    }
+    if family == "llama":
+        made["attention_bias"] = d.qkv_bias
+        made["mlp_bias"] = False
+    return made
+
+
+def to_hf(
+    shapes: Shapes, args: Mapping[str, Any], config: Mapping[str, Any] | None, where: str
+) -> tuple[KeyMap, dict[str, Any]]:
+    """The pieces that cut a Megatron run's model tensors ``shapes`` into a Hugging Face
+    model's, and that model's config (``config``, or made from the run's args).
+
+    Raises:
+        UnsupportedCheckpointError: a family this does not map, a tensor it does not know, or
+            sizes that disagree.
+        UsageError: what only a config says is missing (see :func:`dims_from_run`).
+    """
+    dims, norms = dims_from_run(shapes, args, config, where)
+    made = hf_config(dims, args, config)
+    km = keymap(dims, norms, str(made["model_type"]), padding=False)
+    check_shapes(km, shapes, "memory", where)
+    known = set(km.memory_shapes)
+    for name in shapes:
+        if name not in known:
+            raise UnsupportedCheckpointError(
+                f"{where}: {name!r} has no place in a {made['model_type']} model; ckptools "
+                "maps only the tensors of Megatron-core's GPT layer specs (export the stored "
+                "names with --select '*' --keep-in-memory-names)",
+                fqn=name,
+            )
+    return km, made
+
+
+def from_hf(
+    shapes: Shapes, config: Mapping[str, Any], divisor: int, where: str
+) -> tuple[KeyMap, Dims]:
+    """The pieces that place a Hugging Face model's tensors ``shapes`` into Megatron's
+    (stacked layers, fused QKV and fc1, vocabulary padded to a multiple of ``divisor``).
+
+    Raises:
+        UnsupportedCheckpointError: a family this does not map, or a tensor missing or of
+            another shape than the config gives it.
+    """
+    dims = dims_from_hf(config, shapes, divisor, where)
+    km = keymap(dims, FUSED_NORMS, family_of(config, where), padding=True)
+    check_shapes(km, shapes, "disk", where)
+    return km, dims
