@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +124,7 @@ _FIRST_STAGE = ("embedding.word_embeddings.weight", "embedding.position_embeddin
 _LAST_STAGE = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
 _OUTPUT = "output_layer.weight"
 _LAYERS = "decoder.layers."
+_FC1 = "mlp.linear_fc1"
 _LAYER_INDEX = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
@@ -154,24 +155,25 @@ def parse_bucket_fqn(fqn: str) -> BucketName | None:
 
 @dataclass(frozen=True, slots=True)
 class LocalParam:
-    """One parameter as one tensor/pipeline rank holds it: a box of a model tensor.
+    """One parameter as one tensor/pipeline rank holds it: boxes of a model tensor.
 
     Attributes:
         fqn: the model tensor's FQN in the checkpoint (stacked or per layer).
-        offsets, sizes: the box; its row-major flattening is the parameter's (a stacked
+        boxes: ``(offsets, sizes)`` in the model tensor; the parameter's flat elements are
+            their row-major flattenings back to back (one box, but two for a SwiGLU
+            ``linear_fc1``, whose TP rank holds its gate rows and its up rows; a stacked
             layer's box has size 1 on the layer dimension).
-        replica: another model-parallel rank holds the same box (a norm every TP rank keeps,
+        replica: another model-parallel rank holds the same boxes (a norm every TP rank keeps,
             the embedding the last pipeline stage ties to); its state is not taken.
     """
 
     fqn: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
+    boxes: tuple[geometry.Box, ...]
     replica: bool = False
 
     @property
     def numel(self) -> int:
-        return math.prod(self.sizes)
+        return sum(math.prod(sizes) for _, sizes in self.boxes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,28 +323,39 @@ def param_chunks(
         lo, hi = max(r.start, s.start), min(r.stop, s.start + s.count)
         if lo < hi:
             covered += hi - lo
-            base = s.offset + (lo - s.start) * itemsize
-            first = lo - r.start
-            for (offs, sizes), at in flat_boxes(p.sizes, first, hi - r.start):
-                n = math.prod(sizes)
-                out.append(
-                    Chunk(
-                        offsets=tuple(a + b for a, b in zip(p.offsets, offs, strict=True)),
-                        sizes=sizes,
-                        file=s.file,
-                        offset=base + (at - first) * itemsize,
-                        length=n * itemsize,
-                        rank=s.rank,
-                    )
+            out.extend(
+                _box_chunks(
+                    p, lo - r.start, hi - r.start, s, s.offset + (lo - s.start) * itemsize, itemsize
                 )
+            )
         i += 1
     if covered != r.stop - r.start:
         raise CorruptCheckpointError(
             f"{where}: the optimizer stores {covered} of the {r.stop - r.start} elements of "
-            f"{p.fqn} at {list(p.offsets)} (bucket {r.bucket}, elements {r.start}..{r.stop})",
+            f"{p.fqn} at {list(p.boxes[0][0])} (bucket {r.bucket}, elements {r.start}..{r.stop})",
             fqn=p.fqn,
         )
     return out
+
+
+def _box_chunks(
+    p: LocalParam, first: int, stop: int, s: StoredPiece, at: int, itemsize: int
+) -> Iterator[Chunk]:
+    """Chunks of the parameter's flat elements ``[first, stop)``, stored from byte ``at``."""
+    base = 0
+    for offsets, sizes in p.boxes:
+        n = math.prod(sizes)
+        lo, hi = max(first, base), min(stop, base + n)
+        for (offs, part), flat_at in flat_boxes(sizes, lo - base, hi - base) if lo < hi else ():
+            yield Chunk(
+                offsets=tuple(a + b for a, b in zip(offsets, offs, strict=True)),
+                sizes=part,
+                file=s.file,
+                offset=at + (base + flat_at - first) * itemsize,
+                length=math.prod(part) * itemsize,
+                rank=s.rank,
+            )
+        base += n
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,20 +372,25 @@ class ModelTensor:
     boxes: tuple[geometry.Box, ...]
 
 
-def _split_boxes(boxes: Iterable[geometry.Box], tp: int, fqn: str) -> list[geometry.Box]:
-    """The distinct boxes of a tensor (or of one layer of it), one per TP rank in rank order;
-    one box (every TP rank keeps the whole) is repeated."""
+def _split_boxes(
+    boxes: Iterable[geometry.Box], tp: int, fqn: str
+) -> list[tuple[geometry.Box, ...]]:
+    """Each TP rank's boxes of a tensor (or of one layer of it), in rank order: the one box
+    (every TP rank keeps the whole), one box per rank, or for a SwiGLU ``linear_fc1`` (saved as
+    its gate rows then its up rows, each split over TP) the rank's gate and up boxes."""
     distinct = sorted(set(boxes))
     if len(distinct) == 1:
-        return distinct * tp
-    if len(distinct) != tp:
-        raise UnsupportedCheckpointError(
-            f"{fqn}: stored as {len(distinct)} pieces per layer, neither whole nor one per "
-            f"tensor-parallel rank ({tp}); convert the model alone (without --masters or the "
-            f"optimizer)",
-            fqn=fqn,
-        )
-    return distinct
+        return [(distinct[0],)] * tp
+    if len(distinct) == tp:
+        return [(b,) for b in distinct]
+    if len(distinct) == 2 * tp and fqn.rsplit(".", 1)[0].endswith(_FC1):
+        return list(zip(distinct[:tp], distinct[tp:], strict=True))
+    raise UnsupportedCheckpointError(
+        f"{fqn}: stored as {len(distinct)} pieces per layer, neither whole nor one per "
+        f"tensor-parallel rank ({tp}); convert the model alone (without --masters or the "
+        f"optimizer)",
+        fqn=fqn,
+    )
 
 
 def _layer_boxes(t: ModelTensor, layer: int) -> list[geometry.Box]:
@@ -452,7 +470,7 @@ def stage_params(
                     emb = next((t for t in first if t.fqn == _FIRST_STAGE[0]), None)
                     if emb is not None:
                         p = _whole(emb, rank, tp)
-                        mine.append(LocalParam(p.fqn, p.offsets, p.sizes, replica=True))
+                        mine.append(LocalParam(p.fqn, p.boxes, replica=True))
             out[rank + tp * stage] = mine
     return out
 
@@ -463,8 +481,7 @@ def _whole(t: ModelTensor, rank: int, tp: int) -> LocalParam:
 
 def _pick(fqn: str, boxes: Iterable[geometry.Box], rank: int, tp: int) -> LocalParam:
     split = _split_boxes(boxes, tp, fqn)
-    offs, sizes = split[rank]
-    return LocalParam(fqn, offs, sizes, replica=rank > 0 and split[0] == split[rank])
+    return LocalParam(fqn, split[rank], replica=rank > 0 and split[0] == split[rank])
 
 
 # ------------------------------------------------------------------------------------------------

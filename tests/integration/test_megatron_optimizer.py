@@ -1,0 +1,118 @@
+"""Megatron's distributed-optimizer state read from real Megatron-core saves, against the truth
+the saving job held.
+
+The fixtures under ``fixtures/megatron/`` are written by Megatron-core 0.19.2 itself (its
+``save_checkpoint``, on gloo/CPU, see ``fixtures/megatron/generate.py``); each ``<case>.truth.pt``
+holds what the job's DistributedOptimizer held when it saved, gathered with torch collectives:
+the fp32 masters and Adam moments per parameter (TP-gathered, per layer) and every buffer's
+parameter ranges. ckptools derives the ranges from the saved bucket sizes alone and reads the
+state as byte runs; both must equal the truth bit-exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ckptools.core.manifest import TensorEntry
+from ckptools.layouts import megatron_masters, read_manifest
+from ckptools.layouts import megatron_optimizer as mo
+
+FIXTURES = Path(
+    os.environ.get("CKPTOOLS_MEGATRON_FIXTURES")
+    or Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+)
+CASES = ("tp2_pp1", "tp1_pp2", "tp2_pp2_bf16", "dp2", "dp2_fully_reshardable", "qwen2_tp2")
+#: the checkpoint's stacked names of the local layer spec's modules (its norms are saved under
+#: the fused linear layers' names)
+LAYER_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+TRUTH_SECTIONS = {"param": "masters", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def _case(name: str) -> tuple[Path, dict[str, Any]]:
+    path = FIXTURES / name
+    if not path.is_dir():
+        pytest.skip(f"no Megatron fixture {path} (fixtures/megatron/generate.py writes it)")
+    return path, torch.load(FIXTURES / f"{name}.truth.pt", weights_only=False)
+
+
+def _stored(name: str) -> tuple[str, int | None]:
+    """A truth name (``decoder.layers.3.input_layernorm.weight``) as the checkpoint's FQN and
+    layer."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+        rest = ".".join(parts[3:])
+        return "decoder.layers." + LAYER_NAMES.get(rest, rest), int(parts[2])
+    return name, None
+
+
+def _read(root: Path, entry: TensorEntry) -> np.ndarray:
+    """An entry's value from its raw chunks, with numpy (no ckptools reader)."""
+    out = np.full(entry.shape, np.nan, dtype=np.float32)
+    for c in entry.chunks:
+        assert c.encoding == "raw"
+        with open(root / c.file, "rb") as f:
+            f.seek(c.offset)
+            data = np.frombuffer(f.read(c.length), dtype=np.float32).reshape(c.sizes)
+        out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))] = data
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_state_read_from_the_buckets_is_what_the_optimizer_held(name: str) -> None:
+    path, truth = _case(name)
+    manifest = read_manifest(str(path))
+    opt = megatron_masters.read_optimizer(manifest)
+    assert opt is not None
+    assert opt.sharding == truth["distrib_optim_sharding_type"]
+    root = Path(manifest.data_dir())
+    for kind, section in TRUTH_SECTIONS.items():
+        values = {fqn: _read(root, e) for fqn, e in opt.state[kind].items()}
+        assert len(truth[section]) >= len(values) > 0
+        for truth_name, want in truth[section].items():
+            fqn, layer = _stored(truth_name)
+            got = values[fqn] if layer is None else values[fqn][layer]
+            want = want.to(torch.float32).numpy()
+            assert got.shape == want.shape, (kind, truth_name)
+            assert got.tobytes() == want.tobytes(), (kind, truth_name)
+    assert opt.step == truth["optimizer_step"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [
+        g["weight_decay"] for g in truth["param_groups"]
+    ]
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if "fully" not in c])
+def test_the_derived_ranges_are_the_buffers_megatron_built(name: str) -> None:
+    """Every rank's buffer ranges (recorded by the job) equal the ranges derived from the saved
+    ``per_bucket_numel`` alone."""
+    path, truth = _case(name)
+    manifest = read_manifest(str(path))
+    model = [
+        mo.ModelTensor(f, e.shape, tuple({(c.offsets, c.sizes) for c in e.chunks}))
+        for f, e in manifest.tensors.items()
+        if not f.startswith("optimizer.")
+    ]
+    tp, pp = truth["tp"], truth["pp"]
+    layers = manifest.details["megatron"]["num_layers"]
+    staged = mo.stage_params(model, tp=tp, pp=pp, num_layers=layers, tied=not _untied(manifest))
+    for rank in truth["ranks"]:
+        (buffer,) = rank["buffers"]
+        (unpadded,) = rank["per_bucket_numel_unpadded"][0].values()
+        (padded,) = rank["per_bucket_numel"][0].values()
+        ranges = mo.place_params(staged[rank["tp"] + tp * rank["pp"]], unpadded, padded, truth["dp"])
+        starts = [b["offset"] for b in buffer["buckets"]]
+        got = [(r.param.fqn, r.start + starts[r.bucket], r.bucket) for r in ranges]
+        want = [(_stored(n)[0], s, b) for n, s, _, b in buffer["params"]]
+        assert got == want
+
+
+def _untied(manifest: Any) -> bool:
+    return manifest.details["megatron"]["untie_embeddings_and_output_weights"] is not False
