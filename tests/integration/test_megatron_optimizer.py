@@ -107,7 +107,8 @@ def test_the_derived_ranges_are_the_buffers_megatron_built(name: str) -> None:
         (buffer,) = rank["buffers"]
         (unpadded,) = rank["per_bucket_numel_unpadded"][0].values()
         (padded,) = rank["per_bucket_numel"][0].values()
-        ranges = mo.place_params(staged[rank["tp"] + tp * rank["pp"]], unpadded, padded, truth["dp"])
+        group = rank["tp"] + tp * rank["pp"]
+        ranges = mo.place_params(staged[group], unpadded, padded, truth["dp"])
         starts = [b["offset"] for b in buffer["buckets"]]
         got = [(r.param.fqn, r.start + starts[r.bucket], r.bucket) for r in ranges]
         want = [(_stored(n)[0], s, b) for n, s, _, b in buffer["params"]]
