@@ -63,6 +63,7 @@ def training_manifest(
     if opt is not None:
         moments = {k: _as_hf(manifest, names, config, opt, k)[0] for k in MOMENTS}
         _put_optimizer(manifest, opt, model, moments, tensors, objects, paths)
+    _tie_head(manifest, model, tensors, paths, notes)
     notes.append(
         "not carried (an FSDP2 job has no place for them): Megatron's RNG state, "
         "common_state (args, scheduler), the layers' _extra_state"
@@ -82,6 +83,30 @@ def training_manifest(
         data_root=manifest.data_dir(),
         marker_digests=manifest.marker_digests,
     )
+
+
+#: the HF names of the input embedding and the output layer of the Llama family
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _tie_head(
+    manifest: Manifest,
+    model: Mapping[str, TensorEntry],
+    tensors: dict[str, TensorEntry],
+    paths: dict[str, tuple[str, ...]],
+    notes: list[str],
+) -> None:
+    """A tied output layer under its own name too: ``get_state_dict`` of a tied HF model lists
+    ``lm_head.weight`` beside the embedding, and ``dcp.load`` needs every key it lists (the
+    optimizer keeps one state, under the embedding's name)."""
+    args = manifest.details.get("megatron") or {}
+    if EMBEDDING in model and HEAD not in model:
+        if args.get("untie_embeddings_and_output_weights") is not False:
+            return
+        e = model[EMBEDDING]
+        tensors[HEAD] = TensorEntry(HEAD, e.dtype, e.shape, e.chunks)
+        paths[HEAD] = (HEAD,)
+        notes.append(f"{HEAD} is {EMBEDDING} (tied embeddings)")
 
 
 def _as_hf(
