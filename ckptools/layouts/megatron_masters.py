@@ -115,8 +115,7 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
     if not (isinstance(tp, int) and isinstance(pp, int) and isinstance(num_layers, int)):
         raise CorruptCheckpointError(
             f"{where}: common_state's args do not give the run's tensor/pipeline-parallel sizes "
-            "and layers, which place the optimizer's buckets; convert the model alone (without "
-            "--masters or the optimizer)",
+            f"and layers, which place the optimizer's buckets; {mo.WITHOUT_OPTIMIZER}",
             path=where,
         )
     dp = args.get("data_parallel")
@@ -129,7 +128,7 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
         if name.gbuf != 0:
             raise UnsupportedCheckpointError(
                 f"{where}: {fqn} is a second gradient buffer (virtual pipeline stages or "
-                "several dtypes), which ckptools does not place; convert the model alone",
+                f"several dtypes), which ckptools does not place; {mo.WITHOUT_OPTIMIZER}",
                 path=where,
                 fqn=fqn,
             )
@@ -232,8 +231,8 @@ def _object(manifest: Manifest, reader: Reader, key: str, *, required: bool = Tr
         if not required:
             return None
         raise CorruptCheckpointError(
-            f"{manifest.root}: no {key} object beside the optimizer's buckets; convert the "
-            "model alone (without --masters or the optimizer)",
+            f"{manifest.root}: no {key} object beside the optimizer's buckets; "
+            f"{mo.WITHOUT_OPTIMIZER}",
             path=manifest.root,
             fqn=key,
         )

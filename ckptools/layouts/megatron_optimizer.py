@@ -63,6 +63,10 @@ KINDS = ("param", "exp_avg", "exp_avg_sq")
 DISTRIBUTED_PREFIX = "optimizer.distributed."
 #: the ``fully_reshardable`` per-parameter tensors
 STATE_PREFIX = "optimizer.state."
+#: the way forward every refusal names: the model alone converts without the optimizer
+WITHOUT_OPTIMIZER = (
+    "convert the model alone (consolidate without --masters; reshard --drop-optimizer)"
+)
 
 _BUCKET_FQN = re.compile(
     r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(([\w.]+), ([\w.]+)\)"
@@ -234,8 +238,7 @@ def place_params(
     def refuse(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{where}: the model's parameters do not add up to the optimizer's buckets "
-            f"{list(unpadded)} ({why}); convert the model alone (without --masters or the "
-            f"optimizer) or report the run's Megatron version",
+            f"{list(unpadded)} ({why}); {WITHOUT_OPTIMIZER}",
             fqn=where,
         )
 
@@ -387,8 +390,7 @@ def _split_boxes(
         return list(zip(distinct[:tp], distinct[tp:], strict=True))
     raise UnsupportedCheckpointError(
         f"{fqn}: stored as {len(distinct)} pieces per layer, neither whole nor one per "
-        f"tensor-parallel rank ({tp}); convert the model alone (without --masters or the "
-        f"optimizer)",
+        f"tensor-parallel rank ({tp}); {WITHOUT_OPTIMIZER}",
         fqn=fqn,
     )
 
@@ -423,7 +425,7 @@ def stage_params(
     if num_layers % pp:
         raise UnsupportedCheckpointError(
             f"{num_layers} layers over {pp} pipeline stages is an uneven split; convert the "
-            f"model alone (without --masters or the optimizer)"
+            f"{WITHOUT_OPTIMIZER}"
         )
     per_stage = num_layers // pp
     rank_of = {name: i for i, name in enumerate(layer_order)}
@@ -448,8 +450,7 @@ def stage_params(
         else:
             raise UnsupportedCheckpointError(
                 f"{t.fqn}: a tensor the Megatron optimizer placement does not know (MoE "
-                f"experts, MLA and vision towers are not supported); convert the model alone "
-                f"(without --masters or the optimizer)",
+                f"experts, MLA and vision towers are not supported); {WITHOUT_OPTIMIZER}",
                 fqn=t.fqn,
             )
     first.sort(key=lambda t: _FIRST_STAGE.index(t.fqn))
@@ -510,7 +511,7 @@ def bucket_numels(value: Any, what: str, where: str) -> tuple[int, ...]:
     if isinstance(value, list | tuple) and len(value) > 1:
         raise UnsupportedCheckpointError(
             f"{where}: {what} lists {len(value)} gradient buffers (virtual pipeline stages or "
-            f"several dtypes), which ckptools does not place; convert the model alone",
+            f"several dtypes), which ckptools does not place; {WITHOUT_OPTIMIZER}",
             fqn=what,
         )
     if not (isinstance(value, list | tuple) and len(value) == 1 and isinstance(value[0], dict)):
@@ -621,17 +622,15 @@ def _placement(
             why = check_boundaries(ranges, by_bucket)
             if why is not None:
                 problem = (
-                    f"{here}: the model's parameters do not add up to the stored buckets ({why})"
+                    f"{here}: the model's parameters do not add up to the stored buckets "
+                    f"({why}); {WITHOUT_OPTIMIZER}"
                 )
                 break
             placed[group] = ranges
         if problem is None:
             return placed
         first_problem = first_problem or problem
-    raise CorruptCheckpointError(
-        f"{first_problem}; convert the model alone (without --masters or the optimizer)",
-        fqn=where,
-    )
+    raise CorruptCheckpointError(first_problem or where, fqn=where)
 
 
 def model_space_state(tensors: Mapping[str, TensorEntry]) -> dict[str, dict[str, TensorEntry]]:

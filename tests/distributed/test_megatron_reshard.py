@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.megatron_truth import hf_members, hf_truth
+
 pytestmark = [pytest.mark.distributed]
 
 FIXTURES = Path(
@@ -38,51 +40,6 @@ CASES = [
     )
 ]
 SECTIONS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-
-
-def _hf_truth(truth: dict[str, Any], section: str) -> dict[str, Any]:
-    """The truth's per-layer Megatron tensors under the HF model's names."""
-    cfg = truth["hf_config"]
-    cfg = json.loads(cfg) if isinstance(cfg, str) else cfg
-    heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    vocab, q = cfg["vocab_size"], heads // groups
-    out: dict[str, Any] = {}
-    for name, t in truth[section].items():
-        t = t.float()
-        parts = name.split(".")
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = t[:vocab]
-        elif name == "output_layer.weight":
-            out["lm_head.weight"] = t[:vocab]
-        elif name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = t
-        else:
-            i, rest = parts[2], ".".join(parts[3:])
-            pre = f"model.layers.{i}."
-            if rest == "input_layernorm.weight":
-                out[pre + rest] = t
-            elif rest == "pre_mlp_layernorm.weight":
-                out[pre + "post_attention_layernorm.weight"] = t
-            elif rest.startswith("self_attention.linear_qkv."):
-                kind = rest.rsplit(".", 1)[1]
-                g = t.reshape(groups, q + 2, d, *t.shape[1:])
-                out[pre + f"self_attn.q_proj.{kind}"] = g[:, :q].reshape(heads * d, *t.shape[1:])
-                out[pre + f"self_attn.k_proj.{kind}"] = g[:, q].reshape(groups * d, *t.shape[1:])
-                out[pre + f"self_attn.v_proj.{kind}"] = g[:, q + 1].reshape(
-                    groups * d, *t.shape[1:]
-                )
-            elif rest == "self_attention.linear_proj.weight":
-                out[pre + "self_attn.o_proj.weight"] = t
-            elif rest == "mlp.linear_fc1.weight":
-                half = t.shape[0] // 2
-                out[pre + "mlp.gate_proj.weight"] = t[:half]
-                out[pre + "mlp.up_proj.weight"] = t[half:]
-            elif rest == "mlp.linear_fc2.weight":
-                out[pre + "mlp.down_proj.weight"] = t
-            else:
-                raise AssertionError(f"no HF name for {name}")
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def _resume_step_and_gather(rank: int, world_size: int, ckpt: str, config: str, out: str) -> None:
@@ -176,45 +133,22 @@ def test_megatron_save_resumes_in_fsdp2(tmp_path: Path, case: str, world_size: i
               timeout=300)  # fmt: skip
     got = torch.load(gathered, weights_only=True)
     model, state = got["model"], got["optim"]["state"]
-    masters = _hf_truth(truth, "masters")
+    masters = hf_truth(truth, "masters")
     tied = "lm_head.weight" not in masters
     assert set(model) == set(masters) | ({"lm_head.weight"} if tied else set())
     for name, want in masters.items():
         assert _same_bits(model[name], want), name
         for kind, section in SECTIONS.items():
-            assert _same_bits(state[name][kind], _hf_truth(truth, section)[name]), (name, kind)
+            assert _same_bits(state[name][kind], hf_truth(truth, section)[name]), (name, kind)
         assert _same_bits(state[name]["step"], torch.tensor(float(truth["optimizer_step"])))
     # Megatron's groups kept: decay on matrices, none on norms and biases
-    want_groups = [
-        (set().union(*(_members(n, masters) for n in g["params"])), g["weight_decay"])
+    want_groups = {
+        g["weight_decay"]: set().union(*(hf_members(n) for n in g["params"]))
         for g in truth["param_groups"]
-    ]
-    got_groups = [(set(g["params"]), g["weight_decay"]) for g in got["optim"]["param_groups"]]
-    assert sorted(got_groups, key=str) == sorted(want_groups, key=str)
+    }
+    got_groups = {g["weight_decay"]: set(g["params"]) for g in got["optim"]["param_groups"]}
+    assert got_groups == want_groups
     # and it trains
     assert math.isfinite(got["loss"])
     changed = [n for n in masters if not torch.equal(got["after"][n], model[n])]
     assert changed, "the step changed no parameter"
-
-
-def _members(megatron: str, masters: dict[str, Any]) -> set[str]:
-    parts = megatron.split(".")
-    table = {
-        "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
-        "output_layer.weight": ["lm_head.weight"],
-        "decoder.final_layernorm.weight": ["model.norm.weight"],
-    }
-    if megatron in table:
-        return set(table[megatron])
-    i, rest = parts[2], ".".join(parts[3:])
-    pre = f"model.layers.{i}."
-    per = {
-        "input_layernorm.weight": ["input_layernorm.weight"],
-        "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
-        "self_attention.linear_qkv.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
-        "self_attention.linear_qkv.bias": [f"self_attn.{x}_proj.bias" for x in "qkv"],
-        "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
-        "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-        "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
-    }
-    return {pre + x for x in per[rest]}

@@ -11,7 +11,9 @@ state as byte runs; both must equal the truth bit-exactly.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +119,85 @@ def test_the_derived_ranges_are_the_buffers_megatron_built(name: str) -> None:
 
 def _untied(manifest: Any) -> bool:
     return manifest.details["megatron"]["untie_embeddings_and_output_weights"] is not False
+
+
+@pytest.mark.parametrize("name", ["tp2_pp2_bf16", "dp2"])
+def test_consolidate_masters_writes_the_fp32_masters_under_hf_names(
+    name: str, tmp_path: Path
+) -> None:
+    """``consolidate --masters``: the HF model holds the optimizer's fp32 masters (a bf16 run's
+    weights are their rounding), bit for bit, and transformers loads it."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from ckptools.cli.main import cli
+    from tests.support.megatron_truth import hf_truth
+
+    path, truth = _case(name)
+    config = tmp_path / "hf"
+    config.mkdir()
+    cfg = truth["hf_config"]
+    (config / "config.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    out = tmp_path / "out"
+    args = ["consolidate", str(path), str(out), "--masters", "--config", str(config), "-q"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    got = load_file(str(out / "model.safetensors"))
+    want = hf_truth(truth, "masters")
+    assert set(got) == set(want)
+    for n, t in want.items():
+        assert got[n].dtype == torch.float32 and torch.equal(got[n], t), n
+    if "bfloat16" in str(truth["params_dtype"]):  # the stored weights are not the masters
+        plain = tmp_path / "plain"
+        args = ["consolidate", str(path), str(plain), "--config", str(config), "-q"]
+        assert CliRunner().invoke(cli, args).exit_code == 0
+        stored = load_file(str(plain / "model.safetensors"))
+        assert all(stored[n].dtype != torch.float32 for n in want)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert torch.equal(model.model.embed_tokens.weight, want["model.embed_tokens.weight"])
+
+
+def test_masters_of_a_checkpoint_without_a_distributed_optimizer_is_refused(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckptools.cli.main import cli
+
+    src = FIXTURES.parent / "dcp_single"
+    result = CliRunner().invoke(cli, ["consolidate", str(src), str(tmp_path / "o"), "--masters"])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert "\n" not in line and "--masters" in line and "drop --masters" in line, line
+
+
+def test_buckets_that_do_not_add_up_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A save whose saved bucket sizes were altered (what a layout change in a future Megatron
+    would look like) is refused before anything is written, naming the way forward."""
+    from click.testing import CliRunner
+
+    from ckptools.cli.main import cli
+
+    path, _ = _case("dp2")
+    manifest = read_manifest(str(path))
+    entry = next(
+        e for f, e in manifest.objects.items() if "per_bucket_numel_unpadded" in f and e.file
+    )
+    work = tmp_path / "dp2"
+    shutil.copytree(path, work)
+    data_dir = Path(manifest.data_dir()).relative_to(path)
+    target = work / data_dir / entry.file
+    blob = bytearray(target.read_bytes())
+    # the pickled int 8256 (BININT2 0x2040) becomes 8192: the buckets no longer add up
+    record = blob[entry.offset : entry.offset + entry.length]
+    at = record.find(b"M\x40\x20")
+    assert at >= 0
+    blob[entry.offset + at : entry.offset + at + 3] = b"M\x00\x20"
+    target.write_bytes(bytes(blob))
+    result = CliRunner().invoke(
+        cli, ["reshard", str(work), str(tmp_path / "o"), "--world-size", "2"]
+    )
+    assert result.exit_code == 1, result.output
+    line = result.output.strip()
+    assert "\n" not in line and "do not add up" in line and "--drop-optimizer" in line, line
+    assert not (tmp_path / "o").exists()
