@@ -297,3 +297,32 @@ def test_bucket_fqns_and_model_space_names_are_parsed() -> None:
     )
     assert name == mo.BucketName(3, 0, ("torch.bfloat16", "torch.float32"), 1, "exp_avg_sq")
     assert mo.parse_bucket_fqn("optimizer.distributed.dp_group_idx_0.per_bucket_numel") is None
+
+
+def test_megatron_groups_keep_decay_on_matrices_and_none_on_norms_and_biases() -> None:
+    from ckptools.core.manifest import TensorEntry
+    from ckptools.layouts.megatron_masters import MegatronOptimizer
+    from ckptools.training.megatron_source import param_groups
+
+    model = {
+        n: TensorEntry(n, "float32", shape, ())
+        for n, shape in [
+            ("model.embed_tokens.weight", (8, 4)),
+            ("model.layers.0.input_layernorm.weight", (4,)),
+            ("model.layers.0.self_attn.q_proj.weight", (4, 4)),
+            ("model.layers.0.self_attn.q_proj.bias", (4,)),
+        ]
+    }
+    # saved in Megatron's order (the default group first), told apart by wd_mult either way
+    for first, second in [(1.0, 0.0), (0.0, 1.0)]:
+        saved = tuple({"wd_mult": m, "weight_decay": 0.1 * m, "lr": 1e-3} for m in (first, second))
+        groups = param_groups("run", MegatronOptimizer("dp_reshardable", {}, saved, 10), model)
+        by_decay = {g["weight_decay"]: g["params"] for g in groups}
+        assert by_decay == {
+            0.1: ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"],
+            0.0: ["model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.bias"],
+        }
+        assert all("step" not in g for g in groups)  # AdamW keeps it per parameter
+    three = MegatronOptimizer("dp_reshardable", {}, ({}, {}, {}), 10)
+    with pytest.raises(UnsupportedCheckpointError, match="--drop-optimizer"):
+        param_groups("run", three, model)
