@@ -495,10 +495,10 @@ def _shard_megatron(
     dtype = source.tensors[names["embedding.word_embeddings.weight"]].dtype
     args = layout.converted_args(dims, dtype)
     args.update(make_vocab_size_divisible_by=divisor, norm_epsilon=cfg.get("rms_norm_eps"),
-                rotary_base=cfg.get("rope_theta"),
+                rotary_base=megatron.rope_theta(cfg),
                 max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
     common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
-    values: dict[str, Any] = {layout.COMMON_STATE: common}
+    values: dict[str, Any] = {layout.COMMON_STATE: common, **layout.extra_states(dims.layers)}
     paths = {n: (n,) for n in (*names, *values)}
     plan = plan_dcp(source, options.world_size, names, paths, objects=[], values=values)
     sub = layout.iteration_dir_name(layout.CONVERTED_ITERATION)

@@ -111,6 +111,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
       torchtitan                    ckpt reshard outputs/checkpoint ckpt-8 --world-size 8
       DeepSpeed ZeRO 1/2/3          ckpt consolidate ds_run hf_model --tag global_step100
       verl                          ckpt consolidate checkpoints/global_step_100 hf_model
+      Megatron-core torch_dist      ckpt consolidate megatron_run hf_model --config hf_config
       transformers distributed      ckpt consolidate tp_model hf_model
       PEFT LoRA (on any of them)    ckpt consolidate lora_ckpt adapter --adapter --lora-alpha 16
       Hugging Face safetensors      ckpt shard hf_model ckpt-8 --world-size 8

@@ -103,6 +103,11 @@ def megatron_to_disk(
     (:func:`ckptools.plan.megatron.to_hf`): the manifest with the HF tensors' entries, HF name
     -> FQN in it, the pieces, and the HF config (``config``, or made from the run's args).
     ``check``: see :func:`split_source`.
+
+    ``names`` maps each Megatron model name to the entry that holds its values, so another
+    source of the same shapes goes through the same pieces: ``--masters`` (the distributed
+    optimizer's fp32 masters) passes the model names mapped to entries of the masters added
+    to ``manifest``, and gets the HF model in fp32.
     """
     from ckptools.layouts.megatron import DETAILS_KEY
 

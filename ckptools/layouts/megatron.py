@@ -381,6 +381,26 @@ def converted_args(d: Any, params_dtype: str) -> dict[str, Any]:
     }
 
 
+#: the local spec's modules whose ``_extra_state`` Megatron saves (``None`` each, per layer)
+_EXTRA_STATE_MODULES = (
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+
+
+def extra_states(layers: int) -> dict[str, list[None]]:
+    """The ``_extra_state`` objects Megatron's local layer spec saves and loads for a model of
+    ``layers`` layers: per module and layer, ``[None]`` (a ``ShardedObject``'s data list)
+    under ``decoder.layers.<module>._extra_state/shard_<i>_<layers>``."""
+    return {
+        f"decoder.layers.{m}._extra_state/shard_{i}_{layers}": [None]
+        for i in range(layers)
+        for m in _EXTRA_STATE_MODULES
+    }
+
+
 def marker_files(iteration: int = CONVERTED_ITERATION) -> dict[str, bytes]:
     """The files that make a run directory of one ``torch_dist`` save (relative path -> bytes):
     the save's ``metadata.json`` and the run's tracker file."""

@@ -24,6 +24,9 @@ _PARTS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^(.+_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt$"), "deepspeed"),
     (re.compile(r"^(.+_)?mp_rank_\d+_optim_states\.pt$"), "deepspeed"),
     (re.compile(r"^shard-\d+-.+\.safetensors$"), "transformers_distributed"),
+    # a Megatron save's marker and a run's tracker: never a checkpoint alone
+    (re.compile(r"^metadata\.json$"), "megatron"),
+    (re.compile(r"^latest_checkpointed_iteration\.txt$"), "megatron"),
 )
 #: (file name whose group ``n`` counts the files of the whole and ``i`` numbers this one,
 #: family, the number of the first file): alone when ``n`` is 1

@@ -254,6 +254,15 @@ def family_of(config: Mapping[str, Any], where: str) -> str:
     return str(family)
 
 
+def rope_theta(config: Mapping[str, Any]) -> float | None:
+    """The config's RoPE base: ``rope_theta``, or transformers 5's ``rope_parameters``."""
+    value = config.get("rope_theta")
+    params = config.get("rope_parameters")
+    if value is None and isinstance(params, dict):
+        value = params.get("rope_theta")
+    return float(value) if isinstance(value, int | float) else None
+
+
 def _int(config: Mapping[str, Any], key: str, where: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

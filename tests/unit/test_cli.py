@@ -205,6 +205,7 @@ def test_help_names_every_family_the_readme_claims() -> None:
     text = cli.get_help(click.Context(cli, info_name="ckpt"))
     families = ["FSDP2", "accelerate", "Trainer", "Lightning", "torchtitan", "DeepSpeed"]
     families += ["verl", "transformers distributed", "PEFT", "safetensors", "torch.save"]
+    families += ["Megatron-core torch_dist"]
     for family in families:
         assert family in text, family
     assert len(_help_examples()) > 30

@@ -1,0 +1,264 @@
+"""Megatron-core ``torch_dist`` runs: inspect, consolidate to Hugging Face, shard back.
+
+The Megatron side is real Megatron-core 0.19.2 (Megatron-LM's own ``save_checkpoint``), as
+checked in under ``fixtures/megatron/`` with the truth Megatron held in memory and its forward's
+logits (``fixtures/megatron/README.md``); the Hugging Face side is transformers'
+``save_pretrained`` and ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ckptools.cli.main import cli
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+CASES = sorted(p.name[: -len(".truth.pt")] for p in FIXTURES.glob("*.truth.pt"))
+#: logits of from_pretrained (fp32) against Megatron's own forward: fp32 runs agree to float
+#: rounding (~1e-7 measured); the bf16 run computed in bf16 (~2e-3 measured)
+FP32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+def _truth(case: str) -> dict[str, Any]:
+    truth: dict[str, Any] = torch.load(FIXTURES / f"{case}.truth.pt", weights_only=True)
+    return truth
+
+
+def _invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _ok(*args: str) -> dict[str, Any]:
+    quiet = ("-q",) if args[0] != "inspect" else ()
+    result = _invoke(*args, "--json", *quiet)
+    assert result.exit_code == 0, result.output
+    out: dict[str, Any] = json.loads(result.output)
+    return out
+
+
+def _config_file(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / f"{case}-config.json"
+    path.write_text(_truth(case)["hf_config"])
+    return path
+
+
+def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _as_megatron(hf: dict[str, torch.Tensor], config: dict[str, Any], i: int) -> dict[str, Any]:
+    """Layer ``i`` of the HF model in Megatron's module layout, built with torch here (per group
+    its query heads, key, value; fc1 = [gate; up]) to compare with the truth Megatron held."""
+    p = f"model.layers.{i}."
+    groups, heads = config["num_key_value_heads"], config["num_attention_heads"]
+    out = {}
+    for kind in ("weight", "bias"):
+        if f"{p}self_attn.q_proj.{kind}" not in hf:
+            continue
+        q, k, v = (hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv")
+        per = heads // groups
+        q = q.reshape(groups, per * q.shape[0] // heads, *q.shape[1:])
+        k = k.reshape(groups, k.shape[0] // groups, *k.shape[1:])
+        v = v.reshape(groups, v.shape[0] // groups, *v.shape[1:])
+        out[f"self_attention.linear_qkv.{kind}"] = torch.cat([q, k, v], dim=1).flatten(0, 1)
+    out["self_attention.linear_proj.weight"] = hf[f"{p}self_attn.o_proj.weight"]
+    out["mlp.linear_fc1.weight"] = torch.cat(
+        [hf[f"{p}mlp.gate_proj.weight"], hf[f"{p}mlp.up_proj.weight"]]
+    )
+    out["mlp.linear_fc2.weight"] = hf[f"{p}mlp.down_proj.weight"]
+    out["input_layernorm.weight"] = hf[f"{p}input_layernorm.weight"]
+    out["pre_mlp_layernorm.weight"] = hf[f"{p}post_attention_layernorm.weight"]
+    return out
+
+
+def _logits(directory: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        logits: torch.Tensor = model(input_ids).logits
+    return logits
+
+
+def test_every_fixture_is_here() -> None:
+    assert {"tp2_pp1", "tp1_pp2", "tp2_pp2_bf16"} <= set(CASES), CASES
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_consolidate_is_bit_exact_and_forward_matches_megatron(tmp_path: Path, case: str) -> None:
+    truth = _truth(case)
+    config = json.loads(truth["hf_config"])
+    out = tmp_path / "hf"
+    result = _ok("consolidate", str(FIXTURES / case), str(out),
+                 "--config", str(_config_file(tmp_path, case)))  # fmt: skip
+    assert any("no tokenizer" in n for n in result["notes"])
+    hf = _hf_tensors(out)
+    model, vocab = truth["model"], truth["true_vocab_size"]
+    for i in range(config["num_hidden_layers"]):
+        for name, tensor in _as_megatron(hf, config, i).items():
+            held = model[f"decoder.layers.{i}.{name}"]
+            assert tensor.dtype == held.dtype and torch.equal(tensor, held), (i, name)
+    embedding = model["embedding.word_embeddings.weight"]
+    assert torch.equal(hf["model.embed_tokens.weight"], embedding[:vocab])
+    assert torch.equal(hf["model.norm.weight"], model["decoder.final_layernorm.weight"])
+    if config["tie_word_embeddings"]:
+        assert "lm_head.weight" not in hf and "output_layer.weight" not in model
+    else:
+        assert torch.equal(hf["lm_head.weight"], model["output_layer.weight"][:vocab])
+    assert json.loads((out / "config.json").read_text()) == config
+    logits = _logits(out, truth["input_ids"])
+    megatron = truth["logits"][..., :vocab].float()
+    tol = BF16_TOL if "bfloat16" in truth["params_dtype"] else FP32_TOL
+    assert (logits - megatron).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_shows_the_run(case: str) -> None:
+    truth = _truth(case)
+    shown = _ok("inspect", str(FIXTURES / case))
+    mg = shown["megatron"]
+    assert shown["layout"] == "megatron"
+    assert (mg["iteration"], mg["tensor_parallel"], mg["pipeline_parallel"]) == (
+        truth["iteration"], truth["tp"], truth["pp"],
+    )  # fmt: skip
+    assert mg["data_parallel"] == truth["dp"]
+    assert mg["padded_vocab_size"] == truth["padded_vocab_size"]
+    assert mg["vocab_size"] is None  # the run used an HF tokenizer: only the config knows
+    config = json.loads(truth["hf_config"])
+    sizes = (
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    assert (mg["num_layers"], mg["num_attention_heads"], mg["num_query_groups"]) == sizes
+    assert mg["optimizer_sharding"] == truth["distrib_optim_sharding_type"]
+    assert mg["params_dtype"] == truth["params_dtype"].removeprefix("torch.")
+    assert {"model", "optimizer", "rng", "common"} <= set(mg["parts"])
+    assert shown["model_part"]["excluded"] == ["optimizer"]
+    text = _invoke("inspect", str(FIXTURES / case)).output
+    assert f"iteration {truth['iteration']}, TP {truth['tp']} x PP {truth['pp']}" in text
+
+
+def test_iteration_picks_a_save_and_a_missing_one_lists_them() -> None:
+    run = str(FIXTURES / "tp2_pp1")
+    assert _ok("inspect", run, "--iteration", "10")["megatron"]["iteration"] == 10
+    result = _invoke("inspect", run, "--iteration", "7")
+    assert result.exit_code != 0
+    assert "no iteration 7 (iter_0000007/)" in result.output and "iter_0000010" in result.output
+    result = _invoke("inspect", f"{run}/iter_0000010", "--iteration", "10")
+    assert result.exit_code != 0 and "drop --iteration 10" in result.output
+
+
+def test_consolidate_without_config_asks_for_it(tmp_path: Path) -> None:
+    result = _invoke("consolidate", str(FIXTURES / "tp2_pp1"), str(tmp_path / "out"))
+    assert result.exit_code != 0
+    assert "true vocabulary size" in result.output and "--config" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["iter_0000010/__0_0.distcp", "iter_0000010/metadata.json",
+                                  "latest_checkpointed_iteration.txt"])  # fmt: skip
+def test_one_file_of_it_points_at_the_directory(tmp_path: Path, name: str) -> None:
+    path = FIXTURES / "tp2_pp1" / name
+    result = _invoke("consolidate", str(path), str(tmp_path / "out"))
+    assert result.exit_code != 0
+    assert f"point at {path.parent}" in result.output and "megatron" in result.output
+
+
+def _save_hf(tmp_path: Path, family: str, config: dict[str, Any], dtype: torch.dtype) -> Path:
+    """A model of ``family`` saved by transformers' ``save_pretrained`` (seeded)."""
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_class, model_class = classes[family]
+    known = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    model = model_class(config_class(**known)).to(dtype)
+    out = tmp_path / f"hf_{family}"
+    model.save_pretrained(out)
+    return out
+
+
+_SIZES = {
+    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 100,
+    "max_position_embeddings": 16,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "dtype"),
+    [
+        ("llama", {"tie_word_embeddings": False}, torch.bfloat16),
+        ("qwen2", {"tie_word_embeddings": True}, torch.float32),
+        ("qwen3", {"tie_word_embeddings": True}, torch.float32),
+    ],
+)
+def test_hf_to_megatron_and_back_is_bit_exact(
+    tmp_path: Path, family: str, extra: dict[str, Any], dtype: torch.dtype
+) -> None:
+    src = _save_hf(tmp_path, family, {**_SIZES, **extra}, dtype)
+    run = tmp_path / "megatron"
+    _ok("shard", str(src), str(run), "--world-size", "2", "--to", "megatron",
+        "--make-vocab-size-divisible-by", "16")  # fmt: skip
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "1"
+    meta = json.loads((run / "iter_0000001" / "metadata.json").read_text())
+    assert meta["sharded_backend"] == "torch_dist"
+    shown = _ok("inspect", str(run))["megatron"]
+    assert (shown["iteration"], shown["num_layers"], shown["padded_vocab_size"]) == (1, 2, 112)
+    back = tmp_path / "back"
+    _ok("consolidate", str(run), str(back))  # the config made from the args it recorded
+    ours, theirs = _hf_tensors(back), _hf_tensors(src)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    ids = torch.tensor([[1, 17, 42, 99, 3, 64, 8]])
+    assert torch.equal(_logits(back, ids), _logits(src, ids))
+
+
+def _model_entries(inspected: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {
+        t["fqn"]: (t["dtype"], tuple(t["shape"]))
+        for t in inspected["tensors"]
+        if not t["fqn"].startswith("optimizer.")
+    }
+
+
+def test_shard_to_megatron_writes_what_megatron_writes(tmp_path: Path) -> None:
+    """The same model keys, shapes and dtypes as Megatron's own save of that model (tp2_pp1:
+    TP 2 pads the vocabulary to a multiple of 8 x 2), and the objects it needs to load."""
+    config = json.loads(_truth("tp2_pp1")["hf_config"])
+    src = _save_hf(tmp_path, "llama", config, torch.float32)
+    run = tmp_path / "megatron"
+    _ok("shard", str(src), str(run), "--world-size", "1", "--to", "megatron",
+        "--make-vocab-size-divisible-by", "16")  # fmt: skip
+    ours, theirs = _ok("inspect", str(run)), _ok("inspect", str(FIXTURES / "tp2_pp1"))
+    assert _model_entries(ours) == _model_entries(theirs)
+    objects = {o["fqn"] for o in ours["objects"]}
+    assert "common_state/shard_0_1" in objects
+    extra = {o["fqn"] for o in theirs["objects"] if "._extra_state/" in o["fqn"]}
+    assert extra and extra == {o for o in objects if "._extra_state/" in o}
+
+
+def test_families_beyond_the_llama_family_are_refused_by_name(tmp_path: Path) -> None:
+    config = transformers.MixtralConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=2, vocab_size=100,
+    )  # fmt: skip
+    src = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(config).save_pretrained(src)
+    result = _invoke("shard", str(src), str(tmp_path / "out"), "--world-size", "1",
+                     "--to", "megatron")  # fmt: skip
+    assert result.exit_code != 0 and "mixtral" in result.output
+    assert not (tmp_path / "out").exists()
