@@ -32,6 +32,7 @@ from ckptools.core.manifest import Manifest, ObjectEntry, TensorEntry
 from ckptools.core.tensor_value import TensorValue
 from ckptools.engine.converted import megatron_to_disk
 from ckptools.errors import UnsupportedCheckpointError
+from ckptools.layouts.megatron import CONFIG_FILE
 from ckptools.layouts.megatron_masters import MegatronOptimizer, read_optimizer
 
 OPTIMIZER = "optimizer"
@@ -56,7 +57,9 @@ def training_manifest(
     model, paths = _as_hf(manifest, names, config, opt, model_kind)
     tensors: dict[str, TensorEntry] = dict(model)
     objects: dict[str, ObjectEntry] = {}
-    if model_kind is None:
+    if drop_optimizer:
+        notes.append("the model is the weights as stored (--drop-optimizer: no fp32 masters)")
+    elif model_kind is None:
         notes.append("the model is the weights as stored (the save holds no fp32 masters)")
     else:
         notes.append(f"the model is the optimizer's fp32 masters ({opt.sharding if opt else ''})")
@@ -77,7 +80,8 @@ def training_manifest(
         files=manifest.files,
         world_size=manifest.world_size,
         paths=paths,
-        markers=manifest.markers,
+        # metadata.json commits a Megatron save: a marker, not a file left behind
+        markers=tuple(dict.fromkeys((*manifest.markers, CONFIG_FILE))),
         notes=tuple(notes),
         details=manifest.details,
         data_root=manifest.data_dir(),
