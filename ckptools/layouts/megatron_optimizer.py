@@ -308,11 +308,18 @@ def check_boundaries(
 
 
 def param_chunks(
-    r: ParamRange, pieces: Sequence[StoredPiece], itemsize: int, *, where: str = "optimizer"
+    r: ParamRange,
+    pieces: Sequence[StoredPiece],
+    itemsize: int,
+    *,
+    where: str = "optimizer",
+    starts: Sequence[int] | None = None,
 ) -> list[Chunk]:
     """Raw chunks, in the model tensor's coordinates, of one parameter's elements.
 
-    ``pieces`` are its bucket's stored pieces sorted by ``start``.
+    ``pieces`` are its bucket's stored pieces sorted by ``start``; ``starts`` their starts,
+    when the caller places many parameters in one bucket (found by bisection, so placing a
+    bucket stays linear in its pieces).
 
     Raises:
         CorruptCheckpointError: the stored pieces do not cover the parameter's range.
@@ -320,7 +327,9 @@ def param_chunks(
     p = r.param
     out: list[Chunk] = []
     covered = 0
-    i = max(0, bisect.bisect_right([s.start for s in pieces], r.start) - 1)
+    if starts is None:
+        starts = [s.start for s in pieces]
+    i = max(0, bisect.bisect_right(starts, r.start) - 1)
     while i < len(pieces) and pieces[i].start < r.stop:
         s = pieces[i]
         lo, hi = max(r.start, s.start), min(r.stop, s.start + s.count)
@@ -395,11 +404,12 @@ def _split_boxes(
     )
 
 
-def _layer_boxes(t: ModelTensor, layer: int) -> list[geometry.Box]:
-    out = []
+def _layer_boxes(t: ModelTensor) -> dict[int, list[geometry.Box]]:
+    """A stacked tensor's boxes per layer (each cut to that layer), in one pass."""
+    out: dict[int, list[geometry.Box]] = {}
     for offs, sizes in t.boxes:
-        if offs[0] <= layer < offs[0] + sizes[0]:
-            out.append(((layer, *offs[1:]), (1, *sizes[1:])))
+        for layer in range(offs[0], offs[0] + sizes[0]):
+            out.setdefault(layer, []).append(((layer, *offs[1:]), (1, *sizes[1:])))
     return out
 
 
@@ -456,6 +466,7 @@ def stage_params(
     first.sort(key=lambda t: _FIRST_STAGE.index(t.fqn))
     last.sort(key=lambda t: (*_LAST_STAGE, _OUTPUT).index(t.fqn))
     out: dict[int, list[LocalParam]] = {}
+    per_layer_boxes: dict[str, dict[int, list[geometry.Box]]] = {}
     for stage in range(pp):
         for rank in range(tp):
             mine: list[LocalParam] = []
@@ -463,7 +474,9 @@ def stage_params(
                 mine += [_whole(t, rank, tp) for t in first]
             for layer in range(stage * per_stage, (stage + 1) * per_stage):
                 for _, t, stacked in sorted(layers.get(layer, ()), key=lambda x: x[0]):
-                    boxes = _layer_boxes(t, layer) if stacked else list(t.boxes)
+                    if stacked and t.fqn not in per_layer_boxes:
+                        per_layer_boxes[t.fqn] = _layer_boxes(t)
+                    boxes = per_layer_boxes[t.fqn].get(layer, []) if stacked else list(t.boxes)
                     mine.append(_pick(t.fqn, boxes, rank, tp))
             if stage == pp - 1:
                 mine += [_whole(t, rank, tp) for t in last]
@@ -565,13 +578,16 @@ def bucket_state(
         chunks: dict[str, list[Chunk]] = {}
         for group, ranges in placed.items():
             pieces = buffers[group].pieces
+            starts = {k: [s.start for s in found] for k, found in pieces.items()}
             for r in ranges:
                 if r.param.replica or not r.param.numel:
                     continue
                 found = pieces.get((r.bucket, kind), ())
                 here = f"{where} dp_group_idx_{group} {kind}"
                 chunks.setdefault(r.param.fqn, []).extend(
-                    param_chunks(r, found, itemsize, where=here)
+                    param_chunks(
+                        r, found, itemsize, where=here, starts=starts.get((r.bucket, kind), [])
+                    )
                 )
         entries = {}
         for fqn, shape in shapes.items():
