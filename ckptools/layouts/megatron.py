@@ -45,7 +45,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "metadata.json"
 BACKEND = "torch_dist"
 RELEASE = "release"
-_ITER = re.compile(r"^iter_(\d{7,})$")
+ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 COMMON_STATE = "common_state/shard_0_1"
 #: ``Manifest.details`` key of the run's facts (:class:`RunArgs` as a dict)
 DETAILS_KEY = "megatron"
@@ -69,11 +69,11 @@ def _backend(path: str) -> str | None:
     return backend if isinstance(backend, str) else ""
 
 
-def _is_save(path: str) -> bool:
+def is_save(path: str) -> bool:
     return _backend(path) == BACKEND and storage.isfile(storage.join(path, METADATA_FILE))
 
 
-def _tracked(run: str) -> str | None:
+def tracked(run: str) -> str | None:
     """The save the tracker file names (``iter_0000010`` or ``release``), None without one."""
     tracker = storage.join(run, TRACKER_FILE)
     if not storage.isfile(tracker):
@@ -91,7 +91,7 @@ def _tracked(run: str) -> str | None:
 def saves(run: str) -> list[str]:
     """The save directories of the run directory ``run`` (``iter_*`` in order, ``release``)."""
     names = directory_names(run) or []
-    found = sorted((int(m.group(1)), n) for n in names if (m := _ITER.match(n)))
+    found = sorted((int(m.group(1)), n) for n in names if (m := ITER_DIR.match(n)))
     return [n for _, n in found] + ([RELEASE] if RELEASE in names else [])
 
 
@@ -102,7 +102,7 @@ def iteration_dir(run: str, iteration: int) -> str:
         CheckpointNotFoundError: ``run`` holds no such save (the message lists those it holds).
         UsageError: ``run`` is one save itself.
     """
-    if _ITER.match(storage.basename(run)) or _is_save(run):
+    if ITER_DIR.match(storage.basename(run)) or is_save(run):
         raise UsageError(
             f"{run} is one Megatron save itself: drop --iteration {iteration}, or point at the "
             "run directory above it",
@@ -126,8 +126,8 @@ def resolve(path: str) -> tuple[str, Chosen | None]:
     Raises:
         IncompleteCheckpointError: the save has no ``metadata.json`` / ``.metadata``.
     """
-    if _ITER.match(storage.basename(path)) or _backend(path) is not None:
-        if not _is_save(path):
+    if ITER_DIR.match(storage.basename(path)) or _backend(path) is not None:
+        if not is_save(path):
             raise IncompleteCheckpointError(
                 f"{path}: no {CONFIG_FILE} naming {BACKEND} with a DCP {METADATA_FILE}: the save "
                 "never finished (Megatron writes metadata.json last)",
@@ -135,16 +135,16 @@ def resolve(path: str) -> tuple[str, Chosen | None]:
             )
         return path, None
     held = saves(path)
-    tracked = _tracked(path)
-    complete = [n for n in held if _is_save(storage.join(path, n))]
+    named = tracked(path)
+    complete = [n for n in held if is_save(storage.join(path, n))]
     if not complete:
         raise IncompleteCheckpointError(
             f"{path}: none of {', '.join(held) or 'its saves'} is a complete torch_dist save "
             f"({CONFIG_FILE} and {METADATA_FILE})",
             path=path,
         )
-    if tracked in complete:
-        name, why, skipped_as = tracked, f"the save {TRACKER_FILE} names,", "newer than that"
+    if named in complete:
+        name, why, skipped_as = named, f"the save {TRACKER_FILE} names,", "newer than that"
     else:
         name, why, skipped_as = complete[-1], "the newest complete", "incomplete"
     newer = held[held.index(name) + 1 :]
@@ -427,13 +427,16 @@ class MegatronLayout(Layout):
             if backend != BACKEND:
                 return f"metadata.json names sharded_backend {backend!r}; ckptools reads torch_dist"
             return None
-        if _ITER.match(storage.basename(path)):
+        if ITER_DIR.match(storage.basename(path)):
             return None  # a save without its metadata.json: read_manifest says what is missing
-        if storage.isfile(storage.join(path, TRACKER_FILE)) or any(
-            _is_save(storage.join(path, n)) for n in saves(path)[-1:]
+        # verl's trainer writes the same tracker file beside its global_step_N/: the saves decide
+        held = saves(path)
+        if held and (
+            storage.isfile(storage.join(path, TRACKER_FILE))
+            or any(is_save(storage.join(path, n)) for n in held[-1:])
         ):
             return None
-        return f"no {TRACKER_FILE}, iter_*/ save or metadata.json naming torch_dist"
+        return f"no iter_*/ save (with {TRACKER_FILE}) or metadata.json naming torch_dist"
 
     def read_manifest(self, path: str) -> Manifest:
         inner, chosen = resolve(path)

@@ -3,7 +3,8 @@
 Every producer that keeps several saves numbers them in directories of its own naming, and some
 record which is the last one they finished: the Trainer's ``checkpoint-N`` (no record: it
 resumes from the highest number), DeepSpeed's ``global_stepN`` tags (``latest`` names one),
-verl's ``global_step_N`` (``latest_checkpointed_iteration.txt``) and torchtitan's ``step-N``.
+verl's ``global_step_N`` and Megatron's ``iter_0000010`` (both recorded in
+``latest_checkpointed_iteration.txt``) and torchtitan's ``step-N``.
 Each is listed with its step, whether it is whole (the test the layout's own reading of the run
 directory applies, :func:`~ckptools.layouts.base.newest_numbered`), its size, and which one
 reading the run directory picks: the recorded one when it is whole, else the newest whole one.
@@ -25,7 +26,7 @@ from typing import Any
 
 from ckptools.io import storage
 from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts import verl, wrappers
+from ckptools.layouts import megatron, verl, wrappers
 from ckptools.layouts.base import directory_names
 
 
@@ -60,6 +61,13 @@ def _verl_latest(root: str, names: list[str]) -> str | None:
     return recorded[0] if recorded else None
 
 
+def _megatron_latest(root: str, names: list[str]) -> str | None:
+    try:
+        return megatron.tracked(root)
+    except (OSError, ValueError):  # a damaged tracker records nothing
+        return None
+
+
 #: the tag names DeepSpeed's engines give their saves by default
 _DEEPSPEED_TAG = re.compile(r"^global_step(\d+)$")
 
@@ -72,6 +80,8 @@ PRODUCERS = (
              "no actor/ or critic/ holding fsdp_config.json and rank files", _verl_latest),
     Producer("torchtitan", wrappers._TITAN_STEP, wrappers._is_dcp, "no DCP .metadata",
              _no_record),
+    Producer("megatron", megatron.ITER_DIR, megatron.is_save,
+             "no metadata.json naming torch_dist with a DCP .metadata", _megatron_latest),
 )  # fmt: skip
 
 

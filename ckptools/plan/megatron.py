@@ -445,6 +445,28 @@ def hf_config(d: Dims, args: Mapping[str, Any], config: Mapping[str, Any] | None
     return made
 
 
+def _agrees(d: Dims, config: Mapping[str, Any], where: str) -> None:
+    """The config's family holds the tensors the run has (a QKV bias, q/k norms).
+
+    Raises:
+        UnsupportedCheckpointError: naming what the config's model lacks.
+    """
+    family = config.get("model_type")
+    bias = family == "qwen2" or (family in ("llama", "mistral") and config.get("attention_bias"))
+    if d.qkv_bias != bool(bias):
+        has = "has" if d.qkv_bias else "has no"
+        raise UnsupportedCheckpointError(
+            f"{where}: the run {has} a QKV bias, which a {family} model of this config does "
+            "not match: --config names another model"
+        )
+    if d.qk_norm != (family == "qwen3"):
+        has = "has" if d.qk_norm else "has no"
+        raise UnsupportedCheckpointError(
+            f"{where}: the run {has} q/k layer norms, which a {family} model does not match: "
+            "--config names another model"
+        )
+
+
 def to_hf(
     shapes: Shapes, args: Mapping[str, Any], config: Mapping[str, Any] | None, where: str
 ) -> tuple[KeyMap, dict[str, Any]]:
@@ -458,6 +480,7 @@ def to_hf(
     """
     dims, norms = dims_from_run(shapes, args, config, where)
     made = hf_config(dims, args, config)
+    _agrees(dims, made, where)
     km = keymap(dims, norms, str(made["model_type"]), padding=False)
     check_shapes(km, shapes, "memory", where)
     known = set(km.memory_shapes)

@@ -37,7 +37,7 @@ def _invoke(*args: str) -> Any:
 
 
 def _ok(*args: str) -> dict[str, Any]:
-    quiet = ("-q",) if args[0] != "inspect" else ()
+    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
     result = _invoke(*args, "--json", *quiet)
     assert result.exit_code == 0, result.output
     out: dict[str, Any] = json.loads(result.output)
@@ -156,6 +156,12 @@ def test_iteration_picks_a_save_and_a_missing_one_lists_them() -> None:
     assert "no iteration 7 (iter_0000007/)" in result.output and "iter_0000010" in result.output
     result = _invoke("inspect", f"{run}/iter_0000010", "--iteration", "10")
     assert result.exit_code != 0 and "drop --iteration 10" in result.output
+    (listed,) = _ok("list", run)["checkpoints"]
+    assert (listed["producer"], listed["name"], listed["latest"]) == (
+        "megatron",
+        "iter_0000010",
+        True,
+    )
 
 
 def test_consolidate_without_config_asks_for_it(tmp_path: Path) -> None:
@@ -262,3 +268,12 @@ def test_families_beyond_the_llama_family_are_refused_by_name(tmp_path: Path) ->
                      "--to", "megatron")  # fmt: skip
     assert result.exit_code != 0 and "mixtral" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_of_another_model_is_refused(tmp_path: Path) -> None:
+    """qwen2_tp2 has a QKV bias; tp2_pp1's Llama config has none: named, nothing written."""
+    config = _config_file(tmp_path, "tp2_pp1")
+    out = tmp_path / "out"
+    result = _invoke("consolidate", str(FIXTURES / "qwen2_tp2"), str(out), "--config", str(config))
+    assert result.exit_code != 0 and "QKV bias" in result.output and "--config" in result.output
+    assert not out.exists()
