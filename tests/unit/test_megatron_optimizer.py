@@ -140,7 +140,7 @@ def test_param_chunks_read_back_each_parameters_own_elements(b: dict, seed: int)
         assert sorted(seen) == sorted(flat_of)  # every element once
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(_buffers(), st.data())
 def test_sizes_that_do_not_add_up_are_refused(b: dict, data: st.DataObject) -> None:
     k = data.draw(st.integers(0, len(b["unpadded"]) - 1))
@@ -152,8 +152,13 @@ def test_sizes_that_do_not_add_up_are_refused(b: dict, data: st.DataObject) -> N
     except CorruptCheckpointError as e:
         assert "do not add up" in str(e) and "\n" not in str(e)
         return
-    # a size one alignment gap larger can still be a valid buffer, never this one
-    assert got != b["ranges"]
+    if got == b["ranges"]:
+        # the one other reading of the same buffer: a bucket closed at the next parameter's
+        # aligned start (before a pipeline-shared embedding) instead of at its last end
+        assert delta > 0 and wrong[k] == _pad(b["unpadded"][k], mo.ALIGN_ELEMENTS)
+    else:
+        # another buffer the sizes allow: the stored chunks' bounds tell it apart
+        assert mo.check_boundaries(got, _stored_pieces(b, 0)) is not None
 
 
 def test_padding_for_another_dp_size_is_refused() -> None:
