@@ -126,7 +126,7 @@ def _untied(manifest: Any) -> bool:
     return manifest.details["megatron"]["untie_embeddings_and_output_weights"] is not False
 
 
-@pytest.mark.parametrize("name", ["tp2_pp2_bf16", "dp2"])
+@pytest.mark.parametrize("name", ["tp2_pp2_bf16", "dp2", "dp2_fully_reshardable", "qwen2_tp2"])
 def test_consolidate_masters_writes_the_fp32_masters_under_hf_names(
     name: str, tmp_path: Path
 ) -> None:
