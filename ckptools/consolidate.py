@@ -202,6 +202,7 @@ def consolidate(
     lora_alpha: float | None = None,
     adapter_config: str | None = None,
     adapter_name: str | None = None,
+    masters: bool = False,
     storage_options: storage.StorageOptions | None = None,
 ) -> ConsolidateResult:
     """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
@@ -239,6 +240,7 @@ def consolidate(
         lora_alpha: the adapter's ``lora_alpha``, which checkpoints do not store.
         adapter_config: an ``adapter_config.json`` for alpha and the rest of the LoraConfig.
         adapter_name: the adapter to export or merge when the model holds several.
+        masters: a Megatron save: its distributed optimizer's fp32 masters, not its weights.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -262,7 +264,7 @@ def consolidate(
         memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
         keep_in_memory_names=keep_in_memory_names, adapter=adapter, merge_lora=merge_lora,
         lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
-    )  # fmt: skip
+        masters=masters)  # fmt: skip
     out = out.rstrip("/") or out
     # OUT may lie inside SRC (e.g. checkpoint-N/hf); a dry run plans anyway, saying it exists
     exists = check_out(out, options.overwrite, dry_run=options.dry_run, src=src, inside_src=True)
@@ -277,8 +279,7 @@ def consolidate(
         run.notes.append(f"written by {ranks.world_size} ranks")
         tied = _write_distributed(ranks, run)
         return run.result(run.export.plan.bytes_to_write, tied)
-    written, tied = _write_resumable(run)
-    return run.result(written, tied)
+    return run.result(*_write_resumable(run))
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class ExportOptions:
         lora_alpha: the adapter's ``lora_alpha`` (the checkpoint does not store it).
         adapter_config: an ``adapter_config.json`` giving alpha and the rest of the LoraConfig.
         adapter_name: the adapter to export or merge, when the model holds several.
+        masters: a Megatron save: the distributed optimizer's fp32 masters instead of the
+            stored model weights (:mod:`ckptools.layouts.megatron_masters`).
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
@@ -99,6 +101,7 @@ class ExportOptions:
     lora_alpha: float | None = None
     adapter_config: str | None = None
     adapter_name: str | None = None
+    masters: bool = False
     max_shard_bytes: int = field(init=False, repr=False)
 
     #: what a refusal of a PEFT-wrapped model's plain export names as the ways forward
@@ -126,6 +129,9 @@ class ExportOptions:
             raise UsageError(self.LORA_NEEDS)
         if self.merge_lora and self.dtype is not None:
             raise UsageError("--merge-lora merges in the weights' dtype: drop --dtype")
+        if self.masters and (self.adapter or self.merge_lora or self.select is not None):
+            raise UsageError("--masters exports a Megatron model: drop --adapter, --merge-lora "
+                             "and --select")  # fmt: skip
 
 
 def select_tensors(
@@ -431,6 +437,22 @@ def _quiet(options: ExportOptions) -> bool:
     return bool(getattr(options, "quiet", False))
 
 
+def _with_masters(manifest: Manifest) -> Manifest:
+    """``--masters``: the manifest with the distributed optimizer's fp32 masters as the model.
+
+    Raises:
+        UsageError: the source is not a Megatron save, or holds no masters.
+    """
+    if manifest.layout != "megatron":
+        raise UsageError(
+            f"{manifest.root}: --masters takes a Megatron distributed optimizer's fp32 masters; "
+            f"this is a {manifest.layout} checkpoint: drop --masters"
+        )
+    from ckptools.layouts import megatron_masters
+
+    return megatron_masters.with_masters(manifest, megatron_masters.read_optimizer(manifest))
+
+
 def plan_export(
     manifest: Manifest,
     options: ExportOptions,
@@ -470,6 +492,8 @@ def plan_export(
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
     keymap, made = None, None
     megatron = manifest.layout == "megatron" and options.select is None
+    if options.masters:
+        manifest = _with_masters(manifest)
     if megatron and not options.keep_in_memory_names:
         from ckptools.engine.converted import megatron_to_disk
 

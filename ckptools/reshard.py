@@ -191,9 +191,13 @@ def reshard(
     Args:
         src: a DCP directory, or the outer directory of accelerate / Trainer / Lightning /
             torchtitan layouts (each DCP directory inside is resharded, other files copied); or
-            a training checkpoint saved with ``torch.save`` (model and optimizer state dicts)
-            or a DeepSpeed ZeRO checkpoint (fp32 masters and Adam moments; what FSDP2 has no
-            place for, its loss scaler and LR scheduler, is named in the notes), written as
+            a Megatron-core ``torch_dist`` run or save (the Hugging Face model's FQNs, the
+            distributed optimizer's fp32 masters as the model, AdamW's state and Megatron's two
+            param groups: :mod:`ckptools.training.megatron_source`; ``config`` gives the HF
+            ``config.json``); a training checkpoint saved with ``torch.save`` (model and
+            optimizer state dicts) or a DeepSpeed ZeRO checkpoint (fp32 masters and Adam
+            moments; what FSDP2 has no place for, its loss scaler and LR scheduler, is named in
+            the notes), written as
             ``get_state_dict`` + ``dcp.save`` lay them out (:mod:`ckptools.plan.training`).
         out: the new checkpoint directory (refused if it exists, unless ``overwrite``).
         world_size: ranks of the target layout.
@@ -225,6 +229,13 @@ def reshard(
         src, out, options, lambda format: format not in MODEL_ONLY_FORMATS,
         "is not a training checkpoint; use `ckpt shard` to make a DCP checkpoint from it",
     )  # fmt: skip
+    if manifest.layout == "megatron":
+        # the HF model an FSDP2 job trains: masters, AdamW state and groups under HF FQNs
+        from ckptools.training.megatron_source import training_manifest
+
+        cfg = _shard_config(src, options.config)
+        manifest = training_manifest(manifest, cfg, drop_optimizer=options.drop_optimizer)
+        return _reshard_training_state(src, out, manifest, options, started)
     if manifest.format != "dcp":
         return _reshard_training_state(src, out, manifest, options, started)
     plans, rank_items = _plan_parts(manifest, options)
@@ -506,7 +517,10 @@ def _shard_megatron(
 
 
 def _shard_config(src: str, config: str | None) -> dict[str, Any] | None:
-    """The model's config.json: ``config``, or the one beside ``src``."""
+    """The model's config.json: ``config`` (the file or its directory), or the one beside
+    ``src``."""
+    if config is not None and storage.isdir(config):
+        config = storage.join(config, "config.json")
     if config is None:
         here = src if storage.isdir(src) else storage.dirname(src)
         config = storage.join(here, "config.json")

@@ -94,6 +94,13 @@ from ckptools.cli.render import emit, human_bytes, plural, summary, table
     default=None,
     help="The adapter to export or merge when the model holds several (default: the only one).",
 )
+@click.option(
+    "--masters",
+    is_flag=True,
+    default=False,
+    help="Megatron save: write the distributed optimizer's fp32 masters instead of the stored "
+    "model weights (bf16 runs keep fp32 masters there).",
+)
 @overwrite_option
 @dry_run_option("Print the plan (files, tensors, sizes); write nothing.")
 @workers_option
@@ -133,6 +140,7 @@ def consolidate_command(
       ckpt consolidate checkpoint.pth hf_model --key model_state_dict
       ckpt consolidate lora-ckpt adapter_dir --adapter --lora-alpha 16
       ckpt consolidate lora-ckpt merged --merge-lora --adapter-config adapter_config.json
+      ckpt consolidate megatron_run hf_model --masters --config hf_config_dir
     """
     from ckptools.consolidate import consolidate
 

@@ -159,6 +159,6 @@ def test_transformers_with_the_truth_weights_gives_megatrons_logits(case: str) -
     with torch.no_grad():
         logits = model(truth["input_ids"]).logits
     expected = truth["logits"][..., : config.vocab_size]
-    # fp32 runs agree to rounding; the bf16 run's Megatron forward computes in bf16
-    tolerance = 5e-2 if truth["params_dtype"] == "torch.bfloat16" else 1e-5
+    # fp32 runs agree to rounding; the bf16 run's Megatron forward computes in bf16 (1.6e-3)
+    tolerance = 1e-2 if truth["params_dtype"] == "torch.bfloat16" else 1e-5
     assert (logits - expected).abs().max().item() < tolerance

@@ -1,0 +1,204 @@
+"""A Megatron save as the training checkpoint an FSDP2 job of the Hugging Face model resumes from.
+
+``ckpt reshard MEGATRON_RUN OUT`` writes what ``get_state_dict(model, optimizer)`` + ``dcp.save``
+would have written for the HF model (``LlamaForCausalLM`` and kin) trained by ``AdamW``:
+
+* the model: the distributed optimizer's fp32 masters where it holds them (the model weights as
+  stored otherwise), under HF FQNs, through the same Megatron → HF mapping that
+  ``consolidate`` uses (:mod:`ckptools.plan.megatron`: layers unstacked, QKV split per query
+  group, fc1 split into gate and up, vocabulary padding dropped);
+* per parameter, AdamW's ``exp_avg`` and ``exp_avg_sq`` mapped by the same rules (so the QKV
+  and fc1 moments are split exactly as the weights), and ``step``, the optimizer's counter;
+* Megatron's parameter groups kept as groups: Megatron-LM gives weight decay to matrices and none
+  to norms and biases (its ``no_weight_decay_cond``: 1-D or ``.bias``); the saved groups' settings
+  (lr, betas, eps, weight_decay...) are kept, their ``params`` the HF FQNs of that kind.
+
+The result is a torch-free :class:`Manifest` shaped as DeepSpeed's is
+(:mod:`ckptools.layouts.deepspeed_optimizer`): the model at the top, the optimizer under
+``optimizer/state/<fqn>/<name>`` and ``optimizer/param_groups``, so that
+:func:`ckptools.plan.training.training_layout` names it and the DCP writer copies its byte runs.
+What an FSDP2 job has no place for (Megatron's RNG state, ``common_state``, the scheduler, the
+layers' ``_extra_state``) is named in the notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ckptools.core.keys import model_keys
+from ckptools.core.manifest import Manifest, ObjectEntry, TensorEntry
+from ckptools.core.tensor_value import TensorValue
+from ckptools.engine.converted import megatron_to_disk
+from ckptools.errors import UnsupportedCheckpointError
+from ckptools.layouts.megatron import CONFIG_FILE
+from ckptools.layouts.megatron_masters import MegatronOptimizer, read_optimizer
+
+OPTIMIZER = "optimizer"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def training_manifest(
+    manifest: Manifest, config: Mapping[str, Any] | None, *, drop_optimizer: bool = False
+) -> Manifest:
+    """The Megatron save ``manifest`` as a training manifest of the HF model (see the module).
+
+    ``config``: the HF ``config.json`` (else made from the run's args).
+
+    Raises:
+        CorruptCheckpointError: the optimizer's buckets do not add up to the model.
+        UnsupportedCheckpointError: a model or optimizer layout ckptools does not place.
+    """
+    opt = None if drop_optimizer else read_optimizer(manifest)
+    names = dict(model_keys(manifest))
+    notes = list(manifest.notes)
+    model_kind = "param" if opt is not None and opt.state.get("param") else None
+    model, paths = _as_hf(manifest, names, config, opt, model_kind)
+    tensors: dict[str, TensorEntry] = dict(model)
+    objects: dict[str, ObjectEntry] = {}
+    if drop_optimizer:
+        notes.append("the model is the weights as stored (--drop-optimizer: no fp32 masters)")
+    elif model_kind is None:
+        notes.append("the model is the weights as stored (the save holds no fp32 masters)")
+    else:
+        notes.append(f"the model is the optimizer's fp32 masters ({opt.sharding if opt else ''})")
+    if opt is not None:
+        moments = {k: _as_hf(manifest, names, config, opt, k)[0] for k in MOMENTS}
+        _put_optimizer(manifest, opt, model, moments, tensors, objects, paths)
+    _tie_head(manifest, model, tensors, paths, notes)
+    notes.append(
+        "not carried (an FSDP2 job has no place for them): Megatron's RNG state, "
+        "common_state (args, scheduler), the layers' _extra_state"
+    )
+    return Manifest(
+        root=manifest.root,
+        format="megatron-training",
+        layout="megatron",
+        tensors=tensors,
+        objects=objects,
+        files=manifest.files,
+        world_size=manifest.world_size,
+        paths=paths,
+        # metadata.json commits a Megatron save: a marker, not a file left behind
+        markers=tuple(dict.fromkeys((*manifest.markers, CONFIG_FILE))),
+        notes=tuple(notes),
+        details=manifest.details,
+        data_root=manifest.data_dir(),
+        marker_digests=manifest.marker_digests,
+    )
+
+
+#: the HF names of the input embedding and the output layer of the Llama family
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _tie_head(
+    manifest: Manifest,
+    model: Mapping[str, TensorEntry],
+    tensors: dict[str, TensorEntry],
+    paths: dict[str, tuple[str, ...]],
+    notes: list[str],
+) -> None:
+    """A tied output layer under its own name too: ``get_state_dict`` of a tied HF model lists
+    ``lm_head.weight`` beside the embedding, and ``dcp.load`` needs every key it lists (the
+    optimizer keeps one state, under the embedding's name)."""
+    args = manifest.details.get("megatron") or {}
+    if EMBEDDING in model and HEAD not in model:
+        if args.get("untie_embeddings_and_output_weights") is not False:
+            return
+        e = model[EMBEDDING]
+        tensors[HEAD] = TensorEntry(HEAD, e.dtype, e.shape, e.chunks)
+        paths[HEAD] = (HEAD,)
+        notes.append(f"{HEAD} is {EMBEDDING} (tied embeddings)")
+
+
+def _as_hf(
+    manifest: Manifest,
+    names: Mapping[str, str],
+    config: Mapping[str, Any] | None,
+    opt: MegatronOptimizer | None,
+    kind: str | None,
+) -> tuple[dict[str, TensorEntry], dict[str, tuple[str, ...]]]:
+    """HF FQN → entry of the model (``kind`` None) or of one optimizer state, mapped."""
+    source = manifest
+    if kind is not None and opt is not None:
+        state = opt.state.get(kind) or {}
+        missing = [f for f in names.values() if f not in state]
+        if missing:
+            raise UnsupportedCheckpointError(
+                f"{manifest.root}: the optimizer holds no {kind} of {missing[0]!r}; pass "
+                "--drop-optimizer to carry the model alone",
+                fqn=missing[0],
+            )
+        source = replace(manifest, tensors={**manifest.tensors, **state})
+    derived, out, _, _ = megatron_to_disk(source, dict(names), config)
+    entries = {}
+    for hf, fqn in out.items():
+        e = derived.tensors[fqn]
+        entries[hf] = TensorEntry(hf, e.dtype, e.shape, e.chunks)
+    return entries, {hf: (hf,) for hf in entries}
+
+
+def _put_optimizer(
+    manifest: Manifest,
+    opt: MegatronOptimizer,
+    model: Mapping[str, TensorEntry],
+    moments: Mapping[str, Mapping[str, TensorEntry]],
+    tensors: dict[str, TensorEntry],
+    objects: dict[str, ObjectEntry],
+    paths: dict[str, tuple[str, ...]],
+) -> None:
+    for hf in model:
+        here = (OPTIMIZER, "state", hf)
+        for kind in MOMENTS:
+            e = moments[kind][hf]
+            fqn = ".".join((*here, kind))
+            tensors[fqn] = TensorEntry(fqn, e.dtype, e.shape, e.chunks)
+            paths[fqn] = (*here, kind)
+        if opt.step is not None:
+            fqn = ".".join((*here, "step"))
+            # torch's AdamW keeps ``step`` as a float32 0-dim tensor
+            objects[fqn] = ObjectEntry(
+                fqn, value=TensorValue.scalar(float(opt.step)), has_value=True
+            )
+            paths[fqn] = (*here, "step")
+    groups = param_groups(manifest.root, opt, model)
+    fqn = f"{OPTIMIZER}.param_groups"
+    objects[fqn] = ObjectEntry(fqn, value=groups, has_value=True)
+    paths[fqn] = (OPTIMIZER, "param_groups")
+
+
+def param_groups(
+    root: str, opt: MegatronOptimizer, model: Mapping[str, TensorEntry]
+) -> list[dict[str, Any]]:
+    """Megatron's saved groups with ``params`` the HF FQNs of each: the decay group (matrices)
+    and the no-decay group (1-D: norms and biases), told apart by ``wd_mult`` (else by order:
+    Megatron puts the default, decaying, group first).
+
+    Raises:
+        UnsupportedCheckpointError: groups other than those two.
+    """
+    saved = list(opt.param_groups)
+    matrices = [f for f, e in model.items() if len(e.shape) >= 2 and not f.endswith(".bias")]
+    flat = [f for f in model if f not in set(matrices)]
+    if not saved:
+        return [{"params": list(model)}]
+    if len(saved) == 1:
+        return [{**_settings(saved[0]), "params": list(model)}]
+    if len(saved) != 2:
+        raise UnsupportedCheckpointError(
+            f"{root}: the optimizer has {len(saved)} param groups (learning-rate or decay "
+            "overrides beyond Megatron-LM's two); pass --drop-optimizer to carry the model alone"
+        )
+    mults = [g.get("wd_mult") for g in saved]
+    no_decay = mults.index(0.0) if 0.0 in mults and mults.count(0.0) == 1 else 1
+    out: list[dict[str, Any]] = []
+    for i, g in enumerate(saved):
+        out.append({**_settings(g), "params": flat if i == no_decay else matrices})
+    return out
+
+
+def _settings(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved group's settings as AdamW keeps them (``step`` lives in each parameter's state)."""
+    return {k: v for k, v in group.items() if k not in ("params", "step")}
