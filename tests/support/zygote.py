@@ -69,7 +69,12 @@ PRELOAD = (
 )
 # Environment that the preloaded libraries (and the interpreter) read at start-up or import: a
 # request that differs here runs in a zygote started under its own environment.
-_IMPORT_TIME_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "AWS_", "FSSPEC")
+# (huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE when imported; not TORCHINDUCTOR_*, which
+# torch sets in the test process once inductor loads, and which it reads at compile time.)
+_IMPORT_TIME_PREFIXES = (
+    "PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "FSSPEC", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
+    "ACCELERATE_", "PEFT_",
+)  # fmt: skip
 _IMPORT_TIME_NAMES = ("HOME", "XDG_CACHE_HOME", "LD_PRELOAD", "LD_LIBRARY_PATH")
 _MAX_MESSAGE = 1 << 20
 _BOOT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
@@ -114,7 +119,9 @@ class Child:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            # it may have exited since (reaped by the zygote, its status not read yet)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -144,14 +151,15 @@ class Child:
 class _Zygote:
     """The test's handle on one zygote process."""
 
-    def __init__(self, env: dict[str, str], cwd: str) -> None:
+    def __init__(self, env: dict[str, str], cwd: str, preload: tuple[str, ...]) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
         self._statuses: dict[int, int] = {}
         self._next_id = 0
+        # run as a script, so that not even the tests package is imported in the zygote
+        argv = [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(theirs.fileno())]
         self.proc = subprocess.Popen(
-            # run as a script, so that not even the tests package is imported in the zygote
-            [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(theirs.fileno())],
+            [*argv, *preload],
             env=env,
             cwd=cwd,
             pass_fds=[theirs.fileno()],
@@ -199,10 +207,10 @@ class _Zygote:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while pid not in self._statuses:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # (with no time left, still read what has arrived)
+                if self._receive(timeout=left) is None and left == 0.0:
                     return None
-                self._receive(timeout=left)
             return os.waitstatus_to_exitcode(self._statuses.pop(pid))
 
     def close(self) -> None:
@@ -214,7 +222,10 @@ class _Zygote:
             self.proc.wait()
 
 
-_zygotes: dict[tuple[tuple[str, str], ...], _Zygote] = {}
+_zygotes: dict[tuple[Any, ...], _Zygote] = {}
+# A test process keeps this many zygotes (~0.3-0.6 GB each), the least recently used closed first:
+# tests that set a fresh HF_HUB_CACHE each need one of their own.
+_MAX_ZYGOTES = 3
 
 
 @atexit.register
@@ -224,12 +235,18 @@ def _close_all() -> None:
     _zygotes.clear()
 
 
-def _zygote_for(env: dict[str, str], cwd: str) -> _Zygote:
-    """One zygote per import-time environment per test process, started on first use."""
-    key = tuple(sorted(import_time_env(env).items()))
-    z = _zygotes.get(key)
+def _zygote_for(env: dict[str, str], cwd: str, preload: tuple[str, ...]) -> _Zygote:
+    """One zygote per import-time environment and preload per test process, started on first
+    use."""
+    key = (preload, *sorted(import_time_env(env).items()))
+    z = _zygotes.pop(key, None)
     if z is None or not z.alive():
-        z = _zygotes[key] = _Zygote(env, cwd)
+        if z is not None:
+            z.close()
+        while len(_zygotes) >= _MAX_ZYGOTES:
+            _zygotes.pop(next(iter(_zygotes))).close()
+        z = _Zygote(env, cwd, preload)
+    _zygotes[key] = z  # the most recently used last
     return z
 
 
@@ -254,16 +271,18 @@ def start(
     cwd: str,
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
+    preload: tuple[str, ...] = PRELOAD,
 ) -> Child:
     """Like ``subprocess.Popen(argv, env=env, cwd=cwd, stdout=..., stderr=...)`` for ``argv`` =
     ``[python, "-m", MODULE, *args]`` or ``[python, "-c", CODE, *args]``, forked from a zygote.
 
     stdin is ``/dev/null``; ``stdout``/``stderr`` take ``None`` (the test's), ``DEVNULL``,
-    ``PIPE`` (binary) or a file. ``stderr=STDOUT`` is not supported.
+    ``PIPE`` (binary) or a file. ``stderr=STDOUT`` is not supported. ``preload``: the modules
+    the zygote imports (third-party only).
     """
     if len(argv) < 3 or argv[0] != sys.executable or argv[1] not in ("-m", "-c"):
         raise ValueError(f"only [sys.executable, '-m' | '-c', ...] can be forked: {argv[:2]}")
-    zygote = _zygote_for(env, cwd)
+    zygote = _zygote_for(env, cwd, preload)
     fds: list[int] = []
     ends: list[IO[Any] | None] = []
     try:
@@ -406,7 +425,7 @@ def _main() -> None:
     import importlib
 
     sock = socket.socket(fileno=int(sys.argv[2]))
-    for name in PRELOAD:
+    for name in sys.argv[3:]:
         importlib.import_module(name)
     preloaded = [n for n in sys.modules if n.split(".")[0] in ("ckptools", "tests")]
     if preloaded:
