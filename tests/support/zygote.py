@@ -167,7 +167,8 @@ class _Zygote:
             stdout=subprocess.DEVNULL,
         )
         theirs.close()
-        ready = self._receive(timeout=120.0)
+        # a zygote importing transformers and peft, with its first ranks, took 99 s at load 14
+        ready = self._receive(timeout=240.0)
         if ready != {"ready": True}:
             raise RuntimeError(f"the zygote did not start: {ready}")
 
