@@ -65,14 +65,44 @@ def _killed_by_signal(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.fixture(params=["fork-server", "zygote"])
+def ranks_from(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where run_ranks forks the ranks from: the fork server, or (for a run whose environment
+    changes what the preloaded libraries read when imported, as HF_HUB_CACHE does) a zygote
+    that imported them under that environment."""
+    from tests.support import dist as dist_support
+
+    if request.param == "zygote":
+        monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "11")  # read by huggingface_hub at import
+    env = {**os.environ, **dist_support._RANK_ENV}
+    assert (dist_support._context(env) is None) == (request.param == "zygote")
+    return str(request.param)
+
+
 @distributed
-def test_run_ranks_returns_each_ranks_value() -> None:
+def test_run_ranks_returns_each_ranks_value(ranks_from: str) -> None:
     results = run_ranks(_sum_of_ranks, 2, 10, scale=2, timeout=60)
     assert results == [{"rank": 0, "sum": 42}, {"rank": 1, "sum": 42}]
 
 
+def _hub_download_timeout(rank: int, world_size: int) -> int:
+    from huggingface_hub import constants
+
+    return int(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
 @distributed
-def test_run_ranks_reraises_the_failing_ranks_traceback() -> None:
+def test_run_ranks_imports_under_the_runs_environment(ranks_from: str) -> None:
+    # huggingface_hub read the variable when imported, before the rank ran: in the fork server
+    # under the session's environment, in the zygote under the run's
+    from huggingface_hub import constants
+
+    expected = 11 if ranks_from == "zygote" else constants.DEFAULT_DOWNLOAD_TIMEOUT
+    assert run_ranks(_hub_download_timeout, 2, timeout=60) == [expected, expected]
+
+
+@distributed
+def test_run_ranks_reraises_the_failing_ranks_traceback(ranks_from: str) -> None:
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
         run_ranks(_fail_on_rank_1, 2, timeout=60)
@@ -85,7 +115,7 @@ def test_run_ranks_reraises_the_failing_ranks_traceback() -> None:
 
 
 @distributed
-def test_run_ranks_reports_a_rank_killed_by_a_signal() -> None:
+def test_run_ranks_reports_a_rank_killed_by_a_signal(ranks_from: str) -> None:
     with pytest.raises(RankFailedError) as info:
         run_ranks(_killed_by_signal, 2, timeout=60)
     # rank 1 died by the signal; rank 0's barrier may fail first (gloo sees the peer gone), so
@@ -95,7 +125,7 @@ def test_run_ranks_reports_a_rank_killed_by_a_signal() -> None:
 
 
 @distributed
-def test_run_ranks_timeout_kills_every_rank() -> None:
+def test_run_ranks_timeout_kills_every_rank(ranks_from: str) -> None:
     start = time.monotonic()
     with pytest.raises(RanksTimeoutError) as info:
         run_ranks(_sleep_forever, 2, timeout=3)

@@ -75,10 +75,12 @@ class Launch:
         return {int(r): int(c) for r, c in found}
 
 
-def torchrun(args: list[str], tmp: Path, *, nodes: int = 1, nproc: int = 2) -> Launch:
+def torchrun(
+    args: list[str], tmp: Path, *, nodes: int = 1, nproc: int = 2, failing: bool = False
+) -> Launch:
     """Run ``torchrun ... -m ckptools ARGS``: ``nodes`` launchers on localhost (``--nnodes`` and
     ``--node-rank``, one c10d rendezvous endpoint), ``nproc`` workers each; every worker's output
-    goes to its own log file."""
+    goes to its own log file. ``failing``: the workers are expected to exit non-zero."""
     port = _free_port()
     logs = [tmp / f"torchrun-logs-{port}-{n}" for n in range(nodes)]
     env = dict(os.environ, CKPTOOLS_NO_PROGRESS="1", OMP_NUM_THREADS="1")
@@ -88,9 +90,11 @@ def torchrun(args: list[str], tmp: Path, *, nodes: int = 1, nproc: int = 2) -> L
             TORCHRUN, f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=ckpt-{port}",
             "--max-restarts=0",
-            # Long enough that when one worker fails the others finish raising on their own
-            # before the launcher would stop them: their exit codes are what is tested.
-            "--monitor-interval=2",
+            # Where workers fail: long enough that when one worker fails the others finish
+            # raising on their own before the launcher would stop them: their exit codes are
+            # what is tested. Elsewhere torchrun's default (0.1 s): the launcher sleeps this long
+            # between looks at its workers, so 2 s cost every successful launch ~1 s of waiting.
+            *(["--monitor-interval=2"] if failing else []),
             f"--log-dir={logs[node]}", "--redirects=3", "-m", "ckptools", *args,
         ]  # fmt: skip
         procs.append(
@@ -276,7 +280,7 @@ def test_verify_reports_what_one_process_reports(
     path = str(checksummed.path if state == "whole" else damaged)
     args = ["verify", path, "--check-finite", "--json", "-q"]
     code, expected = _one_process(args)
-    launch = torchrun(args, tmp_path, nodes=nodes, nproc=nproc)
+    launch = torchrun(args, tmp_path, nodes=nodes, nproc=nproc, failing=state == "damaged")
     printed = [s for s in launch.stdout if s.strip()]
     assert len(printed) == 1, launch.stdout  # rank 0 reports, the others print nothing
     _same_report(json.loads(printed[0]), expected, nodes * nproc)
@@ -332,7 +336,7 @@ def test_unwritable_destination_fails_every_rank(
     blocker.write_text("not a directory")
     out = blocker / "out"  # rank 0 cannot create the temporary directory beside it
     extra = ["--world-size", "3"] if command == "reshard" else []
-    launch = torchrun([command, src, str(out), *extra, "-q"], tmp_path, nproc=2)
+    launch = torchrun([command, src, str(out), *extra, "-q"], tmp_path, nproc=2, failing=True)
     _assert_all_failed(launch)
     # Rank 1 did nothing wrong: it learnt of rank 0's error and left with it.
     assert any(f"{command} failed on another rank (rank 0)" in s for s in launch.stderr)
@@ -368,7 +372,9 @@ def test_damage_found_by_one_rank_fails_every_rank(
     _break_archive(src / victim.file, victim.offset, victim.length)
 
     out = tmp_path / "out"
-    launch = torchrun(["reshard", str(src), str(out), "--world-size", "2", "-q"], tmp_path)
+    launch = torchrun(
+        ["reshard", str(src), str(out), "--world-size", "2", "-q"], tmp_path, failing=True
+    )
     _assert_all_failed(launch)
     assert any("no zip end record" in s and "another rank" not in s for s in launch.stderr)
     assert any("reshard failed on another rank (rank 1)" in s for s in launch.stderr)
@@ -397,6 +403,6 @@ def test_consolidate_to_an_object_store_under_torchrun_is_refused_on_every_rank(
     # Ranks write byte ranges of shared files, which no object can take: a usage error, decided
     # alike on every rank before anything is written (memory:// is an fsspec store too).
     src = str(produced("fsdp2", world_size=4, optimizer=False).path)
-    launch = torchrun(["consolidate", src, "memory://bucket/hf", "-q"], tmp_path)
+    launch = torchrun(["consolidate", src, "memory://bucket/hf", "-q"], tmp_path, failing=True)
     _assert_all_failed(launch, 2)
     assert all("local or shared directory" in s for s in launch.stderr)

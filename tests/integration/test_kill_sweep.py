@@ -11,6 +11,13 @@ no spool directory left, every output file byte-identical to an uninterrupted ru
 before. The checkpoint is a real FSDP2 save (``dcp.save`` at 2 ranks) of a model large enough
 (~11 MB of tensors with the optimizer state) that the copying, journaling and commit take a good
 part of each run, not only the interpreter's start.
+
+The sweeps' processes are forked from a zygote that has imported torch once
+(``tests/support/zygote.py``): each is still its own process, running ``python -m ckptools``'s
+code (``runpy``, ckptools imported afresh from this tree) under the sweep's environment, and
+killed by a real signal; only torch's import (~2.5 s of CPU, most of a cast run's start) is not
+paid again. The spool test starts the real ``python -m ckptools`` interpreter, so the entry point
+itself stays covered here.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import pytest
 
 from ckptools.io import resume
 from tests.conftest import Produced
+from tests.support import zygote
 from tests.support.producers import ModelConfig
 from tests.support.s3 import download
 
@@ -87,10 +95,7 @@ def _env(sweep: Sweep, spool: Path) -> dict[str, str]:
 
 def _run(sweep: Sweep, src: Path, out: Path, spool: Path) -> float:
     started = time.perf_counter()
-    proc = subprocess.run(
-        _argv(sweep, src, out), cwd=ROOT, env=_env(sweep, spool), capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+    proc = zygote.run(_argv(sweep, src, out), cwd=str(ROOT), env=_env(sweep, spool), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return time.perf_counter() - started
 
@@ -98,9 +103,9 @@ def _run(sweep: Sweep, src: Path, out: Path, spool: Path) -> float:
 def _killed(sweep: Sweep, src: Path, out: Path, spool: Path, delay: float) -> bool:
     """Start the command and send it the sweep's signal after ``delay`` seconds; True if it
     had finished first."""
-    proc = subprocess.Popen(
-        _argv(sweep, src, out), cwd=ROOT, env=_env(sweep, spool), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True,
+    proc = zygote.start(
+        _argv(sweep, src, out), cwd=str(ROOT), env=_env(sweep, spool), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         proc.wait(timeout=delay)
@@ -110,7 +115,7 @@ def _killed(sweep: Sweep, src: Path, out: Path, spool: Path, delay: float) -> bo
         return False
     finally:
         assert proc.stderr is not None
-        err = proc.stderr.read()
+        err = proc.stderr.read().decode(errors="replace")
         proc.stderr.close()
     assert proc.returncode == 0, err
     return True
@@ -119,8 +124,8 @@ def _killed(sweep: Sweep, src: Path, out: Path, spool: Path, delay: float) -> bo
 def _killed_mid_write(sweep: Sweep, src: Path, out: Path, spool: Path) -> bool:
     """Start the command and send it the sweep's signal as soon as its first file is journaled
     (a kill that lands mid-write whatever the machine's speed); True if it had finished first."""
-    proc = subprocess.Popen(
-        _argv(sweep, src, out), cwd=ROOT, env=_env(sweep, spool), stdout=subprocess.DEVNULL,
+    proc = zygote.start(
+        _argv(sweep, src, out), cwd=str(ROOT), env=_env(sweep, spool), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     journal = f"{out.name}.tmp-*/{resume.JOURNAL_PREFIX}*.json"

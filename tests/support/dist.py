@@ -2,7 +2,9 @@
 
 Every distributed test goes through :func:`run_ranks`: it starts ``world_size`` fresh processes
 (``forkserver`` start method: each rank is forked from a server that has only imported torch, so no
-state leaks from the pytest process or between tests), joins them into one gloo process group
+state leaks from the pytest process or between tests; a run whose environment changes what those
+imports read is forked from a zygote that imported them under it instead), joins them into one
+gloo process group
 through a file rendezvous in a fresh temporary directory, runs ``fn(rank, world_size, *args,
 **kwargs)`` on each and pickles the per-rank return values back.
 
@@ -22,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import select
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,9 +35,11 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing import get_context
 from multiprocessing.connection import wait
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+from tests.support import zygote
 
 __all__ = ["RankFailedError", "RanksTimeoutError", "run_ranks"]
 
@@ -62,8 +68,9 @@ _PRELOAD = (
     "peft",
 )
 # Variables these libraries read when imported (huggingface_hub's HF_HUB_CACHE / HF_HUB_OFFLINE,
-# ...). A run whose environment differs here from the fork server's is spawned instead, so that
-# its ranks import them under the test's environment, as before.
+# ...). The ranks of a run whose environment differs here from the fork server's are forked from
+# a zygote (tests/support/zygote.py) that imported them under the run's environment, as spawned
+# ranks would have (test_load_pretrained sets HF_HUB_CACHE: a spawned rank paid 7-8 s of imports).
 # (Not TORCH*: torch sets TORCHINDUCTOR_CACHE_DIR in the pytest process once inductor loads, and
 # reads nothing a test sets when imported.)
 _IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "ACCELERATE_", "PEFT_")
@@ -196,9 +203,87 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     }
 
 
-def _context(env: dict[str, str]) -> BaseContext:
-    """The fork server (started once, under :data:`_BASE_ENV`), or ``spawn`` for a run whose
-    environment would change what the preloaded modules read when imported."""
+class _ZygoteRank:
+    """A rank forked from a zygote (``tests/support/zygote.py``) that imported :data:`_PRELOAD`
+    under the run's own environment: what :func:`run_ranks` uses of a ``Process``."""
+
+    def __init__(self, task: str, env: dict[str, str]) -> None:
+        self._task = task
+        self._env = env
+        self._child: zygote.Child | None = None
+        self._pidfd = -1
+        self.pid: int | None = None
+
+    def start(self) -> None:
+        self._child = zygote.start(
+            [sys.executable, "-c", _RANK_BOOT, self._task],
+            env=self._env,
+            cwd=os.getcwd(),
+            preload=_PRELOAD,
+        )
+        self.pid = self._child.pid
+        # readable once the process has exited, as a Process's sentinel is
+        self._pidfd = os.pidfd_open(self.pid)
+
+    @property
+    def sentinel(self) -> int:
+        return self._pidfd
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._child is None:
+            return None
+        code = self._child.poll()
+        if code is None and self._pidfd >= 0 and select.select([self._pidfd], [], [], 0)[0]:
+            # it has exited: the zygote reports its status as soon as it has reaped it
+            code = self._child.wait(timeout=30.0)
+        return code
+
+    def is_alive(self) -> bool:
+        return self._child is not None and self._child.poll() is None
+
+    def kill(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._child is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._child.wait(timeout)
+            if self._child.returncode is not None and self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+
+
+# A zygote child's program: the rank's arguments, pickled by run_ranks, then _rank_main, with the
+# test process's sys.path (as multiprocessing's spawn gives its children).
+_RANK_BOOT = """
+import pickle, sys
+with open(sys.argv[1], "rb") as f:
+    sys.path[:] = pickle.load(f)
+    task = pickle.load(f)
+from tests.support.dist import _rank_main
+_rank_main(*task)
+"""
+
+
+def _zygote_ranks(
+    workdir: str, env: dict[str, str], tasks: list[tuple[Any, ...]]
+) -> list[_ZygoteRank]:
+    ranks = []
+    for rank, task in enumerate(tasks):
+        path = os.path.join(workdir, f"rank{rank}.task")
+        with open(path, "wb") as f:
+            pickle.dump(list(sys.path), f)  # first: unpickling the task imports its module
+            pickle.dump(task, f)
+        ranks.append(_ZygoteRank(path, env))
+    return ranks
+
+
+def _context(env: dict[str, str]) -> ForkServerContext | None:
+    """The fork server (started once, under :data:`_BASE_ENV`), or None for a run whose
+    environment would change what the preloaded modules read when imported: its ranks are forked
+    from a zygote that imported them under that environment."""
     global _server_env
     if _server_env is None:
         from multiprocessing import forkserver
@@ -215,11 +300,11 @@ def _context(env: dict[str, str]) -> BaseContext:
             os.environ.update(saved)
         _server_env = _import_time_env(server_env)
     if _import_time_env(env) != _server_env:
-        return get_context("spawn")
+        return None
     return get_context("forkserver")
 
 
-def _kill_all(procs: list[BaseProcess]) -> None:
+def _kill_all(procs: list[BaseProcess] | list[_ZygoteRank]) -> None:
     started = [p for p in procs if p.pid is not None]
     for p in started:
         if p.is_alive():
@@ -266,15 +351,18 @@ def run_ranks(
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
     env = {**os.environ, **_RANK_ENV}
     ctx = _context(env)
-    procs: list[BaseProcess] = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, world_size, init_method, workdir, timeout, fn, args, kwargs, env),
-            name=f"rank{rank}",
-            daemon=True,
-        )
+    tasks = [
+        (rank, world_size, init_method, workdir, timeout, fn, args, kwargs, env)
         for rank in range(world_size)
     ]
+    procs: list[Any] = (  # Processes of the fork server, or ranks forked from a zygote
+        _zygote_ranks(workdir, env, tasks)
+        if ctx is None
+        else [
+            ctx.Process(target=_rank_main, args=task, name=f"rank{task[0]}", daemon=True)
+            for task in tasks
+        ]
+    )
     try:
         with _env(**_RANK_ENV):
             for p in procs:
