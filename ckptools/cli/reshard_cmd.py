@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -9,13 +10,19 @@ import click
 from ckptools.cli import options as shared
 from ckptools.cli.render import emit, human_bytes, plural, summary
 
+_WORLD_SIZE_HELP = "Ranks of the target layout."
+#: ``shard --to megatron`` needs no world size: Megatron-core loads its run directory at any
+#: TP / PP, and the number only says how many rank files hold the bytes (default 1)
+_SHARD_WORLD_SIZE_HELP = (
+    "Ranks of the target layout (required for --to dcp; for --to megatron, how many rank files "
+    "hold the bytes, default 1: Megatron loads them at any TP / PP)."
+)
+
 #: what both commands take, in the order --help lists them: they write the same DCP layout the
 #: same way
 _SHARED = (
     click.argument("src", type=click.Path()),
     click.argument("out", type=click.Path()),
-    click.option("--world-size", type=click.IntRange(min=1), required=True,
-                 help="Ranks of the target layout."),
     shared.overwrite_option,
     shared.dry_run_option(),
     shared.workers_option,
@@ -27,14 +34,21 @@ _SHARED = (
 )  # fmt: skip
 
 
-def _common(f: shared.F) -> shared.F:
-    for option in reversed(_SHARED):
-        f = option(f)
-    return f
+def _common(required: bool = True) -> Callable[[shared.F], shared.F]:
+    def decorate(f: shared.F) -> shared.F:
+        world_size = click.option(
+            "--world-size", type=click.IntRange(min=1), required=required,
+            help=_WORLD_SIZE_HELP if required else _SHARD_WORLD_SIZE_HELP,
+        )  # fmt: skip
+        for option in reversed((*_SHARED[:2], world_size, *_SHARED[2:])):
+            f = option(f)
+        return f
+
+    return decorate
 
 
 @click.command("reshard")
-@_common
+@_common()
 @click.option(
     "--rank-state",
     type=click.Choice(["keep", "drop"]),
@@ -102,7 +116,7 @@ def reshard_command(
 
 
 @click.command("shard")
-@_common
+@_common(required=False)
 @click.option(
     "--prefix",
     default="model.",
@@ -148,10 +162,14 @@ def shard_command(
     \b
     Examples:
       ckpt shard ./Llama-3-8B ckpt/step-0 --world-size 8
-      ckpt shard ./Llama-3-8B megatron_run --world-size 1 --to megatron
+      ckpt shard ./Llama-3-8B megatron_run --to megatron
     """
     from ckptools.reshard import shard
 
+    if options["world_size"] is None:
+        if options["to"] != "megatron":
+            raise click.MissingParameter(param_type="option", param_hint="'--world-size'")
+        options["world_size"] = 1
     src = shared.at_tag(src, tag)
     emit(shard(src, out, quiet=quiet or as_json, **options), as_json, _render)
 

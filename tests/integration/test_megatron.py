@@ -249,14 +249,26 @@ def test_shard_to_megatron_writes_what_megatron_writes(tmp_path: Path) -> None:
     config = json.loads(_truth("tp2_pp1")["hf_config"])
     src = _save_hf(tmp_path, "llama", config, torch.float32)
     run = tmp_path / "megatron"
-    _ok("shard", str(src), str(run), "--world-size", "1", "--to", "megatron",
-        "--make-vocab-size-divisible-by", "16")  # fmt: skip
+    # no --world-size: Megatron loads the run at any TP / PP, one rank file holds it
+    written = _ok("shard", str(src), str(run), "--to", "megatron",
+                  "--make-vocab-size-divisible-by", "16")  # fmt: skip
+    assert written["world_size"] == 1
     ours, theirs = _ok("inspect", str(run)), _ok("inspect", str(FIXTURES / "tp2_pp1"))
     assert _model_entries(ours) == _model_entries(theirs)
     objects = {o["fqn"] for o in ours["objects"]}
     assert "common_state/shard_0_1" in objects
     extra = {o["fqn"] for o in theirs["objects"] if "._extra_state/" in o["fqn"]}
     assert extra and extra == {o for o in objects if "._extra_state/" in o}
+
+
+def test_world_size_is_required_for_a_dcp_target(tmp_path: Path) -> None:
+    """Only --to megatron may leave --world-size out: a DCP target is laid out for its ranks."""
+    src = FIXTURES / "hf_llama"
+    for command in ("shard", "reshard"):
+        result = CliRunner().invoke(cli, [command, str(src), str(tmp_path / command)])
+        assert result.exit_code == 2, result.output
+        assert "Missing option '--world-size'" in result.output
+        assert not (tmp_path / command).exists()
 
 
 def test_families_beyond_the_llama_family_are_refused_by_name(tmp_path: Path) -> None:
