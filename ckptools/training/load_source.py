@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 from ckptools import _compat, collective
 from ckptools.core.keys import key_path
 from ckptools.core.manifest import Manifest, TensorEntry
+from ckptools.core.tensor_value import TensorValue
 from ckptools.engine.reader import SourceCache, read_object
 from ckptools.errors import IncompleteCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptools.export import suggested_optimizer_order
@@ -61,6 +62,7 @@ from ckptools.training.fill import (
     torch_dtype,
 )
 from ckptools.training.load_pretrained import DEFAULT_READ_BUFFER_BYTES, READ_BUFFER_ENV
+from ckptools.training.megatron_source import training_manifest
 from ckptools.tunables import env_size
 
 if TYPE_CHECKING:
@@ -218,10 +220,15 @@ def _fill(
     state: dict[str, Any],
     with_optimizer: bool,
     param_order: Sequence[str] | None,
+    config: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """This rank's share of :func:`load_source`: fills ``state`` in place; returns the
     entries outside it (``extra``) and the tensor bytes read."""
     manifest = read_manifest(path)
+    if manifest.layout == "megatron":
+        # Megatron's names, stacked layers and flat optimizer buckets, as the HF model's
+        # training state (what ``ckpt reshard`` writes): the job's model gives the config
+        manifest = training_manifest(manifest, config, drop_optimizer=not with_optimizer)
     flat, mapping = _compat.flatten_state_dict(state)
     named = _named(manifest, param_order, with_optimizer, flat)
     _check_keys(path, named, flat, set(state), with_optimizer)
@@ -229,7 +236,7 @@ def _fill(
     for fqn in [k for k in tensors if k not in named.tensors]:
         # a plain number where the job keeps a tensor (``step`` of an older optimizer)
         with torch.no_grad():
-            tensors.pop(fqn).copy_(torch.as_tensor(named.values[fqn]))
+            tensors.pop(fqn).copy_(_as_tensor(named.values[fqn]))
     targets = find_targets(tensors)
     extra: dict[str, Any] = {}
     for fqn, stored in named.tensors.items():
@@ -237,6 +244,8 @@ def _fill(
             targets[fqn] = _extra_target(fqn, manifest.tensors[stored])
             _compat.set_element(extra, named.paths[fqn], targets[fqn].boxes[0].local)
     for fqn, value in named.values.items():
+        if isinstance(value, TensorValue):
+            value = _as_tensor(value)  # a step counter: what the optimizer keeps
         if named.paths[fqn][0] not in state:
             _compat.set_element(extra, named.paths[fqn], value)
         elif fqn in mapping and fqn not in tensors:
@@ -251,6 +260,22 @@ def _fill(
         for c in _copies(manifest, named, targets, filler.reader):
             filler.copy(c)
     return extra, filler.bytes_read
+
+
+def _as_tensor(value: Any) -> torch.Tensor:
+    """A saved number, or a :class:`TensorValue` (a step counter a layout holds as bytes)."""
+    if isinstance(value, TensorValue):
+        flat = torch.frombuffer(bytearray(value.data), dtype=torch_dtype(value.dtype))
+        return flat.reshape(value.shape)
+    return torch.as_tensor(value)
+
+
+def _model_config(model: nn.Module) -> dict[str, Any] | None:
+    """The HF ``config.json`` of a transformers model (a Megatron source is mapped to its names
+    by it), else None."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    return to_dict() if callable(to_dict) else None
 
 
 def load_source(
@@ -269,7 +294,8 @@ def load_source(
     an error on any rank raises on every rank (see the module's description)."""
     ranks = collective.of_group(process_group)
     with_optimizer = optimizer is not None
-    found = ranks.from_all(lambda: _fill(path, state, with_optimizer, param_order), "load")
+    config = _model_config(model)
+    found = ranks.from_all(lambda: _fill(path, state, with_optimizer, param_order, config), "load")
     extra, bytes_read = found[ranks.rank]
     if optimizer is not None:
         set_state_dict(

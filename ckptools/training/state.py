@@ -67,6 +67,7 @@ from ckptools.errors import (
 )
 from ckptools.io import storage
 from ckptools.layouts.dcp import RANK_METADATA_FILE
+from ckptools.layouts.megatron import MegatronLayout
 from ckptools.training.load_source import load_source
 
 if TYPE_CHECKING:
@@ -273,11 +274,18 @@ def _read_metadata(path: str) -> Any:
         ) from e
 
 
+_MEGATRON = MegatronLayout()
+
+
 def _written_by_dcp(path: str) -> bool:
     """Whether ``path`` is read by ``dcp.load``: a DCP with its global ``.metadata``, or one
     that lost it (no per-rank ``__r.metadata`` either: refused as unfinished), or no
     checkpoint at all (refused as missing). Anything else is another layout's."""
-    if not storage.exists(path) or storage.exists(storage.join(path, ".metadata")):
+    if not storage.exists(path):
+        return True
+    if storage.isdir(path) and _MEGATRON.probe(path) is None:
+        return False  # a Megatron run or save: its .metadata is not a model of this job's names
+    if storage.exists(storage.join(path, ".metadata")):
         return True
     if not storage.isdir(path):
         return False  # a torch.save file
@@ -352,10 +360,12 @@ def load(
     ``dcp.load``. Every other training checkpoint ``ckpt reshard`` accepts is read directly,
     without writing a DCP first (:mod:`ckptools.training.load_source`): verl's per-rank files,
     a DCP saved without global metadata (``use_collectives=False``), a ``torch.save`` training
-    checkpoint, DeepSpeed ZeRO. Its entries are named as ``get_state_dict`` names them; the
-    model's and optimizer's tensors must be exactly the job's (names, shapes, dtypes: a resume
-    does not cast), and each rank reads the byte ranges of its shards straight into them. Its
-    other entries are returned as ``extra``.
+    checkpoint, DeepSpeed ZeRO, a Megatron-core ``torch_dist`` run or save (into the HF model
+    of the Llama family: its fp32 masters, AdamW moments and groups, mapped as ``ckpt reshard``
+    maps them, the model's ``config`` naming the HF layout). Its entries are named as
+    ``get_state_dict`` names them; the model's and optimizer's tensors must be exactly the
+    job's (names, shapes, dtypes: a resume does not cast), and each rank reads the byte ranges
+    of its shards straight into them. Its other entries are returned as ``extra``.
 
     Args:
         path: a checkpoint directory written by :func:`save` or a manager's ``step-<n>``, or
