@@ -99,6 +99,9 @@ def test_truth_loads_without_megatron_and_is_consistent(case: str) -> None:
     assert config["vocab_size"] == truth["true_vocab_size"]
     ids = truth["input_ids"]
     assert truth["logits"].shape == (1, ids.shape[1], truth["padded_vocab_size"])
+    # one DP group (and one set of optimizer.distributed.dp_group_idx_<i> keys) per TP x PP place
+    places = {(rank["tp"], rank["pp"]): rank["dp_group_idx"] for rank in truth["ranks"]}
+    assert sorted(places.values()) == list(range(truth["tp"] * truth["pp"]))
     for rank in truth["ranks"]:
         for per_gbuf in rank["per_bucket_numel"]:
             for dtype_key, numels in per_gbuf.items():
