@@ -318,3 +318,53 @@ def test_megatron_loads_what_shard_writes(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "max_abs_diff=" in done.stdout + done.stderr
+
+
+#: the local spec's fused norm names as Megatron's loaded modules name them
+_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path) -> None:
+    """``fixtures/megatron/hf_llama.proof_tp2_pp2.pt`` holds the weights real Megatron-core
+    0.19.2 held after ``dist_checkpointing.load`` of ``ckpt shard hf_llama --to megatron`` at
+    TP 2 x PP 2 (``generate.py check-load --proof``; its logits matched the HF model's). What
+    shard writes today, read by torch's own DCP reader and unstacked here, must be those bytes,
+    and those bytes, mapped to HF names independently of ckptools, the HF model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.support.megatron_truth import hf_truth
+
+    proof = torch.load(FIXTURES / "hf_llama.proof_tp2_pp2.pt", weights_only=True)
+    assert proof["max_abs_diff"] <= 1e-4
+    hf = load_file(FIXTURES / "hf_llama" / "model.safetensors")
+    config = (FIXTURES / "hf_llama" / "config.json").read_text()
+    loaded = hf_truth({"hf_config": config, "model": proof["model"]}, "model")
+    assert set(loaded) == set(hf)
+    for name, want in hf.items():
+        assert torch.equal(loaded[name].view(-1), want.view(-1)), name
+
+    run = tmp_path / "megatron"
+    _ok("shard", str(FIXTURES / "hf_llama"), str(run), "--to", "megatron")
+    save = run / "iter_0000001"
+    metadata = FileSystemReader(str(save)).read_metadata()
+    stored = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if hasattr(m, "size") and not k.startswith("optimizer.")
+    }
+    dcp.load(stored, checkpoint_id=str(save), no_dist=True)
+    written: dict[str, torch.Tensor] = {}
+    for key, t in stored.items():
+        if key.startswith("decoder.layers.") and not key[len("decoder.layers.") :][0].isdigit():
+            rest = key[len("decoder.layers.") :]
+            for i in range(t.shape[0]):
+                written[f"decoder.layers.{i}.{_NORMS.get(rest, rest)}"] = t[i]
+        else:
+            written[key] = t
+    assert set(written) == set(proof["model"])
+    for name, held in proof["model"].items():
+        assert torch.equal(written[name].view(-1), held.view(-1)), name
