@@ -22,6 +22,7 @@ FORMAT_NAMES = (
     "accelerate",
     "lightning",
     "torchtitan",
+    "megatron",
     "dcp_rank_local",
     "dcp",
     "verl",

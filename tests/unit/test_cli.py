@@ -227,3 +227,12 @@ def test_list_of_a_directory_without_saves_says_what_it_looked_for(tmp_path: Pat
     result = CliRunner().invoke(cli, ["list", str(tmp_path)])
     assert result.exit_code == 0
     assert result.output.startswith(f"{tmp_path}: no saves (looked for a CheckpointManager's")
+
+
+def test_format_choices_are_every_registered_layout() -> None:
+    """``--format`` lists every layout ckptools detects (a new family is forced by name too)."""
+    import ckptools.layouts  # noqa: F401  (registers the layouts)
+    from ckptools.cli.options import FORMAT_NAMES
+    from ckptools.layouts.base import layouts
+
+    assert sorted(FORMAT_NAMES) == sorted(layout.name for layout in layouts())
