@@ -396,8 +396,15 @@ def _converted(
 ) -> tuple[Manifest, dict[str, str], str | None]:
     """One side's model tensors in the on-disk format (or, ``in_memory``, the in-memory form)
     of the transformers conversion ``cfg`` names, and a note naming the mapping applied."""
-    from ckptools.engine.converted import to_disk_names, to_memory_names
+    from ckptools.engine.converted import megatron_to_disk, to_disk_names, to_memory_names
 
+    if manifest.layout == "megatron":  # the HF model's names, as consolidate writes them
+        manifest, out, keymap, _ = megatron_to_disk(manifest, names, cfg, check=False)
+        return (
+            manifest,
+            out,
+            f"compared as the HF model: {keymap.mapping}: " + "; ".join(keymap.rules),
+        )
     # quiet: diff has no quiet option for its --json to imply yet, so no status line while a
     # conversion is derived (the cache still spares the next run the derivation)
     if in_memory:

@@ -368,3 +368,25 @@ def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path) -> None:
     assert set(written) == set(proof["model"])
     for name, held in proof["model"].items():
         assert torch.equal(written[name].view(-1), held.view(-1)), name
+
+
+def test_diff_calls_a_megatron_run_identical_to_its_consolidation(tmp_path: Path) -> None:
+    """``ckpt diff RUN hf_model`` compares the run as the HF model (the mapping consolidate
+    applies) and says so; one changed element of the consolidation is found by its HF name."""
+    from safetensors.torch import save_file
+
+    src, out = FIXTURES / "tp2_pp1", tmp_path / "hf"
+    config = str(FIXTURES / "hf_llama" / "config.json")
+    _ok("consolidate", str(src), str(out), "--config", config)
+    result = _invoke("diff", str(src), str(out), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["identical"], report
+    assert any("compared as the HF model" in n for n in report["notes"]), report["notes"]
+    weights = load_file(out / "model.safetensors")
+    weights["model.layers.1.self_attn.k_proj.weight"][3, 2] += 1.0
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    result = _invoke("diff", str(src), str(out), "--json")
+    assert result.exit_code == 3, result.output
+    changed = [t["name"] for t in json.loads(result.output)["tensors"] if t["status"] != "equal"]
+    assert changed == ["model.layers.1.self_attn.k_proj.weight"]
