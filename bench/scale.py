@@ -22,6 +22,10 @@ is warm (the same checkpoint is read every time). Linux only (``/proc``).
 Usage::
 
     python bench/scale.py --size-gb 2.0 --repeat 3 [--procs 1,2,4] [--workdir /tmp/ckbench]
+
+The 405B-shaped checkpoint at 1,024 ranks (metadata over sparse files, for reading and planning
+at scale rather than copying) is ``bench/scale_405b.py``: it shares nothing with this script's
+real-bytes runs but the subject, and keeping it apart keeps each one's report to one table.
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptools.core.geometry import fsdp2_rows, intersect
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
@@ -29,10 +31,13 @@ from ckptools.formats import torch_archive
 from ckptools.plan.safetensors import unique_chunks
 
 
-@dataclass(frozen=True, slots=True)
-class TensorItem:
+class TensorItem(NamedTuple):
     """One output chunk: a box of ``fqn`` stored as a torch.save archive at ``offset``; its
-    bytes come from ``sources``, or are ``data`` (a :class:`TensorValue`, stored whole)."""
+    bytes come from ``sources``, or are ``data`` (a :class:`TensorValue`, stored whole).
+
+    A named tuple, not a frozen dataclass: a plan holds one per output chunk (2.3M for a 405B
+    model at 2,048 ranks), and a tuple is built 4x faster than a frozen dataclass's
+    ``__init__`` sets eleven fields."""
 
     fqn: str
     dtype: str
@@ -90,10 +95,10 @@ class DcpPlan:
             {"file": file_name(r), "bytes": self.file_sizes[r], "tensors": 0, "objects": 0}
             for r in range(self.world_size)
         ]
-        for t in self.tensors:
-            per_rank[t.rank]["tensors"] += 1
-        for o in self.objects:
-            per_rank[o.rank]["objects"] += 1
+        for rank, n in Counter(map(_RANK, self.tensors)).items():
+            per_rank[rank]["tensors"] = n
+        for rank, n in Counter(map(_RANK, self.objects)).items():
+            per_rank[rank]["objects"] = n
         return {
             "world_size": self.world_size,
             "files": per_rank,
@@ -102,6 +107,9 @@ class DcpPlan:
             "objects": len(self.objects),
             "bytes": self.total_bytes,
         }
+
+
+_RANK = operator.attrgetter("rank")
 
 
 def file_name(rank: int) -> str:
@@ -200,7 +208,7 @@ class _Packer:
         self.items: list[TensorItem] = []
 
     def least_loaded(self) -> int:
-        return min(range(len(self.sizes)), key=lambda r: self.sizes[r])
+        return self.sizes.index(min(self.sizes))  # the first of the smallest, at C speed
 
     def take(self, rank: int, length: int) -> int:
         offset = self.sizes[rank]
@@ -215,12 +223,27 @@ class ChunkIndex:
         self.chunks = sorted(unique_chunks(tensor), key=lambda c: c.offsets)
         self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
         self.max_rows = max((c.sizes[0] for c in self.chunks if c.sizes), default=0)
+        # Chunks that are whole rows (dim-0 shards, as FSDP2 stores every tensor) and tile the
+        # shape are disjoint dim-0 intervals, sorted by start and so by end too: a box of whole
+        # rows meets exactly those between two bisections, with no box arithmetic per chunk
+        # (a reshard of 1.16M chunks to 2,048 ranks asks 2.3M boxes).
+        self.rows = tensor.shape[1:] if tensor.shape else None
+        zeros = (0,) * (len(tensor.shape) - 1)
+        self.ends: list[int] | None = None
+        if self.rows is not None and all(
+            c.sizes[1:] == self.rows and c.offsets[1:] == zeros for c in self.chunks
+        ):
+            self.ends = [c.offsets[0] + c.sizes[0] for c in self.chunks]
+        self.zeros = zeros
 
     def meeting(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[Chunk, ...]:
         if math.prod(sizes) == 0:
             return ()
         if not offsets:
             return tuple(self.chunks)
+        if self.ends is not None and sizes[1:] == self.rows and offsets[1:] == self.zeros:
+            lo = bisect.bisect_right(self.ends, offsets[0])
+            return tuple(self.chunks[lo : bisect.bisect_left(self.starts, offsets[0] + sizes[0])])
         # Only chunks starting before the box ends, and no earlier than (box start - the tallest
         # chunk), can meet it.
         lo = bisect.bisect_left(self.starts, offsets[0] - self.max_rows)
@@ -244,13 +267,20 @@ def _plan_tensor(
     packer: _Packer, out_fqn: str, tensor: TensorEntry, source_world_size: int | None
 ) -> None:
     sources = ChunkIndex(tensor)
+    lengths: dict[tuple[int, ...], int] = {}  # a tensor's pieces have one or two sizes
+    append, file_sizes = packer.items.append, packer.sizes
 
     def place(offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int) -> None:
-        length = torch_archive.tensor_archive_layout(tensor.dtype, sizes).length
-        packer.items.append(
+        length = lengths.get(sizes)
+        if length is None:
+            length = torch_archive.tensor_archive_layout(tensor.dtype, sizes).length
+            lengths[sizes] = length
+        offset = file_sizes[rank]
+        file_sizes[rank] = offset + length
+        append(
             TensorItem(
-                out_fqn, tensor.dtype, tensor.shape, offsets, sizes, rank,
-                packer.take(rank, length), length, sources.meeting(offsets, sizes), tensor.fqn,
+                out_fqn, tensor.dtype, tensor.shape, offsets, sizes, rank, offset, length,
+                sources.meeting(offsets, sizes), tensor.fqn,
             )
         )  # fmt: skip
 
@@ -260,11 +290,54 @@ def _plan_tensor(
         return
     zeros = (0,) * (len(shape) - 1)
     empty_placed = False
-    for rank, (start, n) in enumerate(fsdp2_rows(shape[0], len(packer.sizes))):
+    rows = fsdp2_rows(shape[0], len(packer.sizes))
+    if sources.ends is not None:
+        _place_rows(packer, out_fqn, tensor, sources, rows)
+    for rank, (start, n) in enumerate(rows):
         if n:
-            place((start, *zeros), (n, *shape[1:]), rank)
+            if sources.ends is None:
+                place((start, *zeros), (n, *shape[1:]), rank)
         elif not empty_placed:
             # Ranks without rows all record the same empty box at offset dim0; DCP's dedup
             # keeps one copy, on the least-loaded rank.
             place((shape[0], *zeros), (0, *shape[1:]), packer.least_loaded())
             empty_placed = True
+
+
+def _place_rows(
+    packer: _Packer,
+    out_fqn: str,
+    tensor: TensorEntry,
+    sources: ChunkIndex,
+    rows: Sequence[tuple[int, int]],
+) -> None:
+    """Place each rank's rows of ``tensor`` (stored as whole-row chunks) in its file: the loop
+    :func:`_plan_tensor` would run per rank, with the box arithmetic reduced to two bisections
+    and the tuples that neighbouring ranks share (sizes, sources, lengths) built once."""
+    assert sources.ends is not None
+    append, file_sizes, chunks = packer.items.append, packer.sizes, sources.chunks
+    starts, ends = sources.starts, sources.ends
+    fqn, dtype, shape, src_fqn = out_fqn, tensor.dtype, tensor.shape, tensor.fqn
+    zeros, tail = sources.zeros, shape[1:]
+    boxes: dict[int, tuple[tuple[int, ...], int]] = {}  # rows -> (sizes, archive length)
+    last: tuple[int, int, tuple[Chunk, ...]] = (-1, -1, ())  # sources of the previous rank
+    empty = not math.prod(tail)
+    for rank, (start, n) in enumerate(rows):
+        if not n:
+            continue
+        box = boxes.get(n)
+        if box is None:
+            sizes = (n, *tail)
+            box = boxes[n] = (sizes, torch_archive.tensor_archive_layout(dtype, sizes).length)
+        sizes, length = box
+        lo = bisect.bisect_right(ends, start)
+        hi = bisect.bisect_left(starts, start + n)
+        if (lo, hi) != last[:2]:
+            last = (lo, hi, () if empty else tuple(chunks[lo:hi]))
+        offset = file_sizes[rank]
+        file_sizes[rank] = offset + length
+        append(
+            TensorItem(
+                fqn, dtype, shape, (start, *zeros), sizes, rank, offset, length, last[2], src_fqn
+            )
+        )

@@ -8,9 +8,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptools.core.geometry import copy_runs, fsdp2_rows
+from ckptools.core.geometry import copy_runs, fsdp2_rows, intersect
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
-from ckptools.plan.dcp import plan_dcp
+from ckptools.plan.dcp import ChunkIndex, plan_dcp
 
 
 def _global_index(
@@ -138,3 +138,33 @@ def test_plan_places_each_rank_rows_in_its_file(
         for (_, b), (c, _) in itertools.pairwise(spans):
             assert b <= c
         assert plan.file_sizes[r] == sum(b - a for a, b in spans)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 30), st.integers(1, 6), st.integers(1, 7), st.integers(1, 3),
+    st.booleans(), st.integers(1, 9),
+)  # fmt: skip
+def test_chunk_index_finds_exactly_the_chunks_a_box_meets(
+    d0: int, cols: int, src_ws: int, col_split: int, box_rows: bool, dst_ws: int
+) -> None:
+    """The bisection over whole-row chunks (FSDP2's) and the box arithmetic for any other
+    tiling (dim-1 splits) list the same chunks as a brute-force intersection."""
+    col_split = min(col_split, cols)
+    col_rows = fsdp2_rows(cols, col_split)
+    boxes = [
+        ((o, co), (n, cn), r)
+        for r, (o, n) in enumerate(fsdp2_rows(d0, src_ws))
+        for co, cn in col_rows
+        if n and cn
+    ]
+    index = ChunkIndex(_manifest((d0, cols), boxes, src_ws).tensors["w"])
+    wanted_cols = (0, cols) if box_rows else (cols // 2, cols - cols // 2)
+    for start, n in fsdp2_rows(d0, dst_ws):
+        offsets, sizes = (start, wanted_cols[0]), (n, wanted_cols[1])
+        brute = {
+            (c.offsets, c.sizes)
+            for c in index.chunks
+            if intersect(c.offsets, c.sizes, offsets, sizes) is not None
+        }
+        assert {(c.offsets, c.sizes) for c in index.meeting(offsets, sizes)} == brute
