@@ -399,12 +399,9 @@ def _converted(
     from ckptools.engine.converted import megatron_to_disk, to_disk_names, to_memory_names
 
     if manifest.layout == "megatron":  # the HF model's names, as consolidate writes them
-        manifest, out, keymap, _ = megatron_to_disk(manifest, names, cfg, check=False)
-        return (
-            manifest,
-            out,
-            f"compared as the HF model: {keymap.mapping}: " + "; ".join(keymap.rules),
-        )
+        hf, hf_names, mapping, _ = megatron_to_disk(manifest, names, cfg, check=False)
+        rules = "; ".join(mapping.rules)
+        return hf, hf_names, f"compared as the HF model: {mapping.mapping}: {rules}"
     # quiet: diff has no quiet option for its --json to imply yet, so no status line while a
     # conversion is derived (the cache still spares the next run the derivation)
     if in_memory:
