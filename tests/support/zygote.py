@@ -136,7 +136,7 @@ class Child:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"zygote child {self.pid}", timeout or 0.0)
-            ready, _, _ = select.select(list(pipes), [], [], left)
+            ready = _readable(list(pipes), left)
             for fd in ready:
                 data = os.read(fd, 1 << 16)
                 if data:
@@ -146,6 +146,17 @@ class Child:
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         out = [b"".join(chunks[id(f)]) if f else b"" for f in (self.stdout, self.stderr)]
         return out[0], out[1]
+
+
+def _readable(fds: list[int], timeout: float | None) -> list[int]:
+    """The fds of ``fds`` ready to read (or at their end) within ``timeout`` seconds (None:
+    wait). ``poll``, not ``select``: a pytest worker late in the suite holds over 1,024 fds, and
+    ``select`` refuses any fd numbered above that."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = None if timeout is None else max(0, int(timeout * 1000))
+    return [fd for fd, _ in poller.poll(ms)]
 
 
 class _Zygote:
@@ -390,7 +401,7 @@ def _serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sock.send(json.dumps({"ready": True}).encode())
     while True:
-        ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        ready = _readable([sock.fileno(), wake_r], None)
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake_r, 512):
