@@ -100,28 +100,18 @@ _LOCAL_LAYER_ORDER = (
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
 )
-_TE_LAYER_ORDER = (
-    "input_layernorm.weight",
-    "input_layernorm.bias",
-    "self_attention.linear_proj.weight",
-    "self_attention.linear_proj.bias",
-    "self_attention.linear_qkv.layer_norm_weight",
-    "self_attention.linear_qkv.layer_norm_bias",
-    "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias",
-    "self_attention.q_layernorm.weight",
-    "self_attention.q_layernorm.bias",
-    "self_attention.k_layernorm.weight",
-    "self_attention.k_layernorm.bias",
-    "pre_mlp_layernorm.weight",
-    "pre_mlp_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight",
-    "mlp.linear_fc1.layer_norm_bias",
-    "mlp.linear_fc1.weight",
-    "mlp.linear_fc1.bias",
-    "mlp.linear_fc2.weight",
-    "mlp.linear_fc2.bias",
-)
+
+
+def _projection_first(order: tuple[str, ...]) -> tuple[str, ...]:
+    """Transformer Engine's order: its ``linear_proj`` is registered before the fused
+    ``linear_qkv`` (and its norm), the rest as the local spec orders it."""
+    proj = tuple(n for n in order if n.startswith("self_attention.linear_proj."))
+    rest = [n for n in order if n not in proj]
+    at = rest.index("self_attention.linear_qkv.layer_norm_weight")
+    return (*rest[:at], *proj, *rest[at:])
+
+
+_TE_LAYER_ORDER = _projection_first(_LOCAL_LAYER_ORDER)
 #: the candidate orders, tried in turn against the stored chunk boundaries
 LAYER_ORDERS = (_LOCAL_LAYER_ORDER, _TE_LAYER_ORDER)
 _FIRST_STAGE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")

@@ -42,20 +42,10 @@ CASES = [
 SECTIONS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
-def _resume_step_and_gather(rank: int, world_size: int, ckpt: str, config: str, out: str) -> None:
-    """An FSDP2 job of the HF model with AdamW in Megatron-LM's two groups: dcp.load +
-    set_state_dict, the full state gathered (rank 0 saves it), then one training step."""
-    import copy
-
+def _hf_job(world_size: int, config: str) -> tuple[Any, Any]:
+    """An FSDP2 job of the HF model (layers, then the root, sharded) with AdamW in Megatron-LM's
+    two groups: decay on matrices, none on norms and biases."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        get_state_dict,
-        set_state_dict,
-    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -73,6 +63,25 @@ def _resume_step_and_gather(rank: int, world_size: int, ckpt: str, config: str, 
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": flat, "weight_decay": 0.0}], lr=1e-3
     )
+    return model, opt
+
+
+def _resume_step_and_gather(rank: int, world_size: int, ckpt: str, config: str, out: str) -> None:
+    """An FSDP2 job of the HF model with AdamW in Megatron-LM's two groups: dcp.load +
+    set_state_dict, the full state gathered (rank 0 saves it), then one training step."""
+    import copy
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    model, opt = _hf_job(world_size, config)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -163,25 +172,10 @@ def _load_and_gather(rank: int, world_size: int, src: str, config: str, out: str
         get_model_state_dict,
         get_optimizer_state_dict,
     )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     import ckptools
 
-    cfg = AutoConfig.from_pretrained(config)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if p.ndim >= 2 and not n.endswith(".bias")]
-    flat = [p for n, p in named if not (p.ndim >= 2 and not n.endswith(".bias"))]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": flat, "weight_decay": 0.0}], lr=1e-3
-    )
+    model, opt = _hf_job(world_size, config)
     ckptools.load(src, model, opt)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     gathered = {
