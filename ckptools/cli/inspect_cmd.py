@@ -179,13 +179,18 @@ def _megatron_lines(mg: dict[str, Any]) -> list[str]:
         return "?" if mg.get(key) is None else str(mg[key])
 
     groups = f"{shown('num_query_groups')} query groups"
+    vocab = (
+        f"vocab {shown('padded_vocab_size')} rows, padded (the true size is in the model's "
+        "config.json, not in the run's args)"
+        if mg.get("vocab_size") is None
+        else f"vocab {mg['vocab_size']} (padded {shown('padded_vocab_size')})"
+    )
     parts = ", ".join(f"{k} {v}" for k, v in sorted(mg["parts"].items()))
     return [
         f"  megatron: iteration {shown('iteration')}, TP {shown('tensor_parallel')} x PP "
         f"{shown('pipeline_parallel')} x DP {shown('data_parallel')}, {shown('params_dtype')}",
         f"  model: {shown('num_layers')} layers, hidden {shown('hidden_size')}, ffn "
-        f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, vocab "
-        f"{shown('vocab_size')} (padded {shown('padded_vocab_size')})",
+        f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, {vocab}",
         f"  optimizer sharding: {mg['optimizer_sharding']}; entries: {parts}",
     ]
 

@@ -390,3 +390,13 @@ def test_diff_calls_a_megatron_run_identical_to_its_consolidation(tmp_path: Path
     assert result.exit_code == 3, result.output
     changed = [t["name"] for t in json.loads(result.output)["tensors"] if t["status"] != "equal"]
     assert changed == ["model.layers.1.self_attn.k_proj.weight"]
+
+
+def test_inspect_says_where_the_true_vocabulary_is(tmp_path: Path) -> None:
+    """A run trained with an HF tokenizer records only the padded rows: inspect says where the
+    true size is; a run whose args hold it (what shard writes) shows both."""
+    text = _invoke("inspect", str(FIXTURES / "tp2_pp1")).output
+    assert "vocab 112 rows, padded (the true size is in the model's config.json" in text
+    run = tmp_path / "megatron"
+    _ok("shard", str(FIXTURES / "hf_llama"), str(run), "--to", "megatron")
+    assert "vocab 100 (padded 128)" in _invoke("inspect", str(run)).output
