@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,18 @@ def _killed_run(command: str, src: Path, out: Path, after_files: int, arg: str) 
     assert not out.exists()
     (staging,) = out.parent.glob(f"{out.name}.tmp-*")
     return staging
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt while a test runs: ``_thread.interrupt_main`` does
+    nothing where SIGINT is ignored, as it is in every process of a run started in the
+    background by a shell (``make test &``)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_after(monkeypatch: pytest.MonkeyPatch, files: int) -> Any:
