@@ -519,10 +519,11 @@ _INT_TOKEN = rb"(?:K.|M..|J.{4}|\x8a(?:" + b"|".join(b"%c.{%d}" % (n, n) for n i
 _INT_TOKEN += rb")|N|\x88|\x89)"
 
 
-def _record_patterns(frames: bool) -> bytes:
-    """A batch of records; with ``frames``, a FRAME allowed before any object (a pickle's
-    frames break at ~64 KB, so most 1,000-record batches have none: without it the match is
-    3x faster, and a batch with one is matched again allowing them)."""
+def _record_pattern(frames: bool) -> bytes:
+    """One record; with ``frames``, a FRAME allowed before any of its objects. A pickle's frames
+    break at ~64 KB, between two records or inside one: a batch is matched as runs of records
+    without frames (14x faster than allowing one before every object), a FRAME between two
+    records stepped over, and only a record with one inside is matched allowing them."""
     f = rb"(?:\x95.{8})?" if frames else b""
     get, num, text = _GET_TOKEN, _INT_TOKEN, _sized(b"\x8c", 1)
     flat = (
@@ -537,7 +538,7 @@ def _record_patterns(frames: bool) -> bytes:
         f + get + f + rb"\)" + f + rb"\x81" + f + rb"\x94" + f + rb"\}" + f + rb"\x94" + f
         + rb"\(" + b"(?:" + key + value + b"){1,6}" + f + rb"u" + f + rb"b"
     )  # fmt: skip
-    return b"(?:" + record + b")++" + f + rb"[eu]"
+    return record
 
 
 def _memo_runs_pattern() -> bytes:
@@ -559,6 +560,26 @@ def _memo_runs_pattern() -> bytes:
     return b"(?:" + other + rb")*+\x94|(?:" + other + rb")++\Z"
 
 
+def _batch_end(records: _Patterns, data: bytes, i: int) -> int:
+    """The end of the batch of records (one or more, then APPENDS or SETITEMS) that starts at
+    ``i``, with a FRAME allowed before any object; 0 when none starts there."""
+    runs, framed_record, _ = records
+    at, found = i, False
+    while True:
+        end = runs.match(data, at).end()  # type: ignore[union-attr]  # `*+` always matches
+        found = found or end > at
+        op = data[end] if end < len(data) else -1
+        if op == 0x65 or op == 0x75:  # APPENDS, SETITEMS
+            return end + 1 if found else 0
+        if op == 0x95:  # FRAME between two records (or before the first, or the end)
+            at = end + 9
+            continue
+        m = framed_record.match(data, end)  # a record with a FRAME inside
+        if m is None:
+            return 0
+        at, found = m.end(), True
+
+
 _Patterns = tuple[re.Pattern[bytes], re.Pattern[bytes], re.Pattern[bytes]]
 
 
@@ -566,8 +587,8 @@ _Patterns = tuple[re.Pattern[bytes], re.Pattern[bytes], re.Pattern[bytes]]
 def _records() -> _Patterns:
     # compiled on first use (tens of ms), like _unshared
     return (
-        re.compile(_record_patterns(frames=False), re.DOTALL),
-        re.compile(_record_patterns(frames=True), re.DOTALL),
+        re.compile(b"(?:" + _record_pattern(frames=False) + b")*+", re.DOTALL),
+        re.compile(_record_pattern(frames=True), re.DOTALL),
         re.compile(_memo_runs_pattern(), re.DOTALL),
     )
 
@@ -584,11 +605,10 @@ def _skip_records(
     """Where the batch of records that starts at ``i`` (after its MARK, or after a record read
     one by one) ends, with its memo entries, hashing and stack accounted for; 0 when what
     starts there is not such a batch."""
-    batch, framed_batch, memo_runs = records
-    m = batch.match(data, i) or framed_batch.match(data, i)
-    if m is None:
+    end = _batch_end(records, data, i)
+    if not end:
         return 0
-    end = m.end()
+    memo_runs = records[2]
     # MEMOIZEs in the batch: the runs up to each, and the tail after the last (a batch ends in
     # BUILD and APPENDS or SETITEMS). Whole runs from the batch's start follow its opcodes
     # exactly; a byte left over would mean they did not, and the batch is scanned instead.

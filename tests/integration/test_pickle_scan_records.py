@@ -106,3 +106,24 @@ def test_records_holding_shared_tuples_are_not_passed_over(tmp_path: Path) -> No
     # and the same batch without the DAG is passed over
     plain = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 2])) for i in range(3)]
     assert _scan(pickle.dumps(plain, protocol=4), bulk=True)[1] > 0
+
+
+def test_frames_anywhere_in_a_batch_are_passed_over(produced: Callable[..., Any]) -> None:
+    """A FRAME may fall between any two opcodes (the C unpickler reads it as a no-op wherever it
+    is): between two records, inside one, before the APPENDS. The batches are still passed over
+    and the memo still counted exactly."""
+    import pickle
+
+    data = _metadata(produced)
+    starts = [pos for _, _, pos in pickletools.genops(data)][1:-1]  # after PROTO, before STOP
+    framed = bytearray()
+    last = 0
+    for k, pos in enumerate(starts):
+        if k % 7 == 3:
+            framed += data[last:pos] + b"\x95" + bytes(8)  # an empty frame
+            last = pos
+    framed += data[last:]
+    memo, skipped = _scan(bytes(framed), bulk=True)
+    assert skipped > len(framed) // 2
+    assert memo == _memo_count(bytes(framed)) == _memo_count(data)
+    assert pickle.loads(bytes(framed)) is not None
