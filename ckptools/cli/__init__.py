@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     from ckptools.cli.interrupts import leave_on_interrupt
 
     leave_on_interrupt()
+    from ckptools.core.bulk import own_process
+
+    own_process()  # this process exists for one command: what parsing builds is frozen
     from ckptools.cli.main import main as run
 
     run(argv)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import math
 import os
 import re
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptools.core import dtypes
+from ckptools.core.bulk import gc_paused
 from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, Part, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
@@ -138,24 +138,11 @@ def read_dcp(
     storage.contained(root, where.rel(metadata_file), named_by=root, entry="holds")
     data = _metadata_bytes(where.meta_path)
     marker_digest = digest(data)
-    with _gc_paused():
+    with gc_paused():  # millions of records and tuples: 25 s -> 6 s at 878k chunks
         md = parse_metadata(data, where.meta_path)
         del data  # the parse is done; at 878k chunks these bytes are ~100 MB
         with _malformed_as_corrupt(where):
             return _build(md, where, check_files, listing, marker_digest)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Parsing builds millions of small acyclic objects (3 records and 3 tuples per chunk); the
-    cyclic collector would rescan them again and again: 25 s -> 6 s for 878k chunks."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager

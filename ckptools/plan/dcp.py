@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ckptools.core.bulk import without_gc
 from ckptools.core.geometry import fsdp2_rows, intersect
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.core.tensor_value import TensorValue
@@ -124,6 +125,7 @@ def _replicated_in_source(tensor: TensorEntry, source_world_size: int | None) ->
     return len(boxes) == 1 and next(iter(boxes))[1] == tensor.shape and tensor.shape[0] > 1
 
 
+@without_gc  # millions of items at scale: the collector would walk them again and again
 def plan_dcp(
     manifest: Manifest,
     world_size: int,

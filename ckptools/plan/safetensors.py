@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptools.core import dtypes
+from ckptools.core.bulk import without_gc
 from ckptools.core.geometry import Box, tensor_runs, tiling_problems
 from ckptools.core.geometry import chunk_span as chunk_span
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
@@ -174,6 +175,7 @@ def shard_groups(sizes: Sequence[int], max_shard_size: int) -> list[list[int]]:
     return groups
 
 
+@without_gc  # millions of items at scale: the collector would walk them again and again
 def plan_consolidation(
     manifest: Manifest,
     names: Mapping[str, str],
