@@ -20,16 +20,19 @@ import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ckptools.core import dtypes
 
 Encoding = Literal["raw", "torch_save"]
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One stored piece of a tensor: a box of the global tensor and where its bytes are."""
+class Chunk(NamedTuple):
+    """One stored piece of a tensor: a box of the global tensor and where its bytes are.
+
+    A named tuple, not a frozen dataclass: a 405B checkpoint at 1,024 ranks has 1.16M of them,
+    and a frozen dataclass's ``__init__`` cost 1.4 µs each (1.65 s of a 20 s ``inspect``), the
+    tuple's 0.35 µs. Change one with ``chunk._replace(...)``."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckptools.core import dtypes
@@ -92,8 +91,7 @@ def resolve_chunk(
     start = torch_archive.record_data_offset(reader, archive, rec) + ref.storage_offset * itemsize
     span = chunk.numel * itemsize if ref.is_contiguous else rec.size - ref.storage_offset * itemsize
     whole_record = ref.is_contiguous and ref.storage_offset == 0 and span == rec.size
-    return replace(
-        chunk,
+    return chunk._replace(
         offset=start,
         length=span,
         encoding="raw",

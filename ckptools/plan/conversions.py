@@ -496,8 +496,7 @@ def _sub_chunk(raw: Chunk, chunk: Chunk, piece: Piece, itemsize: int) -> Chunk:
                         piece.stack_dim)  # fmt: skip
     numel = math.prod(sizes)
     contiguous = raw.strides is None and span == numel
-    return replace(
-        raw,
+    return raw._replace(
         offsets=out_offsets,
         sizes=_drop(sizes, piece.stack_dim),
         offset=raw.offset + start * itemsize,
@@ -526,7 +525,7 @@ def _cut(
         r = raw(entry, c)
         sub = _sub_chunk(r, c, p, entry.itemsize)
         if not r.file:  # boxes only (save_pretrained's manifest): no bytes to point at
-            sub = replace(sub, offset=0, length=0, strides=None)
+            sub = sub._replace(offset=0, length=0, strides=None)
         if r.crc32 is not None and sub.crc32 is None:
             unchecked[(r.file, r.offset)] = (entry.fqn, r)
         chunks.append(sub)
@@ -538,7 +537,7 @@ def _shifted(chunks: tuple[Chunk, ...], at: tuple[int, ...]) -> tuple[Chunk, ...
     if not any(at):
         return chunks
     return tuple(
-        replace(c, offsets=tuple(a + o for a, o in zip(at, c.offsets, strict=True))) for c in chunks
+        c._replace(offsets=tuple(a + o for a, o in zip(at, c.offsets, strict=True))) for c in chunks
     )
 
 
@@ -585,8 +584,7 @@ def _place(
         for r in _within(entry, p, raw, unchecked):
             offsets = _insert(r.offsets, p.stack_dim, 0)
             placed.append(
-                replace(
-                    r,
+                r._replace(
                     offsets=tuple(a + b for a, b in zip(offsets, p.offsets, strict=True)),
                     sizes=_insert(r.sizes, p.stack_dim, 1),
                     strides=None if r.strides is None else _insert(r.strides, p.stack_dim, 0),

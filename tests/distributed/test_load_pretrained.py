@@ -463,8 +463,8 @@ class _Fused:
         gate, up = manifest.tensors["gate.weight"], manifest.tensors["up.weight"]
         rows, cols = gate.shape
         chunks = (
-            replace(gate.chunks[0], offsets=(0, 0)),
-            replace(up.chunks[0], offsets=(rows + self.gap, 0)),
+            gate.chunks[0]._replace(offsets=(0, 0)),
+            up.chunks[0]._replace(offsets=(rows + self.gap, 0)),
         )
         fused = TensorEntry("gate_up.weight", gate.dtype, (2 * rows + self.gap, cols), chunks)
         rest = {k: v for k, v in manifest.tensors.items() if k not in ("gate.weight", "up.weight")}
