@@ -53,6 +53,9 @@ class TensorItem(NamedTuple):
     data: bytes | None = None  # the box's bytes, for a value the source holds decoded
 
 
+_new = tuple.__new__  # a named tuple from all its fields, in order
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectItem:
     """A non-tensor entry of rank ``rank``'s file: copied byte for byte from ``source_file``
@@ -322,8 +325,10 @@ def _place_rows(
     fqn, dtype, shape, src_fqn = out_fqn, tensor.dtype, tensor.shape, tensor.fqn
     zeros, tail = sources.zeros, shape[1:]
     boxes: dict[int, tuple[tuple[int, ...], int]] = {}  # rows -> (sizes, archive length)
-    last: tuple[int, int, tuple[Chunk, ...]] = (-1, -1, ())  # sources of the previous rank
+    last_lo, last_hi = -1, -1
+    met: tuple[Chunk, ...] = ()  # the sources of the previous rank
     empty = not math.prod(tail)
+    right, left = bisect.bisect_right, bisect.bisect_left
     for rank, (start, n) in enumerate(rows):
         if not n:
             continue
@@ -332,14 +337,14 @@ def _place_rows(
             sizes = (n, *tail)
             box = boxes[n] = (sizes, torch_archive.tensor_archive_layout(dtype, sizes).length)
         sizes, length = box
-        lo = bisect.bisect_right(ends, start)
-        hi = bisect.bisect_left(starts, start + n)
-        if (lo, hi) != last[:2]:
-            last = (lo, hi, () if empty else tuple(chunks[lo:hi]))
+        lo = right(ends, start)
+        hi = left(starts, start + n)
+        if lo != last_lo or hi != last_hi:
+            last_lo, last_hi, met = lo, hi, () if empty else tuple(chunks[lo:hi])
         offset = file_sizes[rank]
         file_sizes[rank] = offset + length
+        # built as the tuple it is, every field given (2M of them at 2,048 ranks)
         append(
-            TensorItem(
-                fqn, dtype, shape, (start, *zeros), sizes, rank, offset, length, last[2], src_fqn
-            )
-        )
+            _new(TensorItem, (fqn, dtype, shape, (start, *zeros), sizes, rank, offset, length,
+                              met, src_fqn, None))
+        )  # fmt: skip
