@@ -124,7 +124,7 @@ def _replicated_in_source(tensor: TensorEntry, source_world_size: int | None) ->
     """A tensor a multi-rank job stored whole (a buffer, or a param FSDP did not shard)."""
     if not tensor.shape or source_world_size is None or source_world_size <= 1:
         return not tensor.shape
-    boxes = {(c.offsets, c.sizes) for c in tensor.chunks if c.numel}
+    boxes = {(c.offsets, c.sizes) for c in tensor.chunks if 0 not in c.sizes}
     return len(boxes) == 1 and next(iter(boxes))[1] == tensor.shape and tensor.shape[0] > 1
 
 
@@ -221,11 +221,14 @@ class _Packer:
         return offset
 
 
+_OFFSETS = operator.itemgetter(0)  # Chunk.offsets, at C speed
+
+
 class ChunkIndex:
     """A tensor's stored chunks, sorted on dim 0 so a box finds the ones it meets by bisection."""
 
     def __init__(self, tensor: TensorEntry) -> None:
-        self.chunks = sorted(unique_chunks(tensor), key=lambda c: c.offsets)
+        self.chunks = sorted(unique_chunks(tensor), key=_OFFSETS)
         self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
         self.max_rows = max((c.sizes[0] for c in self.chunks if c.sizes), default=0)
         # Chunks that are whole rows (dim-0 shards, as FSDP2 stores every tensor) and tile the
