@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from click.testing import CliRunner
 from ckptools.cli.main import cli
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 from tests.conftest import Produced
+from tests.support import zygote
 from tests.support.producers import flip_bit, iter_files
 from tests.support.reference import (
     assert_bitwise_equal,
@@ -40,7 +40,12 @@ from tests.support.reference import (
 
 pytestmark = pytest.mark.distributed
 
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+#: the launcher: what the ``torchrun`` console script runs (``torch.distributed.run:main``), as
+#: ``python -m torch.distributed.run``, forked from a zygote that has imported torch (~3 s of CPU
+#: per launcher, 30 of them). Its workers are what is tested: each is a fresh interpreter the
+#: launcher starts (``python -u -m ckptools ...``), as under the real ``torchrun``.
+LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
+_LAUNCHER_PRELOAD = (*zygote.PRELOAD, "torch.distributed.launcher.api")
 #: (nodes, processes per node): 1, 2 and 4 processes on one node, and 2 nodes of 2 processes.
 TOPOLOGIES = [
     pytest.param(1, 1, id="1proc"),
@@ -87,7 +92,7 @@ def torchrun(
     procs = []
     for node in range(nodes):
         cmd = [
-            TORCHRUN, f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={nproc}",
+            *LAUNCHER, f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=ckpt-{port}",
             "--max-restarts=0",
             # Where workers fail: long enough that when one worker fails the others finish
@@ -97,18 +102,23 @@ def torchrun(
             *(["--monitor-interval=2"] if failing else []),
             f"--log-dir={logs[node]}", "--redirects=3", "-m", "ckptools", *args,
         ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    outputs = []
+        # stdout and stderr into one file, in the order the launcher wrote them
+        with open(tmp / f"launcher-{port}-{node}.log", "wb") as log:
+            procs.append(
+                zygote.start(cmd, env=env, cwd=os.getcwd(), stdout=log, stderr=log,
+                             preload=_LAUNCHER_PRELOAD)
+            )  # fmt: skip
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=_LAUNCH_TIMEOUT_S)[0].decode(errors="replace"))
+            p.wait(timeout=_LAUNCH_TIMEOUT_S)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    outputs = [
+        (tmp / f"launcher-{port}-{node}.log").read_text(errors="replace") for node in range(nodes)
+    ]
     stdout = [
         Path(f).read_text()
         for f in sorted(glob.glob(f"{tmp}/torchrun-logs-{port}-*/*/*/*/stdout.log"))
