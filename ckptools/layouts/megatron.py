@@ -443,4 +443,4 @@ class MegatronLayout(Layout):
         return read_save(inner, chosen)
 
 
-register(MegatronLayout())
+MEGATRON = register(MegatronLayout())  # the one instance (training.state probes with it too)

@@ -67,7 +67,7 @@ from ckptools.errors import (
 )
 from ckptools.io import storage
 from ckptools.layouts.dcp import RANK_METADATA_FILE
-from ckptools.layouts.megatron import MegatronLayout
+from ckptools.layouts.megatron import MEGATRON
 from ckptools.training.load_source import load_source
 
 if TYPE_CHECKING:
@@ -274,16 +274,13 @@ def _read_metadata(path: str) -> Any:
         ) from e
 
 
-_MEGATRON = MegatronLayout()
-
-
 def _written_by_dcp(path: str) -> bool:
     """Whether ``path`` is read by ``dcp.load``: a DCP with its global ``.metadata``, or one
     that lost it (no per-rank ``__r.metadata`` either: refused as unfinished), or no
     checkpoint at all (refused as missing). Anything else is another layout's."""
     if not storage.exists(path):
         return True
-    if storage.isdir(path) and _MEGATRON.probe(path) is None:
+    if storage.isdir(path) and MEGATRON.probe(path) is None:
         return False  # a Megatron run or save: its .metadata is not a model of this job's names
     if storage.exists(storage.join(path, ".metadata")):
         return True
