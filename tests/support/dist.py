@@ -313,6 +313,44 @@ def _kill_all(procs: list[BaseProcess] | list[_ZygoteRank]) -> None:
         p.join(timeout=10.0)
 
 
+#: how long a rank that raised waits for its peers' deaths to be reported before all are killed
+_DEATH_GRACE_S = 1.0
+
+
+def _deaths_reported(
+    procs: list[Any],
+    workdir: str,
+    done: list[bool],
+    failures: dict[int, str],
+    failed_at: dict[int, int],
+) -> None:
+    """When every failure seen is a rank that raised, wait briefly for the other unfinished
+    ranks' exits to be reported: a rank blocked in a collective raises as soon as a peer dies
+    (gloo sees the connection close), sometimes before the fork server has reported that peer's
+    death, and the death is the cause the report must name."""
+    if any(at < 0 for at in failed_at.values()):
+        return  # a death is already in the report
+    others = [r for r in range(len(procs)) if r not in failures and not done[r]]
+    deadline = time.monotonic() + _DEATH_GRACE_S
+    while others and time.monotonic() < deadline:
+        for rank in list(others):
+            p = procs[rank]
+            if os.path.exists(_error_path(workdir, rank)) or os.path.exists(
+                _result_path(workdir, rank)
+            ):
+                others.remove(rank)  # it reported: the main loop's look is the one that counts
+            elif p.exitcode is not None:
+                failures[rank] = (
+                    f"process exited with code {p.exitcode} without reporting a result "
+                    "(killed by a signal if negative)"
+                )
+                failed_at[rank] = -1
+                others.remove(rank)
+        alive = [procs[r].sentinel for r in others if procs[r].exitcode is None]
+        if alive:
+            wait(alive, timeout=0.05)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -394,6 +432,7 @@ def run_ranks(
                     )
                     failed_at[rank] = -1
             if failures:
+                _deaths_reported(procs, workdir, done, failures, failed_at)
                 _kill_all(procs)
                 raise RankFailedError(failures, first=min(failed_at, key=failed_at.__getitem__))
             if all(done):
