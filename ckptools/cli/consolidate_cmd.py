@@ -17,7 +17,7 @@ from ckptools.cli.options import (
     tag_option,
     workers_option,
 )
-from ckptools.cli.render import emit, human_bytes, plural, summary, table
+from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary, table
 
 
 @click.command("consolidate")
@@ -194,7 +194,7 @@ def _render(d: dict[str, Any]) -> str:
             ]
             lines.append(table(["tensor", "dtype", "shape", "bytes"], rows, "lllr"))
         lines.append("")
-    files = ", ".join(f["name"] for f in d["files"])
+    files = shortlist([f["name"] for f in d["files"]])
     if d["index"]:
         files += f" + {d['index']}"
     if d["config_files"]:

@@ -46,6 +46,13 @@ def plural(n: int, word: str, words: str | None = None) -> str:
     return f"{n} {word if n == 1 else words or word + 's'}"
 
 
+def shortlist(names: Sequence[str], keep: int = 6) -> str:
+    """``a, b, c``, or the first ``keep`` and ``and N more``: a 405B model's 191 shard names
+    are not one line of output."""
+    shown = ", ".join(names[:keep])
+    return shown + (f" and {len(names) - keep} more" if len(names) > keep else "")
+
+
 #: below this a run's rate is mostly start-up and rounding, not throughput
 _RATE_MIN_SECONDS = 0.05
 

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ckptools.cli import options as shared
-from ckptools.cli.render import emit, human_bytes, plural, summary
+from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary
 
 _WORLD_SIZE_HELP = "Ranks of the target layout."
 #: ``shard --to megatron`` needs no world size: Megatron-core loads its run directory at any
@@ -195,8 +195,7 @@ def _render(d: dict[str, Any]) -> str:
             )
     copied = d["copied_files"]
     if copied:
-        shown = ", ".join(copied[:6]) + (f" and {len(copied) - 6} more" if len(copied) > 6 else "")
-        lines.append(f"  copied beside the data: {shown}")
+        lines.append(f"  copied beside the data: {shortlist(copied)}")
     tensors = sum(p["tensors"] for p in d["parts"].values())
     total = sum(p["bytes"] for p in d["parts"].values())
     lines.append(summary(tensors, total, None if d["dry_run"] else d["seconds"]))
