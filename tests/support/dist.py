@@ -196,11 +196,7 @@ def _env(**values: str) -> Iterator[None]:
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {
-        k: v
-        for k, v in env.items()
-        if k.startswith(_IMPORT_TIME_PREFIXES) or k in _IMPORT_TIME_NAMES
-    }
+    return zygote.import_time_env(env, _IMPORT_TIME_PREFIXES, _IMPORT_TIME_NAMES)
 
 
 class _ZygoteRank:

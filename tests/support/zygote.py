@@ -82,13 +82,14 @@ _DEVNULL = subprocess.DEVNULL
 _PIPE = subprocess.PIPE
 
 
-def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    """The part of ``env`` that a preloaded library or the interpreter reads when it starts."""
-    return {
-        k: v
-        for k, v in env.items()
-        if k.startswith(_IMPORT_TIME_PREFIXES) or k in _IMPORT_TIME_NAMES
-    }
+def import_time_env(
+    env: dict[str, str],
+    prefixes: tuple[str, ...] = _IMPORT_TIME_PREFIXES,
+    names: tuple[str, ...] = _IMPORT_TIME_NAMES,
+) -> dict[str, str]:
+    """The part of ``env`` that a preloaded library or the interpreter reads when it starts
+    (by default; ``prefixes`` and ``names`` choose another part, as ``run_ranks`` does)."""
+    return {k: v for k, v in env.items() if k.startswith(prefixes) or k in names}
 
 
 # ------------------------------------------------------------------------------- the test's side
