@@ -40,11 +40,22 @@ from tests.support.reference import (
 
 pytestmark = pytest.mark.distributed
 
-#: the launcher: what the ``torchrun`` console script runs (``torch.distributed.run:main``), as
-#: ``python -m torch.distributed.run``, forked from a zygote that has imported torch (~3 s of CPU
-#: per launcher, 30 of them). Its workers are what is tested: each is a fresh interpreter the
-#: launcher starts (``python -u -m ckptools ...``), as under the real ``torchrun``.
+#: The launcher: what the ``torchrun`` console script runs (``torch.distributed.run:main``),
+#: forked from a zygote that has imported torch (~3 s of CPU per launcher, 30 of them). Its
+#: workers (``python -u -m ckptools ...``, torchrun's argv and environment) are what is tested.
+#: They are forked from the same zygote (``zygote.fork_torchrun_workers``: ~3 s of CPU each,
+#: ~60 of them), except under ``fresh_workers=True``, where they are fresh interpreters started
+#: by torchrun itself, as under the real ``torchrun`` (``test_shard_is_byte_identical``).
 LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
+_LAUNCHER_FORKING_WORKERS = [
+    sys.executable,
+    "-c",
+    "import runpy, sys\n"
+    f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+    "from tests.support import zygote\n"
+    "zygote.fork_torchrun_workers()\n"
+    "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n",
+]
 _LAUNCHER_PRELOAD = (*zygote.PRELOAD, "torch.distributed.launcher.api")
 #: (nodes, processes per node): 1, 2 and 4 processes on one node, and 2 nodes of 2 processes.
 TOPOLOGIES = [
@@ -81,18 +92,26 @@ class Launch:
 
 
 def torchrun(
-    args: list[str], tmp: Path, *, nodes: int = 1, nproc: int = 2, failing: bool = False
+    args: list[str],
+    tmp: Path,
+    *,
+    nodes: int = 1,
+    nproc: int = 2,
+    failing: bool = False,
+    fresh_workers: bool = False,
 ) -> Launch:
     """Run ``torchrun ... -m ckptools ARGS``: ``nodes`` launchers on localhost (``--nnodes`` and
     ``--node-rank``, one c10d rendezvous endpoint), ``nproc`` workers each; every worker's output
-    goes to its own log file. ``failing``: the workers are expected to exit non-zero."""
+    goes to its own log file. ``failing``: the workers are expected to exit non-zero.
+    ``fresh_workers``: torchrun starts each worker as a fresh interpreter (see :data:`LAUNCHER`)."""
     port = _free_port()
     logs = [tmp / f"torchrun-logs-{port}-{n}" for n in range(nodes)]
     env = dict(os.environ, CKPTOOLS_NO_PROGRESS="1", OMP_NUM_THREADS="1")
     procs = []
+    launcher = LAUNCHER if fresh_workers else _LAUNCHER_FORKING_WORKERS
     for node in range(nodes):
         cmd = [
-            *LAUNCHER, f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={nproc}",
+            *launcher, f"--nnodes={nodes}", f"--node-rank={node}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=ckpt-{port}",
             "--max-restarts=0",
             # Where workers fail: long enough that when one worker fails the others finish
@@ -106,7 +125,7 @@ def torchrun(
         with open(tmp / f"launcher-{port}-{node}.log", "wb") as log:
             procs.append(
                 zygote.start(cmd, env=env, cwd=os.getcwd(), stdout=log, stderr=log,
-                             preload=_LAUNCHER_PRELOAD)
+                             preload=_LAUNCHER_PRELOAD, siblings=not fresh_workers)
             )  # fmt: skip
     try:
         for p in procs:
@@ -254,7 +273,12 @@ def test_shard_is_byte_identical(produced: Callable[..., Produced], tmp_path: Pa
     single = tmp_path / "single"
     _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
     out = tmp_path / "scaled"
-    got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2))
+    # the one launch whose workers are fresh interpreters, as under the real torchrun
+    got = _ok(
+        torchrun(
+            [a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2, fresh_workers=True
+        )
+    )
     _assert_same_tree(out, single)
     _same_report(got, expected, 2, "out")
 

@@ -116,3 +116,69 @@ def test_only_an_environment_read_at_import_needs_another_zygote() -> None:
     assert zygote.import_time_env(_env(OMP_NUM_THREADS="3")) != base
     # what ckptools reads is read by the child, which imports ckptools itself: the same one
     assert zygote.import_time_env(_env(CKPTOOLS_SPOOL_DIR="/x", CKPTOOLS_NO_PROGRESS="1")) == base
+
+
+_WORKER = """
+import json, os, sys
+print(json.dumps({
+    "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "argv": sys.argv,
+    "rank": os.environ.get("RANK"), "torch_loaded": "torch" in sys.modules,
+    "unbuffered": sys.stdout.write_through, "raw": type(sys.stdout.buffer).__name__,
+}))
+"""
+
+# In a child started with siblings=True: torchrun's own SubprocessHandler, whose Popen
+# fork_torchrun_workers replaced, starts three workers and stops one as torchrun does.
+_LAUNCHER = """
+import json, os, sys, time
+from tests.support import zygote
+zygote.fork_torchrun_workers()
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
+    SubprocessHandler,
+)
+out, probe = sys.argv[1], sys.argv[2]
+def worker(name, code, **env):
+    return SubprocessHandler(sys.executable, ("-u", "-c", code, name), env=env,
+                             stdout=f"{out}/{name}.out", stderr=f"{out}/{name}.err",
+                             local_rank_id=0, numa_options=None)
+done = worker("probe", probe, RANK="1", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+sleeper = worker("sleeper", "import time; time.sleep(60)")
+seen = {"launcher": os.getpid(), "probe_exit": done.proc.wait(timeout=60)}
+assert sleeper.proc.poll() is None
+try:
+    sleeper.proc.wait(timeout=0.2)
+except Exception as e:
+    seen["timeout"] = type(e).__name__
+sleeper.close()  # os.killpg(pid, SIGTERM), as torchrun stops its workers
+seen["sleeper_exit"] = sleeper.proc.wait(timeout=60)
+try:
+    worker("other", probe, OMP_NUM_THREADS="7")
+except RuntimeError as e:
+    seen["refused"] = str(e)
+print(json.dumps(seen))
+"""
+
+
+def test_a_child_with_siblings_has_torchruns_workers_forked_by_the_zygote(tmp_path: Path) -> None:
+    done = zygote.run(
+        [sys.executable, "-c", _LAUNCHER, str(tmp_path), _WORKER],
+        env=_env(OMP_NUM_THREADS="1"),
+        cwd=str(ROOT),
+        timeout=120,
+        siblings=True,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    worker = json.loads((tmp_path / "probe.out").read_text())
+    # a process of its own, forked by the zygote (the launcher's sibling), not by the launcher
+    assert worker["ppid"] != seen["launcher"] and worker["pid"] != seen["launcher"]
+    assert worker["torch_loaded"] and worker["rank"] == "1"
+    assert worker["argv"] == ["-c", "probe"]
+    # a session of its own (torchrun stops workers with killpg), stdout unbuffered as under -u
+    assert worker["sid"] == worker["pid"]
+    assert worker["unbuffered"] and worker["raw"] == "FileIO"
+    assert seen["probe_exit"] == 0
+    assert seen["timeout"] == "TimeoutExpired"
+    assert seen["sleeper_exit"] == -signal.SIGTERM
+    # an environment that torch reads when imported is not the zygote's: refused, by name
+    assert "OMP_NUM_THREADS" in seen["refused"], seen

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
+import io
 import json
 import os
 import runpy
@@ -45,7 +47,9 @@ import traceback
 import types
 from typing import IO, Any
 
-__all__ = ["PRELOAD", "Child", "import_time_env", "run", "start"]
+__all__ = [
+    "PRELOAD", "SIBLINGS_FD", "Child", "fork_torchrun_workers", "import_time_env", "run", "start",
+]  # fmt: skip
 
 #: Imported once by the zygote. Third-party only: never ckptools or tests.* (the children import
 #: those themselves, from the tree on their ``sys.path``). These are what ``ckpt consolidate`` /
@@ -98,7 +102,9 @@ def import_time_env(
 class Child:
     """A forked child, with the part of :class:`subprocess.Popen`'s interface the tests use."""
 
-    def __init__(self, zygote: _Zygote, pid: int, stdout: IO[Any] | None, stderr: IO[Any] | None):
+    def __init__(
+        self, zygote: _Connection, pid: int, stdout: IO[Any] | None, stderr: IO[Any] | None
+    ):
         self._zygote = zygote
         self.pid = pid
         self.stdout = stdout
@@ -160,32 +166,15 @@ def _readable(fds: list[int], timeout: float | None) -> list[int]:
     return [fd for fd, _ in poller.poll(ms)]
 
 
-class _Zygote:
-    """The test's handle on one zygote process."""
+class _Connection:
+    """One end of a zygote's socket: asks the zygote to fork, and reads the wait statuses of the
+    children it forked on this connection's request."""
 
-    def __init__(self, env: dict[str, str], cwd: str, preload: tuple[str, ...]) -> None:
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
         self._lock = threading.Lock()
         self._statuses: dict[int, int] = {}
         self._next_id = 0
-        # run as a script, so that not even the tests package is imported in the zygote
-        argv = [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(theirs.fileno())]
-        self.proc = subprocess.Popen(
-            [*argv, *preload],
-            env=env,
-            cwd=cwd,
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-        )
-        theirs.close()
-        # a zygote importing transformers and peft, with its first ranks, took 99 s at load 14
-        ready = self._receive(timeout=240.0)
-        if ready != {"ready": True}:
-            raise RuntimeError(f"the zygote did not start: {ready}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def _receive(self, timeout: float | None) -> dict[str, Any] | None:
         self._sock.settimeout(timeout)
@@ -194,7 +183,7 @@ class _Zygote:
         except (TimeoutError, BlockingIOError):
             return None
         if not data:
-            raise RuntimeError(f"the zygote exited (code {self.proc.wait()})")
+            raise EOFError("the zygote closed this connection")
         message: dict[str, Any] = json.loads(data)
         if "status" in message:
             self._statuses[int(message["pid"])] = int(message["status"])
@@ -225,6 +214,38 @@ class _Zygote:
                 if self._receive(timeout=left) is None and left == 0.0:
                     return None
             return os.waitstatus_to_exitcode(self._statuses.pop(pid))
+
+
+class _Zygote(_Connection):
+    """The test's handle on one zygote process."""
+
+    def __init__(self, env: dict[str, str], cwd: str, preload: tuple[str, ...]) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        super().__init__(mine)
+        # run as a script, so that not even the tests package is imported in the zygote
+        argv = [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(theirs.fileno())]
+        self.proc = subprocess.Popen(
+            [*argv, *preload],
+            env=env,
+            cwd=cwd,
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        theirs.close()
+        # a zygote importing transformers and peft, with its first ranks, took 99 s at load 14
+        ready = self._receive(timeout=240.0)
+        if ready != {"ready": True}:
+            raise RuntimeError(f"the zygote did not start: {ready}")
+
+    def _receive(self, timeout: float | None) -> dict[str, Any] | None:
+        try:
+            return super()._receive(timeout)
+        except EOFError:
+            raise RuntimeError(f"the zygote exited (code {self.proc.wait()})") from None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def close(self) -> None:
         self._sock.close()  # the zygote leaves when its socket reaches EOF
@@ -277,6 +298,32 @@ def _fd_for(spec: int | IO[Any] | None, default: int, mode: int) -> tuple[int, I
     return os.dup(spec.fileno()), None
 
 
+def _stream_fds(
+    stdout: int | IO[Any] | None, stderr: int | IO[Any] | None
+) -> tuple[list[int], list[IO[Any] | None]]:
+    """The child's stdin (``/dev/null``), stdout and stderr descriptors (the caller closes them
+    once sent), and the test's ends of those given as ``PIPE``."""
+    fds = [os.open(os.devnull, os.O_RDONLY)]
+    ends: list[IO[Any] | None] = []
+    try:
+        for spec, default in ((stdout, 1), (stderr, 2)):
+            fd, end = _fd_for(spec, default, os.O_WRONLY)
+            fds.append(fd)
+            ends.append(end)
+    except BaseException:
+        _close_all_of(fds, ends)
+        raise
+    return fds, ends
+
+
+def _close_all_of(fds: list[int], ends: list[IO[Any] | None]) -> None:
+    for fd in fds:
+        os.close(fd)
+    for end in ends:
+        if end is not None:
+            end.close()
+
+
 def start(
     argv: list[str],
     *,
@@ -285,44 +332,74 @@ def start(
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
     preload: tuple[str, ...] = PRELOAD,
+    siblings: bool = False,
 ) -> Child:
     """Like ``subprocess.Popen(argv, env=env, cwd=cwd, stdout=..., stderr=...)`` for ``argv`` =
     ``[python, "-m", MODULE, *args]`` or ``[python, "-c", CODE, *args]``, forked from a zygote.
 
     stdin is ``/dev/null``; ``stdout``/``stderr`` take ``None`` (the test's), ``DEVNULL``,
     ``PIPE`` (binary) or a file. ``stderr=STDOUT`` is not supported. ``preload``: the modules
-    the zygote imports (third-party only).
+    the zygote imports (third-party only). ``siblings``: the child gets, as file descriptor 3,
+    a connection of its own to the zygote, through which it can have processes forked too
+    (:func:`fork_torchrun_workers`).
     """
     if len(argv) < 3 or argv[0] != sys.executable or argv[1] not in ("-m", "-c"):
         raise ValueError(f"only [sys.executable, '-m' | '-c', ...] can be forked: {argv[:2]}")
     zygote = _zygote_for(env, cwd, preload)
-    fds: list[int] = []
-    ends: list[IO[Any] | None] = []
+    fds, ends = _stream_fds(stdout, stderr)
     try:
-        fds.append(os.open(os.devnull, os.O_RDONLY))
-        for spec, default in ((stdout, 1), (stderr, 2)):
-            fd, end = _fd_for(spec, default, os.O_WRONLY)
-            fds.append(fd)
-            ends.append(end)
-        request = {"argv": argv[1:], "env": env, "cwd": cwd}
+        request = {"argv": argv[1:], "env": env, "cwd": cwd, "siblings": siblings}
         pid = zygote.spawn(request, fds)
     except BaseException:
-        for end in ends:
-            if end is not None:
-                end.close()
+        _close_all_of([], ends)
         raise
     finally:
-        for fd in fds:
-            os.close(fd)
+        _close_all_of(fds, [])
     return Child(zygote, pid, ends[0], ends[1])
 
 
+#: The descriptor on which a child started with ``siblings=True`` reaches its zygote.
+SIBLINGS_FD = 3
+
+
+def fork_torchrun_workers() -> None:
+    """In a child started with ``siblings=True``, before it runs torchrun's launcher
+    (``torch.distributed.run``): the launcher's workers (``python -u -m ckptools ...``) are
+    forked from the zygote, as its own siblings, instead of started as fresh interpreters that
+    import torch again (~3 s of CPU each).
+
+    Each worker is what ``subprocess.Popen`` would have started in torchrun's
+    ``SubprocessHandler``: torchrun's argv (``-u``: unbuffered stdout and stderr) and
+    environment (``RANK``, ``MASTER_PORT``, ...), a session of its own (torchrun stops workers
+    with ``os.killpg``), its stdout and stderr in torchrun's log files. The zygote refuses a
+    worker whose environment differs from its own in what is read at import."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handler,
+    )
+
+    connection = _Connection(socket.socket(fileno=SIBLINGS_FD))
+
+    def _popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> Child:
+        executable, *argv = args
+        if executable != sys.executable or argv[:2] not in (["-u", "-m"], ["-u", "-c"]):
+            raise ValueError(f"not a worker the zygote can fork: {list(args[:3])}")
+        fds, _ = _stream_fds(self._stdout, self._stderr)
+        try:
+            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "new_session": True}
+            pid = connection.spawn(request, fds)
+        finally:
+            _close_all_of(fds, [])
+        return Child(connection, pid, None, None)
+
+    handler.SubprocessHandler._popen = _popen
+
+
 def run(
-    argv: list[str], *, env: dict[str, str], cwd: str, timeout: float
+    argv: list[str], *, env: dict[str, str], cwd: str, timeout: float, siblings: bool = False
 ) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=
-    timeout)``, forked from a zygote."""
-    child = start(argv, env=env, cwd=cwd, stdout=_PIPE, stderr=_PIPE)
+    timeout)``, forked from a zygote (``siblings``: as :func:`start`'s)."""
+    child = start(argv, env=env, cwd=cwd, stdout=_PIPE, stderr=_PIPE, siblings=siblings)
     try:
         out, err = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -336,17 +413,47 @@ def run(
 # ----------------------------------------------------------------------------- the zygote's side
 
 
+# torchrun sets this for every worker; torch reads it when a NCCL process group is made, not
+# when imported. (Every other variable torchrun adds is outside import_time_env.)
+_READ_AFTER_IMPORT = ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)
+
+
+def _read_at_import(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in import_time_env(env).items() if k not in _READ_AFTER_IMPORT}
+
+
 def _child_main(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: become ``python ARGV`` and leave with its exit code. Never returns."""
     code = 1
     try:
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
+        # fds[i] becomes descriptor i (stdin, stdout, stderr, and a siblings connection): first
+        # out of the way of every target, so that none is overwritten before it is moved
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in fds]
+        for fd in fds:
             os.close(fd)
+        for target, fd in enumerate(high):
+            os.dup2(fd, target, inheritable=target <= 2)
+            os.close(fd)
+        if request.get("new_session"):
+            os.setsid()
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        flag, what, *args = request["argv"]
+        argv = list(request["argv"])
+        if argv[0] == "-u":
+            # as `python -u`: stdout and stderr unbuffered, text written through
+            argv.pop(0)
+            for name, fd in (("stdout", 1), ("stderr", 2)):
+                old = getattr(sys, name)
+                new = io.TextIOWrapper(
+                    io.FileIO(fd, "w", closefd=False),
+                    encoding=old.encoding,
+                    errors=old.errors,
+                    write_through=True,
+                )
+                setattr(sys, name, new)
+                setattr(sys, f"__{name}__", new)
+        flag, what, *args = argv
         if flag == "-m":
             # as `python -m`: the working directory first on sys.path, argv[0] the module's file
             sys.path[0] = os.getcwd()
@@ -383,60 +490,117 @@ def _child_main(request: dict[str, Any], fds: list[int]) -> None:
     os._exit(code)
 
 
-def _reap(sock: socket.socket) -> None:
-    while True:
+class _Server:
+    """The zygote's loop: the test's connection, and one more per child started with
+    ``siblings=True``; each child's wait status goes to the connection that asked for it."""
+
+    def __init__(self, main: socket.socket, env_at_start: dict[str, str]) -> None:
+        self.main = main
+        self.connections = {main.fileno(): main}
+        self.owners: dict[int, socket.socket] = {}  # child pid -> the connection that asked
+        self.read_at_import = _read_at_import(env_at_start)
+        self.wake_r, self.wake_w = os.pipe()
+
+    def _send(self, conn: socket.socket, message: dict[str, Any]) -> None:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        sock.send(json.dumps({"pid": pid, "status": status}).encode())
-
-
-def _serve(sock: socket.socket) -> None:
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sock.send(json.dumps({"ready": True}).encode())
-    while True:
-        ready = _readable([sock.fileno(), wake_r], None)
-        if wake_r in ready:
-            with contextlib.suppress(BlockingIOError):
-                while os.read(wake_r, 512):
-                    pass
-            _reap(sock)
-        if sock.fileno() in ready:
-            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
-            if not data:
-                # The test process has gone. Nothing to flush: skip the interpreter's shutdown,
-                # which with torch loaded took 6 s on the loaded 2-core machine.
+            conn.send(json.dumps(message).encode())
+        except OSError:
+            if conn is self.main:
                 os._exit(0)
-            request = json.loads(data)
+            self._drop(conn)  # a sibling connection whose process has gone
+
+    def _drop(self, conn: socket.socket) -> None:
+        if self.connections.pop(conn.fileno(), None) is not None:
+            conn.close()
+
+    def _reap(self) -> None:
+        while True:
             try:
-                pid = os.fork()
-            except OSError as e:
-                sock.send(json.dumps({"id": request["id"], "error": str(e)}).encode())
-                for fd in fds:
-                    os.close(fd)
-                continue
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
             if pid == 0:
-                sock.close()
-                os.close(wake_r)
-                os.close(wake_w)
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _child_main(request, fds)
+                return
+            conn = self.owners.pop(pid, None)
+            if conn is not None and conn.fileno() in self.connections:
+                self._send(conn, {"pid": pid, "status": status})
+
+    def _fork(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+        wanted = _read_at_import(request["env"])
+        mine = self.read_at_import
+        differs = sorted(k for k in {*mine, *wanted} if mine.get(k) != wanted.get(k))
+        if differs:
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+            error = f"its environment differs from the zygote's where read at import: {differs}"
+            self._send(conn, {"id": request["id"], "error": error})
+            return
+        siblings = None
+        if request.get("siblings"):
+            siblings, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            fds = [*fds, theirs.detach()]
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            if siblings is not None:
+                siblings.close()
+            self._send(conn, {"id": request["id"], "error": str(e)})
+            return
+        if pid == 0:
+            for c in self.connections.values():
+                c.close()
+            if siblings is not None:
+                siblings.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _child_main(request, fds)
+        for fd in fds:
+            os.close(fd)
+        if siblings is not None:
+            self.connections[siblings.fileno()] = siblings
+        self.owners[pid] = conn
+        self._send(conn, {"id": request["id"], "pid": pid})
+
+    def serve(self) -> None:
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self._send(self.main, {"ready": True})
+        while True:
+            ready = _readable([*self.connections, self.wake_r], None)
+            if self.wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self.wake_r, 512):
+                        pass
+                self._reap()
+            for fd in ready:
+                conn = self.connections.get(fd)
+                if conn is None:
+                    continue
+                try:
+                    data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 4)
+                except OSError:
+                    data, fds = b"", []
+                if not data:
+                    if conn is self.main:
+                        # The test process has gone. Nothing to flush: skip the interpreter's
+                        # shutdown, which with torch loaded took 6 s on the loaded 2-core
+                        # machine.
+                        os._exit(0)
+                    self._drop(conn)
+                    continue
+                self._fork(conn, json.loads(data), fds)
 
 
 def _main() -> None:
     import importlib
 
+    env_at_start = dict(os.environ)
     sock = socket.socket(fileno=int(sys.argv[2]))
     for name in sys.argv[3:]:
         importlib.import_module(name)
@@ -445,7 +609,7 @@ def _main() -> None:
         raise RuntimeError(f"the zygote must not import {preloaded}: children import them")
     if threading.active_count() != 1:
         raise RuntimeError(f"a preloaded module started a thread: {threading.enumerate()}")
-    _serve(sock)
+    _Server(sock, env_at_start).serve()
 
 
 if __name__ == "__main__":
