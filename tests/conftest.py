@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,21 @@ import pytest
 
 #: the loopback S3 server and per-test buckets of the object-storage tests
 pytest_plugins = ("tests.support.s3", "tests.support.hub_server")
+
+# DeepSpeed's CPU engines JIT-build an op (deepspeed_shm_comm: ~130 s of both cores, in the first
+# DeepSpeed test of a run) into torch's extensions directory, where it is kept under a key of its
+# compile command, which names the venv's path: two clones of this repository on one machine (a
+# CI run beside a working tree) rebuilt it for each other on every run. So one directory per
+# venv; a directory chosen by whoever runs the tests is kept. (Set before any rank, zygote or
+# fork server starts: they all take this process's environment.)
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        "torch_extensions",
+        "ckptools-tests-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12],
+    ),
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
