@@ -65,6 +65,10 @@ def _rank_and_world() -> tuple[int, int] | None:
         import torch.distributed as tdist
 
         tdist.init_process_group("gloo")
+        # A rank may leave as soon as the group exists (a usage error that every rank decides
+        # alike, without a collective): only once every rank is out of init_process_group, which
+        # a peer's exit could fail. (A full-suite run once saw a rank end 1, not the shared 2.)
+        tdist.barrier()
         # The group is ours: tear it down at exit (the caller may still use it until then).
         atexit.register(tdist.destroy_process_group)
         global _GROUP_STARTED_HERE

@@ -345,7 +345,7 @@ def _assert_every_worker_left(launch: Launch, code: int, *, nodes: int = 1, npro
     assert all(rc != 0 for rc in launch.returncodes), launch.output
     codes = launch.worker_exitcodes()
     assert sorted(codes) == list(range(nodes * nproc)), launch.output
-    assert set(codes.values()) <= {code, -signal.SIGTERM}, launch.output
+    assert set(codes.values()) <= {code, -signal.SIGTERM}, launch.output + "".join(launch.stderr)
     for node in range(nodes):
         assert code in [codes[r] for r in range(node * nproc, (node + 1) * nproc)], launch.output
 
