@@ -116,7 +116,7 @@ def optimizer_roots(manifest: Manifest) -> set[tuple[str, ...]]:
     roots: set[tuple[str, ...]] = set()
     for fqn, entry in manifest.objects.items():
         path = key_path(manifest, fqn)
-        if path[-1] == OPTIMIZER_GROUPS and is_param_groups(entry.value):
+        if path[-1:] == (OPTIMIZER_GROUPS,) and is_param_groups(entry.value):
             roots.add(path[:-1])
     return roots
 

@@ -69,7 +69,7 @@ def optimizer_states(manifest: Manifest) -> list[OptimizerState]:
     roots: dict[tuple[str, ...], list[Any]] = {}
     for fqn, entry in manifest.objects.items():
         path = keys.key_path(manifest, fqn)
-        if path[-1] == keys.OPTIMIZER_GROUPS and keys.is_param_groups(entry.value):
+        if path[-1:] == (keys.OPTIMIZER_GROUPS,) and keys.is_param_groups(entry.value):
             roots[path[:-1]] = entry.value
     if not roots:
         return []

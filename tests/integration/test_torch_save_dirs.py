@@ -99,6 +99,21 @@ def test_net_container_and_bare_directory(tmp_path: Path) -> None:
     _assert_equal(_output(out), sd)
 
 
+@pytest.mark.parametrize(
+    "saved",
+    [[1, 2], 7, [{"lr": 0.1}], (torch.ones(2), torch.zeros(3))],
+    ids=["list", "int", "list-of-dicts", "tuple-of-tensors"],
+)
+def test_a_file_whose_top_object_is_not_a_dict_is_inspected(tmp_path: Path, saved: Any) -> None:
+    # torch.save takes any object; a fuzzed file cut short by a STOP found that one without keys
+    # (the whole file one value, at the empty key path) failed inspect with an IndexError
+    path = _save(tmp_path / "x.pt", saved)
+    report = ckptools.inspect(str(path)).to_dict()
+    assert report["optimizers"] == []
+    tensors = saved if isinstance(saved, tuple) else ()
+    assert len(report["tensors"]) == len(tensors)
+
+
 def test_directory_with_several_torch_save_files_is_refused_naming_them(tmp_path: Path) -> None:
     for name in ("a.pt", "b.ckpt"):
         _save(tmp_path / "ckpt" / name, {"w": torch.ones(2)})
