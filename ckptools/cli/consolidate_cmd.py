@@ -142,6 +142,10 @@ def consolidate_command(
       ckpt consolidate lora-ckpt merged --merge-lora --adapter-config adapter_config.json
       ckpt consolidate megatron_run hf_model --masters --config hf_config_dir
     """
+    from ckptools.collective import plans_elsewhere
+
+    if plans_elsewhere(options["dry_run"]):
+        return
     from ckptools.consolidate import consolidate
 
     src = at_tag(src, tag)

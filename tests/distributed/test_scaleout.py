@@ -267,6 +267,16 @@ def test_reshard_is_byte_identical(
         assert code == 0 and report["checksums_checked"], report["findings"]
 
 
+def test_a_dry_run_is_planned_once_and_printed_once(checksummed: Produced, tmp_path: Path) -> None:
+    # rank 0 alone reads and plans (the other workers end at once: collective.plans_elsewhere)
+    args = ["reshard", str(checksummed.path), str(tmp_path / "out"), "--world-size", "5",
+            "--dry-run", "--json", "-q"]  # fmt: skip
+    _, expected = _one_process(args)
+    got = _ok(torchrun(args, tmp_path, nproc=2))
+    _same_report(got, expected, 1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_shard_is_byte_identical(produced: Callable[..., Produced], tmp_path: Path) -> None:
     src = str(produced("hf_sharded").path)
     args = ["shard", src, "{out}", "--world-size", "3", "--json", "-q"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -65,3 +66,35 @@ def test_no_job_means_one_process_without_torch(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("RANK", "2")
     assert not reports_here()
     assert current(False) == Ranks()
+
+
+@pytest.mark.parametrize("command", ["consolidate", "reshard", "shard"])
+def test_a_dry_run_is_rank_0s_alone(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun only rank 0 plans a --dry-run (it alone prints); the other workers end at
+    once with 0 and read nothing: here SRC does not even exist."""
+    from click.testing import CliRunner
+
+    from ckptools.cli.main import cli
+
+    missing = str(tmp_path / "missing")
+    args = [command, missing, str(tmp_path / "out"), "--dry-run", "--json"]
+    if command != "consolidate":
+        args += ["--world-size", "4"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a process group would fail
+    monkeypatch.setenv("RANK", "1")
+    done = CliRunner().invoke(cli, args)
+    assert (done.exit_code, done.output) == (0, "")
+    assert "torch.distributed" not in sys.modules or not _group_initialised()
+    monkeypatch.setenv("RANK", "0")  # rank 0 plans: and finds no checkpoint there
+    done = CliRunner().invoke(cli, args)
+    assert done.exit_code != 0 and "missing" in done.output
+
+
+def _group_initialised() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
