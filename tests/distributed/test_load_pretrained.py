@@ -209,12 +209,22 @@ def _check(results: list[list[tuple[str, list[str], Any, int]]], totals: list[in
             assert sum(reads) == total and max(reads) < total, (name, reads, total)
 
 
+@pytest.fixture(scope="module")
+def shared_hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Hub cache directory for the tests whose ranks read it: ranks that import
+    huggingface_hub under another ``HF_HUB_CACHE`` need a zygote of their own (transformers,
+    peft and accelerate imported again: ~7 s of CPU), so each test adds its repos under an
+    organisation of its own (``_hub_cache(..., org=...)``) instead of a cache of its own."""
+    return tmp_path_factory.mktemp("hub")
+
+
 def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, shared_hub: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dirs = {k: _publish(tmp_path, k) for k in ("llama", "llama-tied", "bert")}
     # the ranks inherit an offline Hub cache holding the tied model (rank 0 resolves it first)
-    monkeypatch.setenv("HF_HUB_CACHE", _hub_cache(tmp_path, dirs["llama-tied"]))
+    cache = _hub_cache(shared_hub, dirs["llama-tied"], org="org-fsdp1")
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cases = [
         ("llama", "fsdp2", dirs["llama"], False),
@@ -223,7 +233,7 @@ def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(
         ("llama-tied", "fsdp2", dirs["llama-tied"], True),
         ("llama", "fsdp1", dirs["llama"], False),
         ("llama-tied", "fsdp1", dirs["llama-tied"], False),
-        ("llama-tied", "fsdp2", "tiny-org/tiny-llama", False),
+        ("llama-tied", "fsdp2", "org-fsdp1/tiny-llama", False),
     ]
     results = run_ranks(_load_cases, 2, cases, timeout=280.0)
     _check(results, [_tensor_bytes(dirs[c[0]]) for c in cases])
@@ -231,7 +241,7 @@ def test_fsdp2_fsdp1_two_ranks_equal_from_pretrained(
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_transformers_layouts_from_the_hub_cache_equal_from_pretrained(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world_size: int
+    tmp_path: Path, shared_hub: Path, monkeypatch: pytest.MonkeyPatch, world_size: int
 ) -> None:
     """Qwen3-MoE and Mixtral as their ``save_pretrained`` writes them (per expert and half;
     Mixtral's ``block_sparse_moe``) into FSDP2 models holding the experts fused; a BERT
@@ -241,13 +251,14 @@ def test_transformers_layouts_from_the_hub_cache_equal_from_pretrained(
     repo id from a Hub cache. Each rank reads only the runs of its own rows (3 ranks: 4
     experts split 2/2/0)."""
     published = {}
+    org = f"org-layouts-{world_size}"
     for kind in ("qwen3_moe", "mixtral", "bert-old", "llama-tied", "llama-base"):
         published[kind] = _publish(tmp_path, kind)
-        cache = _hub_cache(tmp_path, published[kind], kind)
+        cache = _hub_cache(shared_hub, published[kind], kind, org=org)
     into = {"llama-tied": "llama-base", "llama-base": "llama-tied"}  # files -> model
     cases, totals = [], []
     for kind, directory in published.items():
-        cases.append((into.get(kind, kind), "fsdp2", f"tiny-org/{kind}", kind == "mixtral"))
+        cases.append((into.get(kind, kind), "fsdp2", f"{org}/{kind}", kind == "mixtral"))
         totals.append(_tensor_bytes(directory, skip=("embeddings.position_ids",)))
     monkeypatch.setenv("HF_HUB_CACHE", cache)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -392,12 +403,13 @@ def test_fsspec_url_and_hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         ckptools.load_pretrained(model, published, revision="main")
 
 
-def _hub_cache(root: Path, published: str, name: str = "tiny-llama") -> str:
-    """A huggingface_hub cache holding ``published`` as ``tiny-org/<name>`` at ``main``
-    (the layout ``snapshot_download`` itself reads: ``refs/main`` names the snapshot)."""
+def _hub_cache(root: Path, published: str, name: str = "tiny-llama", org: str = "tiny-org") -> str:
+    """A huggingface_hub cache (``root/hub``) holding ``published`` as ``<org>/<name>`` at
+    ``main`` (the layout ``snapshot_download`` itself reads: ``refs/main`` names the
+    snapshot)."""
     cache = root / "hub"
     commit = "0123456789abcdef0123456789abcdef01234567"
-    snapshot = cache / f"models--tiny-org--{name}" / "snapshots" / commit
+    snapshot = cache / f"models--{org}--{name}" / "snapshots" / commit
     shutil.copytree(published, snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text(commit)
