@@ -318,13 +318,21 @@ def test_tag_directory_finds_the_run_config_two_levels_up(
         assert (out / "config.json").read_text() == config
 
 
-def test_zero3_with_tied_embeddings_is_identical_to_its_consolidation(tmp_path: Path) -> None:
+def test_zero3_with_tied_embeddings_is_identical_to_its_consolidation(
+    cached_output: Callable[..., Path], tmp_path: Path
+) -> None:
     """A transformers Llama with tied embeddings trained under ZeRO-3: consolidate leaves the
     tied ``lm_head.weight`` out (the run's config ties it), and ``diff`` / ``verify
     --against`` call the checkpoint and its consolidation identical, saying why."""
     import ckptools
+    from tests.support import deepspeed_producers as ds
 
-    [path] = produce_zero(str(tmp_path), 2, [(3, "fp32")], model_kind="llama").values()
+    root = cached_output(
+        "zero3-tied-llama",
+        [Path(ds.__file__)],
+        lambda d: produce_zero(str(d), 2, [(3, "fp32")], model_kind="llama"),
+    )
+    path = ds.case_dir(str(root), 3, "fp32")
     out = tmp_path / "hf"
     result = ckptools.consolidate(path, str(out), quiet=True)
     assert result.dropped == (("lm_head.weight", "model.embed_tokens.weight"),)

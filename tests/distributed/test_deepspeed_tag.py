@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,16 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = str(tmp_path_factory.mktemp("deepspeed-tags"))
-    produce_zero(out, 2, [(2, "fp32")], earlier_tag=True)
-    return case_dir(out, 2, "fp32")
+def run_dir(cached_output: Callable[..., Path]) -> str:
+    """A ZeRO-2 run saved at two tags (made once, kept across runs; the tests only read it)."""
+    from tests.support import deepspeed_producers as ds
+
+    root = cached_output(
+        "zero2-two-tags",
+        [Path(ds.__file__)],
+        lambda d: produce_zero(str(d), 2, [(2, "fp32")], earlier_tag=True),
+    )
+    return case_dir(str(root), 2, "fp32")
 
 
 def _ckpt(*args: str) -> tuple[int, str, str]:

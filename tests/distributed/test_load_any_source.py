@@ -236,17 +236,30 @@ def test_a_torch_save_training_checkpoint_loads(tmp_path: Path) -> None:
     assert ckptools.load(src, plain, _make_optimizer(plain)[0]) == {"epoch": 2}
 
 
+def _zero_run(cached_output: Callable[..., Path], stage: int, dtype: str) -> Path:
+    """DeepSpeed's ZeRO-``stage`` checkpoint of 2 ranks (made once, kept across runs)."""
+    from tests.support import deepspeed_producers as ds
+
+    root = cached_output(
+        f"load-zero{stage}-{dtype}",
+        [Path(ds.__file__)],
+        lambda d: ds.produce_zero(str(d), 2, [(stage, dtype)]),
+    )
+    return Path(ds.case_dir(str(root), stage, dtype))
+
+
 @pytest.mark.parametrize(("stage", "dtype"), [(2, "fp32"), (3, "fp32")])
-def test_a_deepspeed_checkpoint_loads(tmp_path: Path, stage: int, dtype: str) -> None:
+def test_a_deepspeed_checkpoint_loads(
+    cached_output: Callable[..., Path], tmp_path: Path, stage: int, dtype: str
+) -> None:
     """ZeRO-2 and ZeRO-3 (each parameter cut on its own): model and AdamW state as DeepSpeed's
     live job held them. (A bf16 run's frozen layer has no fp32 master: loading it into an fp32
     job is refused by name, since a resume does not cast.)"""
-    from tests.support.deepspeed_producers import case_dir, deepspeed_available, produce_zero
+    from tests.support.deepspeed_producers import deepspeed_available
 
     if not deepspeed_available():
         pytest.skip("DeepSpeed is not installed (make setup installs it)")
-    produce_zero(str(tmp_path / "ds"), 2, [(stage, dtype)])
-    path = Path(case_dir(str(tmp_path / "ds"), stage, dtype))
+    path = _zero_run(cached_output, stage, dtype)
     got = _run("zero", "", path, 2, tmp_path)
     live = torch.load(path / "live.pt", weights_only=True)
     moments = torch.load(path / "live_optim.pt", weights_only=True)["moments"]
@@ -300,20 +313,16 @@ def test_another_model_is_refused_naming_the_fqn(tmp_path: Path) -> None:
         ckptools.load(src, model, _make_optimizer(model)[0])
 
 
-def test_a_bf16_deepspeed_run_into_an_fp32_job_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_bf16_deepspeed_run_into_an_fp32_job_is_refused_by_name(
+    cached_output: Callable[..., Path],
+) -> None:
     """A bf16 ZeRO run keeps fp32 masters of its trainable parameters only: the frozen layer
     exists in bf16 alone, and a resume into an fp32 model must refuse it rather than cast."""
-    from tests.support.deepspeed_producers import (
-        _model,
-        case_dir,
-        deepspeed_available,
-        produce_zero,
-    )
+    from tests.support.deepspeed_producers import _model, deepspeed_available
 
     if not deepspeed_available():
         pytest.skip("DeepSpeed is not installed (make setup installs it)")
-    produce_zero(str(tmp_path / "ds"), 2, [(3, "bf16")])
-    path = Path(case_dir(str(tmp_path / "ds"), 3, "bf16"))
+    path = _zero_run(cached_output, 3, "bf16")
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(
