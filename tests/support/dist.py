@@ -74,13 +74,19 @@ _PRELOAD = (
 # (Not TORCH*: torch sets TORCHINDUCTOR_CACHE_DIR in the pytest process once inductor loads, and
 # reads nothing a test sets when imported.)
 _IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "ACCELERATE_", "PEFT_")
-_IMPORT_TIME_NAMES = ("XDG_CACHE_HOME", "HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_IMPORT_TIME_NAMES = (
+    "XDG_CACHE_HOME", "HOME", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+)  # fmt: skip
 # The environment of the pytest process when this module was imported (before any fixture or
 # monkeypatch): the fork server starts with it, whatever test happens to start it.
 _BASE_ENV = dict(os.environ)
 _server_env: dict[str, str] | None = None
 # The fork server starts with these (OpenMP reads them once, when torch's libraries load there).
-_RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# One thread each for the ranks' math libraries. OpenBLAS (numpy's, which torch imports) starts
+# its thread server when loaded unless told one thread: a fork server or zygote that imported
+# numpy under another setting held a second, native thread (invisible to threading), and a
+# process is forked safely only from one thread.
+_RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 class RankFailedError(RuntimeError):

@@ -76,8 +76,8 @@ PRELOAD = (
 # (huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE when imported; not TORCHINDUCTOR_*, which
 # torch sets in the test process once inductor loads, and which it reads at compile time.)
 _IMPORT_TIME_PREFIXES = (
-    "PYTHON", "OMP_", "MKL_", "KMP_", "TORCH_", "FSSPEC", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
-    "ACCELERATE_", "PEFT_",
+    "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH_", "FSSPEC", "HF_", "HUGGINGFACE_",
+    "TRANSFORMERS_", "ACCELERATE_", "PEFT_",
 )  # fmt: skip
 _IMPORT_TIME_NAMES = ("HOME", "XDG_CACHE_HOME", "LD_PRELOAD", "LD_LIBRARY_PATH")
 _MAX_MESSAGE = 1 << 20
@@ -601,14 +601,22 @@ def _main() -> None:
     import importlib
 
     env_at_start = dict(os.environ)
+    # numpy's OpenBLAS (torch imports numpy) starts a native thread server when loaded, unless
+    # told to use one thread; a fork is safe only from a process of one thread. (Children get
+    # the request's environment: only the zygote's own BLAS is held to one thread.)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     sock = socket.socket(fileno=int(sys.argv[2]))
     for name in sys.argv[3:]:
         importlib.import_module(name)
     preloaded = [n for n in sys.modules if n.split(".")[0] in ("ckptools", "tests")]
     if preloaded:
         raise RuntimeError(f"the zygote must not import {preloaded}: children import them")
-    if threading.active_count() != 1:
-        raise RuntimeError(f"a preloaded module started a thread: {threading.enumerate()}")
+    # native threads too (an OpenMP or BLAS pool), which threading does not list
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["main"]
+    if threading.active_count() != 1 or len(tasks) != 1:
+        raise RuntimeError(
+            f"a preloaded module started a thread: {threading.enumerate()}, {len(tasks)} tasks"
+        )
     _Server(sock, env_at_start).serve()
 
 
