@@ -315,6 +315,16 @@ def _kill_all(procs: list[BaseProcess] | list[_ZygoteRank]) -> None:
         p.join(timeout=10.0)
 
 
+def _died(rank: int, code: int, failures: dict[int, str], failed_at: dict[int, int]) -> None:
+    """Record a rank that exited without reporting: it counts as the first failure (-1), since
+    a peer's failure makes a rank raise, never die."""
+    failures[rank] = (
+        f"process exited with code {code} without reporting a result "
+        "(killed by a signal if negative)"
+    )
+    failed_at[rank] = -1
+
+
 #: how long a rank that raised waits for its peers' deaths to be reported before all are killed
 _DEATH_GRACE_S = 1.0
 
@@ -342,11 +352,7 @@ def _deaths_reported(
             ):
                 others.remove(rank)  # it reported: the main loop's look is the one that counts
             elif p.exitcode is not None:
-                failures[rank] = (
-                    f"process exited with code {p.exitcode} without reporting a result "
-                    "(killed by a signal if negative)"
-                )
-                failed_at[rank] = -1
+                _died(rank, p.exitcode, failures, failed_at)
                 others.remove(rank)
         alive = [procs[r].sentinel for r in others if procs[r].exitcode is None]
         if alive:
@@ -428,11 +434,7 @@ def run_ranks(
                     # Recheck: the result may have landed between the two looks.
                     and not os.path.exists(_result_path(workdir, rank))
                 ):
-                    failures[rank] = (
-                        f"process exited with code {p.exitcode} without reporting a result "
-                        "(killed by a signal if negative)"
-                    )
-                    failed_at[rank] = -1
+                    _died(rank, p.exitcode, failures, failed_at)
             if failures:
                 _deaths_reported(procs, workdir, done, failures, failed_at)
                 _kill_all(procs)

@@ -88,13 +88,6 @@ def test_a_dry_run_is_rank_0s_alone(
     monkeypatch.setenv("RANK", "1")
     done = CliRunner().invoke(cli, args)
     assert (done.exit_code, done.output) == (0, "")
-    assert "torch.distributed" not in sys.modules or not _group_initialised()
     monkeypatch.setenv("RANK", "0")  # rank 0 plans: and finds no checkpoint there
     done = CliRunner().invoke(cli, args)
     assert done.exit_code != 0 and "missing" in done.output
-
-
-def _group_initialised() -> bool:
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized())
