@@ -574,8 +574,7 @@ def restricted_loads(
     outer = getattr(_current, "budget", None)
     _current.budget = budget
     try:
-        if not pickle_scan.known_safe(data):
-            pickle_scan.scan(data, budget)
+        pickle_scan.check(data, budget)
         value = _RestrictedUnpickler(data, allowed, source, persistent_load).load()
         if walk:
             _walk(value, budget)

@@ -1,0 +1,58 @@
+"""Start-up (issue 27, goal 5): what a small DCP consolidate leaves out until it needs it.
+
+These tests pin structure, never time: which modules a run imports, and that a small pickle is
+checked without compiling the scan's regular expressions, with the same verdicts either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ckptools.errors import DecodingLimitError
+from ckptools.formats import pickle_scan, safe_pickle
+
+
+def _loads(data: bytes) -> Any:
+    return safe_pickle.restricted_loads(data, safe_pickle.ARCHIVE_GLOBALS, source="x.pkl")
+
+
+def _shared_tuple(levels: int) -> bytes:
+    out = b")q\x00"
+    for k in range(levels):
+        out += b"0h" + bytes([k]) + b"h" + bytes([k]) + b"\x86q" + bytes([k + 1])
+    return out
+
+
+@pytest.mark.parametrize("patterns", [False, True], ids=["scanned-exactly", "patterns"])
+def test_verdicts_are_the_same_with_and_without_the_patterns(
+    patterns: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before 64 KiB of pickles a process scans opcode by opcode, after it compiles the patterns
+    spent = pickle_scan._EXACT_BYTES_BEFORE_PATTERNS if patterns else 0
+    monkeypatch.setattr(pickle_scan, "_exact_bytes", spent)
+    # a memo index past the pickle's end but below 2**16: known_safe lets it through unscanned,
+    # and so does the exact scan's path (the scan alone would refuse it)
+    assert _loads(b"\x80\x02Nr\x00\x10\x00\x00.") is None
+    with pytest.raises(DecodingLimitError, match="memo index 100000000"):
+        _loads(b"\x80\x02Nr\x00\xe1\xf5\x05.")
+    with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
+        _loads(b"\x80\x02}" + _shared_tuple(14) + b"K\x01s.")
+    key: tuple[Any, ...] = ()
+    for _ in range(3):
+        key = (key, key)
+    assert _loads(b"\x80\x02}" + _shared_tuple(3) + b"K\x01s.") == {key: 1}
+
+
+def test_a_big_pickle_uses_the_patterns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pickle_scan, "_exact_bytes", 0)
+    used = []
+    real = pickle_scan.known_safe
+    monkeypatch.setattr(pickle_scan, "known_safe", lambda d: used.append(len(d)) or real(d))
+    small = safe_pickle.restricted_loads(b"\x80\x02]q\x00.", {}, source="s")
+    assert small == [] and not used  # scanned exactly, known_safe never asked
+    data = b"\x80\x02X\x00\x00\x01\x00" + b"a" * 65536 + b"."
+    assert len(_loads(data)) == 65536
+    assert used == [len(data)]  # past the allowance: the C-speed check, as before
+    assert pickle_scan._exact_bytes == pickle_scan._EXACT_BYTES_BEFORE_PATTERNS
