@@ -23,7 +23,7 @@ from ckptools.core.sizes import parse_size
 from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
-from ckptools.layouts.saves import is_numbered_save
+from ckptools.layouts.numbered import is_numbered_save
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
 
 if TYPE_CHECKING:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,8 @@ class Layout(ABC):
     name: str = ""
     #: one line for ``--help`` and error messages
     description: str = ""
-    #: detection order: lower first; wrappers (10) before the formats they contain (20+)
+    #: detection order: lower first; wrappers (10) before the formats they contain (20+);
+    #: :data:`_MODULES` lists the layouts in this order (a test checks it)
     priority: int = 50
 
     @abstractmethod
@@ -47,17 +49,53 @@ class Layout(ABC):
         """Describe the checkpoint at ``path`` (metadata only)."""
 
 
-_REGISTRY: list[Layout] = []
+#: Every layout's name, in detection order (their ``priority``; equal ones in this order), and
+#: the module of ``ckptools.layouts`` that defines and registers it. Detection imports a module
+#: when it first reaches one of its layouts: a DCP directory is recognised having imported 4 of
+#: the 9, not every other family's reader (issue 27: start-up).
+_MODULES: dict[str, str] = {
+    "trainer": "wrappers",
+    "accelerate": "wrappers",
+    "lightning": "wrappers",
+    "torchtitan": "wrappers",
+    "megatron": "megatron",
+    "dcp_rank_local": "dcp_rank_local",
+    "dcp": "dcp",
+    "verl": "verl",
+    "deepspeed": "deepspeed",
+    "transformers_distributed": "hf_distributed",
+    "torch_save": "torch_save",
+    "safetensors": "safetensors",
+}
+_REGISTRY: dict[str, Layout] = {}
 
 
 def register(layout: Layout) -> Layout:
-    _REGISTRY.append(layout)
-    _REGISTRY.sort(key=lambda entry: entry.priority)  # stable: equal priorities keep their order
+    if layout.name not in _MODULES:
+        raise ValueError(f"layout {layout.name!r} is not in _MODULES: detection would not try it")
+    _REGISTRY[layout.name] = layout
     return layout
 
 
+def _layout(name: str) -> Layout:
+    """The layout called ``name``, its module imported on first use."""
+    found = _REGISTRY.get(name)
+    if found is None:
+        # by name: each layout module imports this one to register itself
+        importlib.import_module(f"ckptools.layouts.{_MODULES[name]}")
+        found = _REGISTRY[name]
+    return found
+
+
+def _in_order() -> Iterator[Layout]:
+    """Every layout in detection order, each module imported when the walk reaches it."""
+    for name in _MODULES:
+        yield _layout(name)
+
+
 def layouts() -> Sequence[Layout]:
-    return tuple(_REGISTRY)
+    """Every layout, in detection order (all their modules imported)."""
+    return tuple(_in_order())
 
 
 def detect(path: str, format: str | None = None) -> Layout:
@@ -71,19 +109,19 @@ def detect(path: str, format: str | None = None) -> Layout:
     if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     if format is not None:
-        for layout in _REGISTRY:
-            if layout.name == format:
-                reason = layout.probe(path)
-                if reason is not None:
-                    raise UnknownFormatError(
-                        f"{path}: not a {format} checkpoint: {reason}{_part_hint(path)}", path=path
-                    )
-                return layout
-        names = ", ".join(layout.name for layout in _REGISTRY)
+        if format in _MODULES:
+            layout = _layout(format)
+            reason = layout.probe(path)
+            if reason is not None:
+                raise UnknownFormatError(
+                    f"{path}: not a {format} checkpoint: {reason}{_part_hint(path)}", path=path
+                )
+            return layout
+        names = ", ".join(_MODULES)
         raise UnknownFormatError(f"unknown format {format!r}; choose one of: {names}")
     _refuse_one_part(path)
     reasons = []
-    for layout in _REGISTRY:
+    for layout in _in_order():
         reason = layout.probe(path)
         if reason is None:
             return layout
@@ -153,7 +191,7 @@ def _checkpoints_inside(path: str) -> list[tuple[str, str]]:
         child = storage.join(path, name)
         if not storage.isdir(child):  # a directory of files is the layouts' own to judge
             continue
-        for layout in _REGISTRY:
+        for layout in _in_order():
             try:
                 refused = layout.probe(child)
             except (CkptError, OSError):

@@ -23,7 +23,6 @@ mapping (:mod:`ckptools.plan.megatron`) reads.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -38,6 +37,7 @@ from ckptools.errors import (
 )
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
+from ckptools.layouts import numbered
 from ckptools.layouts.base import Chosen, Layout, directory_names, register
 from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
 
@@ -45,7 +45,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "metadata.json"
 BACKEND = "torch_dist"
 RELEASE = "release"
-ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+ITER_DIR = numbered.MEGATRON
 COMMON_STATE = "common_state/shard_0_1"
 #: ``Manifest.details`` key of the run's facts (:class:`RunArgs` as a dict)
 DETAILS_KEY = "megatron"

@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptools.io import storage
 from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts import megatron, verl, wrappers
+from ckptools.layouts import megatron, numbered, verl, wrappers
 from ckptools.layouts.base import directory_names
 
 
@@ -68,13 +68,10 @@ def _megatron_latest(root: str, names: list[str]) -> str | None:
         return None
 
 
-#: the tag names DeepSpeed's engines give their saves by default
-_DEEPSPEED_TAG = re.compile(r"^global_step(\d+)$")
-
 PRODUCERS = (
     Producer("trainer", wrappers._TRAINER_CKPT, wrappers._trainer_checkpoint_complete,
              "no DCP .metadata, no model file", _no_record),
-    Producer("deepspeed", _DEEPSPEED_TAG, _deepspeed_whole,
+    Producer("deepspeed", numbered.DEEPSPEED, _deepspeed_whole,
              "no *_optim_states.pt rank files", _deepspeed_latest),
     Producer("verl", verl.STEP_DIR, lambda p: bool(verl._roles(p)),
              "no actor/ or critic/ holding fsdp_config.json and rank files", _verl_latest),
@@ -83,11 +80,6 @@ PRODUCERS = (
     Producer("megatron", megatron.ITER_DIR, megatron.is_save,
              "no metadata.json naming torch_dist with a DCP .metadata", _megatron_latest),
 )  # fmt: skip
-
-
-def is_numbered_save(name: str) -> bool:
-    """Whether ``name`` is how one of :data:`PRODUCERS` names one save of a run."""
-    return any(p.pattern.match(name) for p in PRODUCERS)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
+from ckptools.layouts import numbered
 from ckptools.layouts.base import (
     Layout,
     digest,
@@ -82,7 +83,7 @@ CONFIG = "fsdp_config.json"
 RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 #: fsdp_config.json is two numbers; anything past this is not verl's
 _CONFIG_MAX_BYTES = 64 << 10
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
+STEP_DIR = numbered.VERL
 #: the roles a verl trainer saves under global_step_N/, the one read first
 ROLES = ("actor", "critic")
 LATEST = "latest_checkpointed_iteration.txt"

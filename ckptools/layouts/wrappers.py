@@ -19,14 +19,14 @@ from dataclasses import replace
 
 from ckptools.core.manifest import Manifest
 from ckptools.io import storage
+from ckptools.layouts import numbered
 from ckptools.layouts.base import Layout, newest_numbered, read_marker, register
 from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
-from ckptools.layouts.torch_save import directory_reason, read_torch_save, read_torch_save_file
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")
-_TRAINER_CKPT = re.compile(r"^checkpoint-(\d+)$")
-_TITAN_STEP = re.compile(r"^step-(\d+)$")
+_TRAINER_CKPT = numbered.TRAINER
+_TITAN_STEP = numbered.TORCHTITAN
 TRAINER_STATE = "trainer_state.json"
 LIGHTNING_META = "meta.pt"
 
@@ -68,6 +68,8 @@ def _trainer_checkpoint_complete(path: str) -> bool:
     if parts:
         return all(_is_dcp(storage.join(path, s)) for s in parts)
     # a full-state checkpoint (model.safetensors or pytorch_model*.bin, optimizer.pt)
+    from ckptools.layouts.torch_save import directory_reason  # see TrainerLayout.read_manifest
+
     return directory_reason(set(_listdir(path))) is None
 
 
@@ -93,6 +95,10 @@ class TrainerLayout(Layout):
         assert found is not None
         inner = storage.contained(path, found.name, named_by=path, entry="holds")
         parts = _accelerate_parts(inner)
+        # imported here: the probes (run on every DCP directory detected) need no torch.save
+        # reader, nor does a sharded save
+        from ckptools.layouts.torch_save import read_torch_save
+
         return found.noted(
             read_dcp_tree(inner, parts, layout=self.name) if parts else read_torch_save(inner)
         )
@@ -128,6 +134,8 @@ class LightningLayout(Layout):
         # the DCP part alone is what a conversion rewrites; meta.pt is copied (an aux file)
         manifest = read_dcp_tree(path, layout=self.name)
         # meta.pt is among the aux files, which read_dcp_tree checked to lie inside
+        from ckptools.layouts.torch_save import read_torch_save_file  # see TrainerLayout
+
         with storage.open_reader(path) as reader:
             tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)
         # meta.pt holds the rest of the Lightning checkpoint (epoch, global_step, loops, hparams).

@@ -6,12 +6,69 @@ checked without compiling the scan's regular expressions, with the same verdicts
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptools.errors import DecodingLimitError
 from ckptools.formats import pickle_scan, safe_pickle
+from ckptools.layouts import base
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+#: run in a fresh ``python -P``: the CLI's consolidate, then what it imported and compiled
+_CONSOLIDATE = """
+import json, sys
+from ckptools.cli.main import main
+try:
+    main(["consolidate", sys.argv[1], sys.argv[2], "-q"])
+except SystemExit as e:
+    assert not e.code, e.code
+from ckptools.formats import pickle_scan
+print(json.dumps({
+    "modules": sorted(m for m in sys.modules if m.startswith(("ckptools", "torch"))),
+    "patterns": pickle_scan._unshared.cache_info().currsize
+    + pickle_scan._records.cache_info().currsize,
+}))
+"""
+#: the layout modules detecting a DCP directory imports: those tried before "dcp" and theirs
+_DCP_LAYOUTS = {"base", "numbered", "part_files", "wrappers", "megatron", "dcp_rank_local", "dcp"}
+
+
+def test_a_small_dcp_consolidate_imports_only_what_it_uses(tmp_path: Path) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    src = str(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {"w": torch.ones(4, 8)}}, checkpoint_id=src, no_dist=True)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", _CONSOLIDATE, src, str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    found = json.loads(run.stdout.splitlines()[-1])
+    modules = set(found["modules"])
+    layouts = {m.rsplit(".", 1)[1] for m in modules if m.startswith("ckptools.layouts.")}
+    assert layouts <= _DCP_LAYOUTS, sorted(layouts - _DCP_LAYOUTS)  # no verl, deepspeed, saves...
+    assert not {"torch", "ckptools.engine.converted", "ckptools.plan.conversions"} & modules
+    assert found["patterns"] == 0  # its one small .metadata scanned without them
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_detection_order_is_the_layouts_priority() -> None:
+    every = base.layouts()  # imports every layout module
+    assert [x.name for x in sorted(every, key=lambda x: x.priority)] == list(base._MODULES)
+    for layout in every:
+        assert type(layout).__module__ == f"ckptools.layouts.{base._MODULES[layout.name]}"
 
 
 def _loads(data: bytes) -> Any:
