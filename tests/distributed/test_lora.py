@@ -14,6 +14,7 @@ refused with a one-line error naming ``--lora-alpha``; ``inspect`` names the ada
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -36,7 +37,10 @@ from ckptools.cli.main import cli
 from ckptools.errors import UsageError
 from tests.support.dist import run_ranks
 
-pytest.importorskip("peft")
+# find_spec, not importorskip: every pytest-xdist worker collects this module, and importing peft
+# here cost each of them 2.5 s of CPU; the tests import it where they use it
+if importlib.util.find_spec("peft") is None:
+    pytest.skip("needs peft", allow_module_level=True)
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _TOKENS = torch.arange(16).reshape(2, 8) % 61

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from ckptools.integrations.transformers import CkptoolsCallback
 from tests.support.dist import run_ranks
 from tests.support.producers import hf_config_dict, produce
+
+# Each test imports CkptoolsCallback itself: its module imports transformers' Trainer utilities
+# (and through them peft), which cost every pytest-xdist worker 2 s of CPU when collecting.
 
 _STEP = 2
 
@@ -71,6 +73,8 @@ def test_on_save_consolidates_a_sharded_trainer_checkpoint(
     from transformers import LlamaForCausalLM
 
     root, reference = trainer_run
+    from ckptools.integrations.transformers import CkptoolsCallback
+
     callback = CkptoolsCallback("hf-test", max_shard_size="2KB")
     state, control = _state(_STEP)
     model = _llama()
@@ -93,6 +97,8 @@ def test_on_save_ignores_a_checkpoint_that_is_not_sharded(tmp_path: Path) -> Non
     checkpoint = tmp_path / "checkpoint-5"
     checkpoint.mkdir()
     (checkpoint / "model.safetensors").write_bytes(b"")
+    from ckptools.integrations.transformers import CkptoolsCallback
+
     callback = CkptoolsCallback()
     state, control = _state(5)
     assert callback.on_save(_args(str(tmp_path)), state, control, model=_llama()) is None
@@ -101,6 +107,8 @@ def test_on_save_ignores_a_checkpoint_that_is_not_sharded(tmp_path: Path) -> Non
 
 
 def _on_save_on_every_rank(rank: int, world_size: int, root: str) -> tuple[int, int]:
+    from ckptools.integrations.transformers import CkptoolsCallback
+
     callback = CkptoolsCallback("{step}-hf", max_shard_size="2KB", dtype="bfloat16")
     state, control = _state(_STEP)
     callback.on_save(_args(root), state, control, model=_llama())
@@ -132,6 +140,8 @@ def test_real_trainer_without_fsdp_leaves_checkpoints_alone(tmp_path: Path) -> N
         def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
             ids = torch.arange(i, i + 6) % 37
             return {"input_ids": ids, "labels": ids}
+
+    from ckptools.integrations.transformers import CkptoolsCallback
 
     callback = CkptoolsCallback()
     args = TrainingArguments(
