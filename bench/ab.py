@@ -15,11 +15,13 @@ Each command runs in a fresh child started as ``python -P`` with only its tree o
 ckptools for both revisions); each tree's child prints ``ckptools.__file__`` once, first, so
 the report shows which code ran. Wall time (start-up included), CPU time (user + sys, steadier
 than wall on a shared machine) and peak RSS are those of the child. Ratios are medians of
-same-round ratios. Prints one table and the ratios.
+same-round ratios. Prints one table and the ratios. ``--cold`` empties the page cache (``sync``,
+then ``3`` into ``/proc/sys/vm/drop_caches``: root only) before every command, so each reads
+the source, and the interpreter and its imports, from disk.
 
 Usage::
 
-    python bench/ab.py --base da620c1 --size-gb 2.0 --repeat 5 [--commands consolidate]
+    python bench/ab.py --base da620c1 --size-gb 2.0 --repeat 5 [--commands consolidate] [--cold]
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument("--commands", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/ckbench-ab")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each command")
     args = ap.parse_args()
 
     os.makedirs(args.workdir, exist_ok=True)
@@ -118,6 +121,9 @@ def main() -> None:
     def run(name: str, cmd: list[str]) -> None:
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run(["sync"], check=True)
+        if args.cold:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
         results.setdefault(name, []).append(_measure(cmd))
 
     for r in range(args.repeat):
@@ -140,7 +146,7 @@ def _report(results: dict[str, list[tuple[float, float, float]]], nbytes: int, a
     floor = results["cp -r + sync"]
     lines = [
         f"### {nbytes / 1e9:.2f} GB, base {args.base} vs {args.head or 'working tree'}, "
-        f"median of {args.repeat} alternating rounds",
+        f"median of {args.repeat} alternating rounds, {'cold' if args.cold else 'warm'} cache",
         "",
         "| command | wall s | CPU s | peak RSS MiB | x cp -r + sync (same-round) |",
         "| --- | ---: | ---: | ---: | ---: |",
