@@ -13,7 +13,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import Produced
-from tests.support import producers
+from tests.support import producers, zygote
 from tests.support.dist import RankFailedError, RanksTimeoutError, run_ranks
 from tests.support.reference import (
     assert_checkpoint_matches,
@@ -414,9 +413,10 @@ def test_malicious_metadata_is_armed_but_not_fired(tmp_path: Path, how: str) -> 
     sentinel = producers.malicious_metadata(tmp_path / "evil", how=how)  # type: ignore[arg-type]
     assert sentinel.startswith(str(tmp_path))
     assert not os.path.exists(sentinel)
-    # Plain pickle (in another process) fires it: proves the hostile fixture is real.
+    # Plain pickle (in another process) fires it: proves the hostile fixture is real. The
+    # process is forked from the zygote: unpickling imports torch, which it has imported.
     code = f"import pickle; pickle.load(open({str(tmp_path / 'evil' / '.metadata')!r}, 'rb'))"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    _run_elsewhere(code, tmp_path)
     assert os.path.exists(sentinel)
 
 
@@ -430,8 +430,15 @@ def test_malicious_object_is_armed_but_not_fired(tmp_path: Path, how: str) -> No
         "sd = {'model': {'w': torch.empty(2, 3)}, 'extra': {'payload': None, 'step': None}}\n"
         f"dcp.load(sd, checkpoint_id={str(tmp_path / 'evil')!r}, no_dist=True)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True)
+    _run_elsewhere(code, tmp_path)
     assert os.path.exists(sentinel)
+
+
+def _run_elsewhere(code: str, cwd: Path) -> None:
+    """``python -c code`` in a process of its own (forked from the zygote, which has imported
+    torch), which must succeed."""
+    done = zygote.run([sys.executable, "-c", code], env=dict(os.environ), cwd=str(cwd), timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 # --------------------------------------------------------------------------------------------------
