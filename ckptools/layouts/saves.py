@@ -69,15 +69,15 @@ def _megatron_latest(root: str, names: list[str]) -> str | None:
 
 
 PRODUCERS = (
-    Producer("trainer", wrappers._TRAINER_CKPT, wrappers._trainer_checkpoint_complete,
+    Producer("trainer", numbered.TRAINER, wrappers._trainer_checkpoint_complete,
              "no DCP .metadata, no model file", _no_record),
     Producer("deepspeed", numbered.DEEPSPEED, _deepspeed_whole,
              "no *_optim_states.pt rank files", _deepspeed_latest),
-    Producer("verl", verl.STEP_DIR, lambda p: bool(verl._roles(p)),
+    Producer("verl", numbered.VERL, lambda p: bool(verl._roles(p)),
              "no actor/ or critic/ holding fsdp_config.json and rank files", _verl_latest),
-    Producer("torchtitan", wrappers._TITAN_STEP, wrappers._is_dcp, "no DCP .metadata",
+    Producer("torchtitan", numbered.TORCHTITAN, wrappers._is_dcp, "no DCP .metadata",
              _no_record),
-    Producer("megatron", megatron.ITER_DIR, megatron.is_save,
+    Producer("megatron", numbered.MEGATRON, megatron.is_save,
              "no metadata.json naming torch_dist with a DCP .metadata", _megatron_latest),
 )  # fmt: skip
 

@@ -56,3 +56,15 @@ def test_none_complete_names_them_all(tmp_path: Path) -> None:
     with pytest.raises(IncompleteCheckpointError, match="none of step-1, step-2 is complete"):
         newest_numbered(str(run), STEP, _complete(looked), "no done file")
     assert newest_numbered(str(tmp_path / "step-1"), STEP, _complete(looked), "") is None
+
+
+def test_a_save_the_run_readers_know_is_a_numbered_save_to_the_config_search() -> None:
+    """``layouts.numbered`` lists the patterns apart from the readers (finding a config must not
+    import them all): every producer whose saves ``layouts.saves`` reads is in that list, so
+    ``consolidate`` finds the run's config from any of their saves."""
+    from ckptools.layouts import numbered, saves
+
+    assert {p.pattern for p in saves.PRODUCERS} == set(numbered._ALL)
+    for name in ("checkpoint-500", "global_step7", "global_step_7", "step-10", "iter_0000010"):
+        assert numbered.is_numbered_save(name), name
+    assert not numbered.is_numbered_save("iter_10") and not numbered.is_numbered_save("hf_model")
