@@ -40,21 +40,25 @@ from tests.support.reference import (
 
 pytestmark = pytest.mark.distributed
 
-#: The launcher: what the ``torchrun`` console script runs (``torch.distributed.run:main``),
-#: forked from a zygote that has imported torch (~3 s of CPU per launcher, 30 of them). Its
-#: workers (``python -u -m ckptools ...``, torchrun's argv and environment) are what is tested.
-#: They are forked from the same zygote (``zygote.fork_torchrun_workers``: ~3 s of CPU each,
-#: ~60 of them), except under ``fresh_workers=True``, where they are fresh interpreters started
-#: by torchrun itself, as under the real ``torchrun`` (``test_shard_is_byte_identical``).
-LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
+#: The launcher: what the ``torchrun`` console script runs (``torch.distributed.run:main``, called
+#: as the script calls it), forked from a zygote that has imported torch (~3 s of CPU per
+#: launcher, 30 of them). Its workers (``python -u -m ckptools ...``, torchrun's argv and
+#: environment) are what is tested. They are forked from the same zygote
+#: (``zygote.fork_torchrun_workers``: ~3 s of CPU each, ~60 of them), except under
+#: ``fresh_workers=True``, where they are fresh interpreters started by torchrun itself, as under
+#: the real ``torchrun`` (``test_shard_is_byte_identical``). Not ``-m torch.distributed.run``:
+#: the launcher logs every rendezvous step with ``inspect.stack()``, which walks all of
+#: ``sys.modules`` for each frame of a file no module names (runpy's three, under ``-m``), and a
+#: zygote child has twice a fresh launcher's modules (tests/support/zygote.py's ``_main``).
+_TORCHRUN_SCRIPT = "import sys\nfrom torch.distributed.run import main\nsys.argv[0] = 'torchrun'\n"
+LAUNCHER = [sys.executable, "-c", _TORCHRUN_SCRIPT + "sys.exit(main())\n"]
 _LAUNCHER_FORKING_WORKERS = [
     sys.executable,
     "-c",
-    "import runpy, sys\n"
-    f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+    _TORCHRUN_SCRIPT + f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
     "from tests.support import zygote\n"
     "zygote.fork_torchrun_workers()\n"
-    "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n",
+    "sys.exit(main())\n",
 ]
 _LAUNCHER_PRELOAD = (*zygote.PRELOAD, "torch.distributed.launcher.api")
 #: (nodes, processes per node): 1, 2 and 4 processes on one node, and 2 nodes of 2 processes.

@@ -81,7 +81,8 @@ _IMPORT_TIME_PREFIXES = (
 )  # fmt: skip
 _IMPORT_TIME_NAMES = ("HOME", "XDG_CACHE_HOME", "LD_PRELOAD", "LD_LIBRARY_PATH")
 _MAX_MESSAGE = 1 << 20
-_BOOT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+#: The name under which the zygote's own module stays in ``sys.modules`` (see :func:`_main`).
+_SELF = "_ckptools_tests_zygote"
 _DEVNULL = subprocess.DEVNULL
 _PIPE = subprocess.PIPE
 
@@ -223,7 +224,7 @@ class _Zygote(_Connection):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         super().__init__(mine)
         # run as a script, so that not even the tests package is imported in the zygote
-        argv = [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(theirs.fileno())]
+        argv = [sys.executable, os.path.abspath(__file__), str(theirs.fileno())]
         self.proc = subprocess.Popen(
             [*argv, *preload],
             env=env,
@@ -600,13 +601,22 @@ class _Server:
 def _main() -> None:
     import importlib
 
+    # A child runs its code below these frames of the zygote's (the fork keeps the stack). For
+    # a frame whose file no module in sys.modules names, inspect.getmodule walks every module on
+    # each call, and torchrun's launcher calls inspect.stack() on every rendezvous step it logs
+    # (torch.distributed.elastic.rendezvous.dynamic_rendezvous.get_method_name): with the
+    # zygote's frames unnamed (it was started as `-c` code running this file, which a child's
+    # `python -m` then replaced as __main__), a forked launcher spent 26 ms in each call against
+    # a fresh one's 2 ms, ~90 s of the suite's CPU. Kept under a private name, this file is a
+    # module's file; the zygote is a script (no `-c` frame below it).
+    sys.modules[_SELF] = sys.modules["__main__"]
     env_at_start = dict(os.environ)
     # numpy's OpenBLAS (torch imports numpy) starts a native thread server when loaded, unless
     # told to use one thread; a fork is safe only from a process of one thread. (Children get
     # the request's environment: only the zygote's own BLAS is held to one thread.)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    sock = socket.socket(fileno=int(sys.argv[2]))
-    for name in sys.argv[3:]:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    for name in sys.argv[2:]:
         importlib.import_module(name)
     preloaded = [n for n in sys.modules if n.split(".")[0] in ("ckptools", "tests")]
     if preloaded:
@@ -621,4 +631,6 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
+    # as under `python -c`: the working directory first on sys.path, not this file's directory
+    sys.path[0] = ""
     _main()
