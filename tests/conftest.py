@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,51 @@ os.environ.setdefault(
         "ckptools-tests-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12],
     ),
 )
+
+
+#: The thread removing the temporary directories of earlier sessions (see pytest_sessionstart).
+_old_basetemps: threading.Thread | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Remove the earlier sessions' temporary directories while this one runs, not after it.
+
+    pytest keeps the last ``tmp_path_retention_count`` (3) sessions' directories and removes the
+    older ones when the session finishes, after the last test: a run of this suite leaves ~8,300
+    files (3.7 GiB), and on a disk mounted with ``discard`` (this project's machines) removing them
+    took 6-10 s of wall time in which nothing else ran. The same removal, with pytest's own
+    function and the same rule (locked directories of live sessions are kept), starts here in a
+    thread of the controller (or the only process) and overlaps the tests; at the end pytest finds
+    nothing left to remove. Where pytest's internals differ, pytest's own cleanup does it all.
+    """
+    global _old_basetemps
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: its directory is inside the controller's
+    try:
+        from _pytest.pathlib import LOCK_TIMEOUT, cleanup_numbered_dir
+
+        factory = session.config._tmp_path_factory
+        if factory._given_basetemp is not None:
+            return  # --basetemp: pytest numbers and removes nothing
+        keep = int(session.config.getini("tmp_path_retention_count"))
+        if session.config.getini("tmp_path_retention_policy") != "all" or keep < 1:
+            return
+        basetemp = factory.getbasetemp()
+    except (ImportError, AttributeError, ValueError):
+        return
+    _old_basetemps = threading.Thread(
+        target=cleanup_numbered_dir,
+        args=(basetemp.parent, "pytest-", keep, basetemp.stat().st_mtime - LOCK_TIMEOUT),
+        name="remove-old-basetemps",
+        daemon=True,
+    )
+    _old_basetemps.start()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _old_basetemps is not None:
+        _old_basetemps.join()  # before pytest's own cleanup looks at the same directories
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
