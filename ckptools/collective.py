@@ -214,6 +214,48 @@ class Ranks:
             _raise_for([box[1]], what)
         return cast(T, box[0])
 
+    def scatter_from_root(self, fn: Callable[[], Sequence[T]], what: str) -> T:
+        """Rank 0 runs ``fn``, which returns one value per rank; each rank gets its own (a
+        scatter). For what only rank 0 works out (it alone read the source) and the others
+        need a share of: rank r receives value r, never the others' (a 405B reshard's plan is
+        millions of items; each process gets those of the files it writes).
+
+        Rank 0 keeps its own value as it is (never pickled). Rank 0 pickles the others' values
+        before the scatter, so an error there is rank 0's error too: rank 0 re-raises it and
+        the other ranks raise a :class:`~ckptools.errors.CkptError` (a ``UsageError`` when
+        rank 0's was one), as :meth:`from_root` does.
+        """
+        if self.world_size == 1:
+            return _own_share(fn(), 1)
+        import pickle
+
+        import torch.distributed as dist
+
+        own: Any = None
+        failure: BaseException | None = None
+        sent: list[Any] | None = None
+        if self.rank == 0:
+            try:
+                values = fn()
+                own = _own_share(values, self.world_size)
+                sent = [None] + [
+                    (pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL), None) for v in values[1:]
+                ]
+            except Exception as e:  # handed to the other ranks, then re-raised below
+                failure = e
+                sent = [None] + [(None, _describe(e))] * (self.world_size - 1)
+        received: list[Any] = [None]
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.scatter_object_list(received, sent, src=src, group=self.group)
+        if failure is not None:
+            raise failure
+        if self.rank == 0:
+            return cast(T, own)
+        data, error = received[0]
+        if error is not None:
+            _raise_for([error], what)
+        return cast(T, pickle.loads(data))
+
     def from_all(self, fn: Callable[[], T], what: str) -> list[T]:
         """Every rank runs ``fn``; every rank gets all values in rank order (an all-gather).
 
@@ -259,6 +301,13 @@ class Ranks:
             if self.is_root:
                 discard(staged, e)  # given the error: an interrupted resumable run keeps it
             raise
+
+
+def _own_share(values: Sequence[T], world_size: int) -> T:
+    """Rank 0's value of :meth:`Ranks.scatter_from_root`'s, once they are one per rank."""
+    if len(values) != world_size:
+        raise ValueError(f"{len(values)} shares for {world_size} ranks")  # a caller's bug
+    return values[0]
 
 
 def _describe(e: BaseException, rank: int = 0) -> _Failure:

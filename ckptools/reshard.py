@@ -17,7 +17,9 @@ none, and the result lists what was kept), ``drop`` leaves it out. Either way it
 
 The source is read once: its manifest gives each DCP directory as a part (with its own
 manifest) and the files beside the data (``aux_files``), found in the layout's one walk; the
-options are validated once (:class:`ReshardOptions`).
+options are validated once (:class:`ReshardOptions`). Under torchrun it is read once per job,
+by rank 0, which hands every other rank what writing its files needs (:func:`_carry_out`;
+the writing: :mod:`ckptools.dcp_output`).
 """
 
 from __future__ import annotations
@@ -29,38 +31,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ckptools import collective, tunables
-from ckptools.collective import Ranks
+from ckptools import collective, dcp_output, tunables
 from ckptools.consolidate import model_config
 from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, Part
-from ckptools.engine import dcp_writer as dcp_write
+from ckptools.dcp_output import Share
 from ckptools.engine.converted import to_memory_names
-from ckptools.engine.dcp_writer import write_dcp
 from ckptools.errors import UsageError
 from ckptools.export import suggested_optimizer_order
 from ckptools.formats import torch_archive
 from ckptools.io import storage
-from ckptools.io.resume import Journal, fingerprint
-from ckptools.io.staging import (
-    IN_PROGRESS,
-    check_out,
-    check_writable,
-    commit,
-    copy_into,
-    discard,
-    fsync_dir,
-    reserve,
-    resumable_staging,
-    write_file_synced,
-)
+from ckptools.io.resume import fingerprint
+from ckptools.io.staging import IN_PROGRESS, check_out
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import require_plain
 from ckptools.layouts.optimizer_state import optimizer_alone
-from ckptools.plan.dcp import DcpPlan, file_name, plan_dcp
+from ckptools.plan.dcp import DcpPlan, plan_dcp
 from ckptools.plan.megatron import VOCAB_DIVISOR
 from ckptools.plan.training import training_layout
-from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
+from ckptools.verify.checksums import CHECKSUM_FILE
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
@@ -210,8 +199,9 @@ def reshard(
             by name) or a Trainer's two groups, the model it builds on ``meta`` gives the order.
         dry_run: plan only; write nothing.
         distributed: under torchrun, or called by every rank of an initialised process group,
-            split the output files over the ranks (:func:`_write`; every rank must call it);
-            False: this process writes everything alone.
+            rank 0 alone reads ``src`` and plans, and the output files are split over the
+            ranks (:func:`_carry_out`; every rank must call it); False: this process reads and
+            writes everything alone.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -225,6 +215,11 @@ def reshard(
         param_order=None if param_order is None else tuple(param_order),
         drop_optimizer=drop_optimizer, config=config,
     )  # fmt: skip
+    return _carry_out("reshard", options, started, lambda: _planned_reshard(src, out, options))
+
+
+def _planned_reshard(src: str, out: str, options: ReshardOptions) -> _Run:
+    """:func:`reshard`'s reading and planning (one process does it: see :func:`_carry_out`)."""
     manifest = _read_source(
         src, out, options, lambda format: format not in MODEL_ONLY_FORMATS,
         "is not a training checkpoint; use `ckpt shard` to make a DCP checkpoint from it",
@@ -235,21 +230,21 @@ def reshard(
 
         cfg = _shard_config(src, options.config)
         manifest = training_manifest(manifest, cfg, drop_optimizer=options.drop_optimizer)
-        return _reshard_training_state(src, out, manifest, options, started)
+        return _planned_training_state(src, out, manifest, options)
     if manifest.format != "dcp":
-        return _reshard_training_state(src, out, manifest, options, started)
+        return _planned_training_state(src, out, manifest, options)
     plans, rank_items = _plan_parts(manifest, options)
-    copied = _carried_files(manifest, options, rank_items)
+    copied = tuple(_carried_files(manifest, options, rank_items))
     notes = list(manifest.notes)
     _note_rank_state(notes, manifest, options, rank_items)
-    run = _Run(
+    return _Run(
         kind="reshard", src=src, out=out, options=options, parts=plans,
-        source=manifest, source_root=manifest.root, copied=tuple(copied),
-        rank_items=tuple(rank_items), notes=notes, started=started,
+        source=manifest, source_root=manifest.root, copied=copied,
+        rank_items=tuple(rank_items), notes=notes,
         # The source was protected by a checksum manifest: so is the result.
         checksums=CHECKSUM_FILE in manifest.aux_files,
+        fingerprint_options={"rank_state": options.rank_state, "copied": copied},
     )  # fmt: skip
-    return run.execute({"rank_state": options.rank_state, "copied": run.copied})
 
 
 def _carried_files(manifest: Manifest, options: ReshardOptions, rank_items: list[str]) -> list[str]:
@@ -299,10 +294,10 @@ def _note_not_carried(notes: list[str], manifest: Manifest) -> None:
         notes.append(f"{len(left)} file(s) of the source were not carried over: {shown}")
 
 
-def _reshard_training_state(
-    src: str, out: str, manifest: Manifest, options: ReshardOptions, started: float
-) -> ReshardResult:
-    """:func:`reshard` of a source that is not DCP: one DCP named as ``get_state_dict`` +
+def _planned_training_state(
+    src: str, out: str, manifest: Manifest, options: ReshardOptions
+) -> _Run:
+    """:func:`reshard`'s plan of a source that is not DCP: one DCP named as ``get_state_dict`` +
     ``dcp.save`` name it, from :func:`ckptools.plan.training.training_layout`."""
     suggested = (
         None
@@ -319,18 +314,19 @@ def _reshard_training_state(
         manifest, options.world_size, layout.names, layout.paths, objects=[], values=layout.values
     )
     rank_items: list[str] = []
-    copied = _carried_files(manifest, options, rank_items)
+    copied = tuple(_carried_files(manifest, options, rank_items))
     notes = [*manifest.notes, *layout.notes]
     _note_rank_state(notes, manifest, options, rank_items)
     _note_not_carried(notes, manifest)
-    run = _Run(
+    return _Run(
         kind="reshard", src=src, out=out, options=options, parts={"": (manifest, plan)},
-        source=manifest, source_root=manifest.data_dir(), copied=tuple(copied),
-        rank_items=tuple(rank_items), notes=notes, started=started,
-    )  # fmt: skip
-    return run.execute(
-        {"param_order": list(options.param_order or ()), "drop_optimizer": options.drop_optimizer,
-         "rank_state": options.rank_state, "copied": run.copied}
+        source=manifest, source_root=manifest.data_dir(), copied=copied,
+        rank_items=tuple(rank_items), notes=notes,
+        fingerprint_options={
+            "param_order": list(options.param_order or ()),
+            "drop_optimizer": options.drop_optimizer, "rank_state": options.rank_state,
+            "copied": copied,
+        },
     )  # fmt: skip
 
 
@@ -421,10 +417,21 @@ def shard(
         return _shard_megatron(src, out, options, config, make_vocab_size_divisible_by, started)
     if to != "dcp":
         raise UsageError(f"--to {to!r}: choose dcp or megatron")
+    return _carry_out(
+        "shard", options, started,
+        lambda: _planned_shard(src, out, options, config, keep_stored_names),
+    )  # fmt: skip
+
+
+def _planned_shard(
+    src: str, out: str, options: ReshardOptions, config: str | None, keep_stored_names: bool
+) -> _Run:
+    """:func:`shard`'s reading and planning (one process does it: see :func:`_carry_out`)."""
     manifest = _read_source(
         src, out, options, lambda format: format in PUBLISHED_FORMATS,
         "is already sharded; use `ckpt reshard`",
     )  # fmt: skip
+    prefix = options.prefix
     path = tuple(p for p in prefix.split(".") if p)
     # a torch.save training checkpoint: its model part only (`ckpt reshard` keeps the rest)
     model = model_keys(manifest) if manifest.format == "torch_save" else None
@@ -451,11 +458,11 @@ def shard(
             f"{len(manifest.objects)} non-tensor value(s) of the source were not carried over "
             f"(e.g. {next(iter(manifest.objects))!r})"
         )
-    run = _Run(
+    return _Run(
         kind="shard", src=src, out=out, options=options, parts={"": (source, plan)},
-        source=manifest, source_root=manifest.data_dir(), notes=notes, started=started,
+        source=manifest, source_root=manifest.data_dir(), notes=notes,
+        fingerprint_options={"prefix": prefix, "in_memory": keymap is not None},
     )  # fmt: skip
-    return run.execute({"prefix": prefix, "in_memory": keymap is not None})
 
 
 def _shard_megatron(
@@ -470,13 +477,23 @@ def _shard_megatron(
     directory with ``latest_checkpointed_iteration.txt`` and ``iter_0000001/`` (the DCP with
     Megatron's names, stacked layers, fused QKV and fc1, padded vocabulary, ``common_state``,
     and ``metadata.json``), committed as one rename."""
+    if divisor < 1:
+        raise UsageError(f"--make-vocab-size-divisible-by {divisor}: must be at least 1")
+    return _carry_out(
+        "shard", options, started,
+        lambda: _planned_megatron(src, out, options, config, divisor),
+    )  # fmt: skip
+
+
+def _planned_megatron(
+    src: str, out: str, options: ReshardOptions, config: str | None, divisor: int
+) -> _Run:
+    """:func:`_shard_megatron`'s reading and planning (one process: see :func:`_carry_out`)."""
     from ckptools.engine.converted import merge_source
     from ckptools.layouts import megatron as layout
     from ckptools.plan import megatron
     from ckptools.plan.dcp import Archived
 
-    if divisor < 1:
-        raise UsageError(f"--make-vocab-size-divisible-by {divisor}: must be at least 1")
     manifest = _read_source(
         src, out, options, lambda format: format in PUBLISHED_FORMATS,
         "is already sharded; consolidate it first",
@@ -508,12 +525,11 @@ def _shard_megatron(
         f"vocabulary {dims.vocab} padded to {dims.padded_vocab} rows (a multiple of {divisor}; "
         "Megatron pads to --make-vocab-size-divisible-by x TP: pass that product for TP > 1)",
     ]
-    run = _Run(
+    return _Run(
         kind="shard", src=src, out=out, options=options, parts={sub: (source, plan)},
-        source=manifest, source_root=manifest.data_dir(), notes=notes, started=started,
-        made=layout.marker_files(),
+        source=manifest, source_root=manifest.data_dir(), notes=notes,
+        made=layout.marker_files(), fingerprint_options={"to": "megatron", "divisor": divisor},
     )  # fmt: skip
-    return run.execute({"to": "megatron", "divisor": divisor})
 
 
 def _shard_config(src: str, config: str | None) -> dict[str, Any] | None:
@@ -529,9 +545,62 @@ def _shard_config(src: str, config: str | None) -> dict[str, Any] | None:
     return model_config([(config, "config.json")])
 
 
+def _carry_out(
+    kind: str, options: ReshardOptions, started: float, planned: Callable[[], _Run]
+) -> ReshardResult:
+    """Plan (``planned`` reads the source and plans every part) and write, or only plan.
+
+    A dry run plans here and writes nothing, whatever the job. Otherwise one process plans and
+    writes everything, or, in a job of several ranks (:func:`ckptools.collective.current`),
+    rank 0 alone reads the source and plans, and hands every other rank its share
+    (:func:`ckptools.dcp_output.shares`, through
+    :meth:`~ckptools.collective.Ranks.scatter_from_root`): the items of the files it writes
+    and what writing and reporting them need. The source is parsed once per job, not once per
+    process (a 405B model's 1,024-rank ``.metadata``: ~20 s of CPU and ~2 GiB of memory in
+    each). Then every rank writes its files (:func:`ckptools.dcp_output.write`).
+    An error of rank 0's while reading or planning reaches every rank, and every rank raises
+    before anything is created.
+    """
+    if options.dry_run:
+        return _result(planned().share(), options, 0, (), started)
+    ranks = collective.current(options.distributed)
+    if ranks.world_size == 1:
+        share = planned().share()
+    else:
+        share = ranks.scatter_from_root(
+            lambda: dcp_output.shares(planned().share(), ranks.world_size), kind
+        )
+    notes = [f"written by {ranks.world_size} ranks"] if ranks.world_size > 1 else []
+    written, kept = dcp_output.write(
+        ranks, share, overwrite=options.overwrite, workers=options.worker_count,
+        quiet=options.quiet,
+    )  # fmt: skip
+    if kept:
+        notes.append(f"resumed: {kept} file(s) written by an interrupted run were kept")
+    return _result(share, options, written, notes, started)
+
+
+def _result(
+    share: Share, options: ReshardOptions, written: int, notes: Sequence[str], started: float
+) -> ReshardResult:
+    return ReshardResult(
+        src=share.src,
+        out=share.out,
+        world_size=options.world_size,
+        parts=dict(share.summary),
+        bytes_written=written,
+        seconds=time.perf_counter() - started,
+        dry_run=options.dry_run,
+        rank_state=options.rank_state,
+        rank_state_items=share.rank_items,
+        copied_files=share.copied,
+        notes=(*share.notes, *notes),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Run:
-    """One planned reshard or shard: what writing it and reporting it need."""
+    """One planned reshard or shard, on the process that read the source."""
 
     kind: str  # "reshard" or "shard": the fingerprint's command
     src: str
@@ -544,134 +613,22 @@ class _Run:
     made: Mapping[str, bytes] = field(default_factory=dict)  # files written after the markers
     rank_items: tuple[str, ...] = ()
     notes: list[str]
-    started: float
     checksums: bool = False
+    #: the command's own options that shape the output, besides the world size and the plan,
+    #: which every fingerprint includes
+    fingerprint_options: Mapping[str, Any]
 
-    def execute(self, fingerprint_options: Mapping[str, Any]) -> ReshardResult:
-        """Write the result (all ranks of a job, or this process), unless a dry run.
-
-        ``fingerprint_options``: the command's own options that shape the output, besides the
-        world size and the plan, which every fingerprint includes.
-        """
+    def share(self) -> Share:
+        """All of it: what one process writes, or rank 0 of a job, which shares it out
+        (:func:`ckptools.dcp_output.shares`)."""
         summary = {sub: plan.to_dict() for sub, (_, plan) in self.parts.items()}
-        if self.options.dry_run:
-            return self._result(summary, 0)
-        ranks = collective.current(self.options.distributed)
-        if ranks.world_size > 1:
-            self.notes.append(f"written by {ranks.world_size} ranks")
-        identity = fingerprint(
+        identity = "" if self.options.dry_run else fingerprint(
             self.kind,
             self.source,
-            {"world_size": self.options.world_size, "plan": summary, **fingerprint_options},
-        )
-        written, kept = _write(ranks, self, identity)
-        if kept:
-            self.notes.append(f"resumed: {kept} file(s) written by an interrupted run were kept")
-        return self._result(summary, written)
-
-    def _result(self, summary: dict[str, dict[str, Any]], written: int) -> ReshardResult:
-        return ReshardResult(
-            src=self.src,
-            out=self.out,
-            world_size=self.options.world_size,
-            parts=summary,
-            bytes_written=written,
-            seconds=time.perf_counter() - self.started,
-            dry_run=self.options.dry_run,
-            rank_state=self.options.rank_state,
-            rank_state_items=self.rank_items,
-            copied_files=self.copied,
-            notes=tuple(self.notes),
-        )
-
-
-def _write(ranks: Ranks, run: _Run, identity: str) -> tuple[int, int]:
-    """Write ``run.parts`` and ``run.copied`` into ``run.out``, atomically.
-
-    Called by every rank, in this order (:mod:`ckptools.collective`; one process is rank 0 of 1):
-    rank 0 creates the temporary directory and copies ``copied`` (files beside the DCP data)
-    into it; every rank writes the ``__r_0.distcp`` files :meth:`Ranks.mine` gives it (balanced
-    by bytes over the files of all parts); once all are written, rank 0 writes each part's
-    ``.metadata``; with ``checksums`` every rank hashes a share of the files and rank 0 writes
-    the checksum manifest (:func:`ckptools.verify.checksums.write_checksums`); rank 0 renames last.
-    On any rank's failure rank 0 removes the temporary directory and every rank raises.
-
-    Resumable (:mod:`ckptools.io.resume`): rank 0 reuses the staging location of an interrupted run
-    of the same conversion (``identity``); each rank skips the files its journal part, or
-    another rank's, records as complete, and journals each file it completes; rank 0 removes
-    the journal before the first ``.metadata``. An interrupt keeps the staging location.
-
-    Returns the bytes of the ``.distcp`` files written (every rank's) and how many files an
-    interrupted run had already written.
-    """
-    parts, out, options = run.parts, run.out, run.options
-    units = [(sub, r) for sub, (_, plan) in parts.items() for r in range(plan.world_size)]
-    mine: dict[str, list[int]] = {sub: [] for sub in parts}
-    for i in ranks.mine([parts[sub][1].file_sizes[r] for sub, r in units]):
-        mine[units[i][0]].append(units[i][1])
-
-    def prepare() -> str:
-        check_writable(out, options.overwrite, src=run.src)
-        tmp = resumable_staging(out, identity)
-        try:
-            reserve(tmp, sum(sum(plan.file_sizes) for _, plan in parts.values()))
-            for name in run.copied:
-                copy_into(storage.join(run.source_root, name), storage.join(tmp, name))
-            for sub in parts:
-                storage.makedirs(_target(tmp, sub))
-        except BaseException:
-            discard(tmp)
-            raise
-        return tmp
-
-    def write_share(tmp: str) -> tuple[int, int]:
-        journal = Journal.open(tmp, identity, writer=ranks.rank)
-        written = kept = 0
-        for sub, (part, plan) in parts.items():
-            prefix = f"{sub}/" if sub else ""
-            todo = [r for r in mine[sub] if not journal.is_done(prefix + file_name(r))]
-            kept += len(mine[sub]) - len(todo)
-
-            def done(
-                r: int, prefix: str = prefix, sizes: tuple[int, ...] = plan.file_sizes
-            ) -> None:
-                journal.record(prefix + file_name(r), size=sizes[r])
-
-            written += write_dcp(
-                part, plan, _target(tmp, sub), source_root=run.source_root,
-                workers=options.worker_count, quiet=options.quiet or not ranks.is_root,
-                only_files=todo, on_file_done=done,
-            )  # fmt: skip
-        return written, kept
-
-    def markers(tmp: str) -> None:
-        Journal.open(tmp, identity).discard()  # never part of a committed checkpoint
-        for sub, (_, plan) in parts.items():
-            # through the module: tests interrupt a run here
-            dcp_write.write_metadata(_target(tmp, sub), plan)
-        for name, data in run.made.items():  # a producer's own markers (Megatron's), last
-            write_file_synced(storage.join(tmp, name), data)
-
-    def rename(tmp: str) -> None:
-        fsync_dir(tmp)
-        commit(tmp, out, options.overwrite)
-
-    with ranks.staged(prepare, _discard, "reshard") as tmp:
-        shares = ranks.from_all(lambda: write_share(tmp), "reshard")
-        written = sum(w for w, _ in shares)
-        kept = sum(k for _, k in shares)
-        ranks.from_root(lambda: markers(tmp), "reshard")
-        if run.checksums:
-            write_checksums(
-                tmp, workers=options.worker_count, quiet=True, distributed=ranks.world_size > 1
-            )
-        ranks.from_root(lambda: rename(tmp), "reshard")
-    return written, kept
-
-
-def _target(tmp: str, sub: str) -> str:
-    return storage.join(tmp, sub) if sub else tmp
-
-
-def _discard(tmp: str, error: BaseException) -> None:
-    discard(tmp, error)
+            {"world_size": self.options.world_size, "plan": summary, **self.fingerprint_options},
+        )  # fmt: skip
+        return Share(
+            src=self.src, out=self.out, parts=self.parts, source_root=self.source_root,
+            copied=self.copied, made=self.made, checksums=self.checksums, identity=identity,
+            summary=summary, rank_items=self.rank_items, notes=tuple(self.notes),
+        )  # fmt: skip

@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Sequence
 from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32
 from ckptools.core.geometry import copy_runs
-from ckptools.core.manifest import Chunk, Manifest
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.engine import checked_copy
 from ckptools.engine.checked_copy import RecordChecks
 from ckptools.engine.crc_segments import Segment, copy_segments, resolve_segments
@@ -216,6 +216,30 @@ def _copy_object(fd: int, item: ObjectItem, reader: Reader) -> None:
         done += n
 
 
+def share_of(manifest: Manifest, plan: DcpPlan, files: Collection[int]) -> tuple[Manifest, DcpPlan]:
+    """What :func:`write_dcp` needs to write the rank files ``files`` of ``plan``
+    (``only_files``) from ``manifest``: the plan's items of those files
+    (:meth:`ckptools.plan.dcp.DcpPlan.of_files`), and of the manifest only the entries those
+    items read, without their chunks. The writer finds each source entry by an item's
+    ``source_fqn``, for its name and dtype (:class:`ckptools.engine.reader.SourceCache`); the
+    chunks it reads are the item's own ``sources``, and an object item names its own bytes.
+
+    Under torchrun rank 0 reads the source and hands each other rank this, so that no other
+    rank reads the source's metadata (:mod:`ckptools.collective`).
+    """
+    share = plan.of_files(files)
+    entries = {}
+    for item in share.tensors:
+        if item.source_fqn not in entries and item.data is None:
+            entry = manifest.tensors[item.source_fqn]
+            entries[item.source_fqn] = TensorEntry(entry.fqn, entry.dtype, entry.shape, ())
+    source = Manifest(
+        root=manifest.root, format=manifest.format, layout=manifest.layout, tensors=entries,
+        objects={}, files={}, world_size=manifest.world_size, data_root=manifest.data_root,
+    )  # fmt: skip
+    return source, share
+
+
 def write_metadata(out_dir: str, plan: DcpPlan) -> None:
     """Write ``.metadata`` (what ``dcp.load`` unpickles), atomically and durably, last."""
     by_fqn: dict[str, list[TensorItem]] = {}
@@ -328,6 +352,13 @@ def write_dcp(
     tasks = sorted(
         [i for i in items if i.rank in wanted], key=lambda item: (item.rank, item.offset)
     )
+    filled = dict.fromkeys(mine, 0)
+    for item in tasks:
+        filled[item.rank] += item.length
+    if any(filled[r] != plan.file_sizes[r] for r in mine):
+        # a share that lacks items (:func:`share_of` given other files than a rank writes)
+        # would write, and journal as complete, files with holes: a bug, never a result
+        raise ValueError(f"the plan's items do not fill rank files {sorted(mine)}")
     for rank in mine:
         # Every rank's file exists, as DCP writes one per rank even when it holds nothing.
         open(os.path.join(out_dir, file_name(rank)), "wb").close()

@@ -19,7 +19,7 @@ import bisect
 import math
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -93,6 +93,21 @@ class DcpPlan:
     @property
     def total_bytes(self) -> int:
         return sum(self.file_sizes)
+
+    def of_files(self, files: Collection[int]) -> DcpPlan:
+        """This plan with only the items of the rank files ``files``: what the process that
+        writes those files (under torchrun, :mod:`ckptools.collective`) needs. The file sizes
+        stay whole, so every process still finds the same split of the files, and so do the
+        shapes and key paths; such a plan writes no ``.metadata`` (its items are not all)."""
+        wanted = set(files)
+        return DcpPlan(
+            self.world_size,
+            tuple(t for t in self.tensors if t.rank in wanted),
+            tuple(o for o in self.objects if o.rank in wanted),
+            self.file_sizes,
+            self.shapes,
+            self.paths,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         per_rank: list[dict[str, Any]] = [

@@ -103,14 +103,16 @@ def torchrun(
     nproc: int = 2,
     failing: bool = False,
     fresh_workers: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Launch:
     """Run ``torchrun ... -m ckptools ARGS``: ``nodes`` launchers on localhost (``--nnodes`` and
     ``--node-rank``, one c10d rendezvous endpoint), ``nproc`` workers each; every worker's output
     goes to its own log file. ``failing``: the workers are expected to exit non-zero.
-    ``fresh_workers``: torchrun starts each worker as a fresh interpreter (see :data:`LAUNCHER`)."""
+    ``fresh_workers``: torchrun starts each worker as a fresh interpreter (see :data:`LAUNCHER`).
+    ``env``: added to the launchers' (and so the workers') environment."""
     port = _free_port()
     logs = [tmp / f"torchrun-logs-{port}-{n}" for n in range(nodes)]
-    env = dict(os.environ, CKPTOOLS_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, CKPTOOLS_NO_PROGRESS="1", OMP_NUM_THREADS="1", **(env or {}))
     procs = []
     launcher = LAUNCHER if fresh_workers else _LAUNCHER_FORKING_WORKERS
     for node in range(nodes):
@@ -297,6 +299,20 @@ def test_shard_is_byte_identical(produced: Callable[..., Produced], tmp_path: Pa
     _same_report(got, expected, 2, "out")
 
 
+def test_shard_to_megatron_is_byte_identical(tmp_path: Path) -> None:
+    # values the plan holds (common_state, the layers' extra states) and the run directory's
+    # own markers, which rank 0 writes after the .metadata
+    src = str(Path(__file__).resolve().parents[2] / "fixtures" / "megatron" / "hf_qwen2")
+    args = ["shard", src, "{out}", "--world-size", "3", "--to", "megatron",
+            "--make-vocab-size-divisible-by", "16", "--json", "-q"]  # fmt: skip
+    single = tmp_path / "single"
+    _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
+    out = tmp_path / "scaled"
+    got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2))
+    _assert_same_tree(out, single)
+    _same_report(got, expected, 2, "out")
+
+
 # --------------------------------------------------------------------------------------------------
 # verify: the report of one process, damage included
 # --------------------------------------------------------------------------------------------------
@@ -429,20 +445,83 @@ def test_damage_found_by_one_rank_fails_every_rank(
     _assert_nothing_left(out)
 
 
-def test_reshard_of_a_wrapper_layout_is_byte_identical(
+#: A ``sitecustomize`` for fresh torchrun workers: an audit hook (``sys.addaudithook``) that
+#: appends each file a worker opens, and each directory it lists, below ``$OPENS_UNDER`` to
+#: ``$OPENS_LOG/rank<RANK>``. Every Python-level open (``open``, ``io.open``, ``os.open``, which
+#: ckptools' local reader uses) and listing raises these events, in the worker itself: test
+#: code only, nothing in ckptools knows of it. The launcher (no ``RANK``) records nothing.
+_OPENS_HOOK = """
+import os, sys
+_under, _log, _rank = (os.environ.get(k) for k in ("OPENS_UNDER", "OPENS_LOG", "RANK"))
+if _under and _log and _rank is not None:
+    _under = _under.rstrip("/") + "/"
+    def _record(event, args):
+        if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], str):
+            path = os.path.abspath(args[0])
+            if (path + "/").startswith(_under):
+                fd = os.open(f"{_log}/rank{_rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+                try:
+                    os.write(fd, f"{event} {path[len(_under):]}\\n".encode())
+                finally:
+                    os.close(fd)
+    sys.addaudithook(_record)
+"""
+
+
+def test_reshard_of_a_wrapper_layout_is_byte_identical_and_read_by_rank_0_alone(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
-    # HF Trainer: model and optimizer DCP directories, whose rank files are balanced together,
-    # and the files beside them (trainer state, per-rank RNG state) that rank 0 copies.
-    src = str(produced("trainer").path)
-    args = ["reshard", src, "{out}", "--world-size", "3", "--json", "-q"]
+    """HF Trainer: model and optimizer DCP directories, whose rank files are balanced together,
+    and the files beside them (trainer state, per-rank RNG state) that rank 0 copies. Rank 0
+    alone reads the source's metadata and plans (collective.Ranks.scatter_from_root hands rank
+    1 its share): rank 1 opens no file of the source but the ``.distcp`` files it copies from,
+    and lists no directory of it, yet writes the same bytes one process writes."""
+    src = produced("trainer").path
+    args = ["reshard", str(src), "{out}", "--world-size", "3", "--json", "-q"]
     single = tmp_path / "single"
     _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
     assert len(expected["parts"]) == 2 and expected["copied_files"]
+    hook, log = tmp_path / "hook", tmp_path / "opens"
+    hook.mkdir()
+    log.mkdir()
+    (hook / "sitecustomize.py").write_text(_OPENS_HOOK)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "OPENS_UNDER": str(src), "OPENS_LOG": str(log)}
     out = tmp_path / "scaled"
-    got = _ok(torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2))
+    # fresh interpreters, which import sitecustomize (a zygote's forked workers would not)
+    launch = torchrun([a.replace("{out}", str(out)) for a in args], tmp_path, nproc=2, env=env,
+                      fresh_workers=True)  # fmt: skip
+    got = _ok(launch)
     _assert_same_tree(out, single)
     _same_report(got, expected, 2, "out")
+
+    seen = [set((log / f"rank{r}").read_text().splitlines()) for r in range(2)]
+    metadata = {f"open {rel}" for rel in iter_files(src) if os.path.basename(rel) == ".metadata"}
+    assert len(metadata) == 2 and metadata <= seen[0]  # the hook sees rank 0 read them
+    assert seen[1], "rank 1 read nothing of the source: it copied nothing"
+    assert all(s.startswith("open ") and s.endswith(".distcp") for s in seen[1]), seen[1]
+
+
+@pytest.mark.parametrize("source", ["missing", "hostile"])
+def test_a_source_rank_0_cannot_read_fails_every_rank(source: str, tmp_path: Path) -> None:
+    """Rank 0 alone reads the source: its error (no checkpoint there; a ``.metadata`` pickle
+    that would run code) reaches rank 1, and both exit 1 with one line, writing nothing."""
+    from tests.support.producers import malicious_metadata
+
+    src = tmp_path / "src"
+    sentinel = malicious_metadata(src) if source == "hostile" else None
+    out = tmp_path / "out"
+    launch = torchrun(
+        ["reshard", str(src), str(out), "--world-size", "3", "-q"], tmp_path, failing=True
+    )
+    _assert_all_failed(launch)
+    own, told = sorted((s.strip() for s in launch.stderr), key=lambda s: "another rank" in s)
+    reason = "not on ckptools' allowlist" if source == "hostile" else "no such file or directory"
+    assert own.startswith(f"error: {src}") and reason in own, launch.stderr  # rank 0's error
+    assert told.startswith("error: reshard failed on another rank (rank 0): "), launch.stderr
+    assert reason in told and "\n" not in own + told, launch.stderr  # one line each
+    _assert_nothing_left(out)
+    assert sentinel is None or not os.path.exists(sentinel)
 
 
 def test_consolidate_to_an_object_store_under_torchrun_is_refused_on_every_rank(

@@ -3,8 +3,8 @@ layers, no import cycles, few top-level modules, no giant modules or functions.
 
 Layers, lowest first; a module may import its own layer and those below it:
   base (errors, _compat, _version, collective) <- core, tunables <- io <- formats <- layouts
-  <- plan <- engine <- verbs (consolidate, export, reshard, diff, inspection, verify/, hub/,
-  training/, integrations/) <- cli
+  <- plan <- engine <- verbs (consolidate, export, reshard, dcp_output, diff, inspection, verify/,
+  hub/, training/, integrations/) <- cli
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "ckptools.export": 7,
     "ckptools.lora": 7,
     "ckptools.reshard": 7,
+    "ckptools.dcp_output": 7,
     "ckptools.diff": 7,
     "ckptools.inspection": 7,
     "ckptools.verify": 7,

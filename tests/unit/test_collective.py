@@ -48,6 +48,9 @@ def test_one_process_runs_each_step_itself() -> None:
     with ranks.staged(lambda: "tmp2", discard, "x"):
         pass
     assert discarded == [("tmp", "disk full")]  # kept when the body succeeds
+    assert ranks.scatter_from_root(lambda: ["mine"], "x") == "mine"
+    with pytest.raises(ValueError, match="2 shares for 1 ranks"):
+        ranks.scatter_from_root(lambda: ["a", "b"], "x")
 
 
 def test_no_job_means_one_process_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
