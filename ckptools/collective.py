@@ -1,16 +1,23 @@
 """One conversion run by several processes (``torchrun``): who does what, and in which order.
 
 Under ``torchrun`` (one node or many) ``consolidate``, ``reshard``, ``shard``, ``verify`` and
-``checksum`` split their work over the processes. Every process reads the same manifest and makes
-the same pure plan, so deciding who does what needs no communication (:func:`balance`); the
-processes talk only to hand out rank 0's temporary directory, to learn whether every share
-succeeded (and, for ``verify``, what each found), and to learn rank 0's commit outcome. A single
-process is the default and the degenerate case: ``Ranks()`` (rank 0 of 1) runs the same code
-without torch and without communication.
+``checksum`` split their work over the processes. Who does what is decided by a pure,
+deterministic split (:func:`balance`) of a pure plan. ``consolidate``, ``verify`` and
+``checksum`` have every process read the same manifest and make the same plan, so they need no
+communication for it; ``reshard`` and ``shard`` have rank 0 alone read the source and plan, and
+hand every other rank its share of the plan (:meth:`Ranks.scatter_from_root`: the items of the
+files that rank writes), so a large source's metadata is parsed once per job rather than once
+per process (a 405B model's 1,024-rank ``.metadata``: ~20 s of CPU and ~2 GiB each). Beyond
+that the processes talk only to hand out rank 0's temporary directory, to learn whether every
+share succeeded (and, for ``verify``, what each found), and to learn rank 0's commit outcome. A
+single process is the default and the degenerate case: ``Ranks()`` (rank 0 of 1) runs the same
+code without torch and without communication.
 
-The protocol of a writing command (:meth:`Ranks.staged`, :meth:`Ranks.from_all`,
-:meth:`Ranks.from_root`), run by every rank in this order:
+The protocol of a writing command (:meth:`Ranks.scatter_from_root`, :meth:`Ranks.staged`,
+:meth:`Ranks.from_all`, :meth:`Ranks.from_root`), run by every rank in this order:
 
+0. (``reshard``, ``shard``) rank 0 reads the source and plans; a scatter hands every other rank
+   its share, or rank 0's error (then every rank raises: nothing was created);
 1. rank 0 checks OUT and creates the temporary directory (and whatever every rank needs in it);
    a broadcast hands its name, or rank 0's error, to every rank;
 2. every rank writes its share; an all-gather tells every rank which ranks failed and why;
