@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import os
 import pathlib
@@ -74,9 +75,20 @@ def llama_shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def generate(out: str, layers: int, ranks: int, *, optim: bool = False) -> dict[str, Any]:
+def generate(
+    out: str, layers: int, ranks: int, *, optim: bool = False, row_width: int | None = None
+) -> dict[str, Any]:
     """Write the ``.metadata`` and sparse ``.distcp`` files of a 405B-shaped FSDP2 save at
-    ``ranks`` ranks into ``out`` (replaced); returns counts for the report."""
+    ``ranks`` ranks into ``out`` (replaced); returns counts for the report.
+
+    ``row_width``: every tensor of two dims keeps its first dim, so its chunks are the same,
+    but holds ``row_width`` elements per row, and the ``.distcp`` files hold real items instead
+    of holes: each chunk a ``torch.save`` archive of zeros (what DCP writes per chunk), each
+    object one of a float. A checkpoint with the real chunk count that a *writing* reshard can
+    copy: at 1,024 ranks and width 1, ~1.16M chunks in ~1.8 GB (~1.5 KiB of archive each).
+    """
+    import io
+
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -100,13 +112,33 @@ def generate(out: str, layers: int, ranks: int, *, optim: bool = False) -> dict[
     # one name per file, shared by its items, as FileSystemWriter records them
     file_names = [f"__{r}_0.distcp" for r in range(ranks)]
     n_chunks = 0
+    items: list[list[bytes]] = [[] for _ in range(ranks)]  # with row_width: each file's items
+    archives: dict[Any, bytes] = {}  # one archive per (dtype, sizes) or value: zeros are alike
+
+    def archive(value: Any, key: Any) -> bytes:
+        if key not in archives:
+            buf = io.BytesIO()
+            torch.save(value() if callable(value) else value, buf)
+            archives[key] = buf.getvalue()
+        return archives[key]
+
+    def place(r: int, length: int, data: bytes | None) -> int:
+        """Append an item of ``length`` bytes (``data``, with row_width) to rank file r."""
+        if row_width is not None:
+            assert data is not None
+            items[r].append(data)
+            length = len(data)
+        file_end[r] += length
+        return length
 
     def sharded(fqn: str, shape: tuple[int, ...], props: Any, itemsize: int, path: tuple) -> None:
         nonlocal n_chunks
         rows = shape[0]
         per = math.ceil(rows / ranks)
-        rest = shape[1:]
+        rest = shape[1:] if row_width is None or len(shape) < 2 else (row_width,)
+        shape = (rows, *rest)
         row_elems = math.prod(rest)
+        dtype = props.dtype
         chunks: list[Any] = []
         for r in range(ranks):
             start = min(r * per, rows)
@@ -118,10 +150,15 @@ def generate(out: str, layers: int, ranks: int, *, optim: bool = False) -> dict[
             )
             chunks.append(chunk)
             length = size * row_elems * itemsize + TORCH_SAVE_OVERHEAD_BYTES
+            sizes = (size, *rest)
+            data = None if row_width is None else archive(
+                functools.partial(torch.zeros, sizes, dtype=dtype), (dtype, sizes)
+            )  # fmt: skip
+            offset = file_end[r]
+            length = place(r, length, data)
             storage[MetadataIndex(fqn, chunk.offsets, len(chunks) - 1)] = _StorageInfo(
-                relative_path=file_names[r], offset=file_end[r], length=length
+                relative_path=file_names[r], offset=offset, length=length
             )
-            file_end[r] += length
         state_md[fqn] = TensorStorageMetadata(
             properties=props, size=torch.Size(shape), chunks=chunks
         )
@@ -131,11 +168,12 @@ def generate(out: str, layers: int, ranks: int, *, optim: bool = False) -> dict[
     def replicated_scalar(fqn: str, path: tuple) -> None:
         nonlocal n_chunks
         chunk = ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([]))
-        length = 4 + TORCH_SAVE_OVERHEAD_BYTES
+        data = None if row_width is None else archive(functools.partial(torch.zeros, ()), "step")
+        offset = file_end[0]
+        length = place(0, 4 + TORCH_SAVE_OVERHEAD_BYTES, data)
         storage[MetadataIndex(fqn, chunk.offsets, 0)] = _StorageInfo(
-            relative_path=file_names[0], offset=file_end[0], length=length
+            relative_path=file_names[0], offset=offset, length=length
         )
-        file_end[0] += length
         state_md[fqn] = TensorStorageMetadata(properties=fp32, size=torch.Size([]), chunks=[chunk])
         planner[fqn] = path
         n_chunks += 1
@@ -151,8 +189,9 @@ def generate(out: str, layers: int, ranks: int, *, optim: bool = False) -> dict[
         for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "params"):
             fqn = f"optim.param_groups.0.{k}"  # DCP keeps non-tensor values as pickled items
             state_md[fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(fqn)] = _StorageInfo(file_names[0], file_end[0], 64)
-            file_end[0] += 64
+            data = None if row_width is None else archive(0.001, "object")
+            offset = file_end[0]
+            storage[MetadataIndex(fqn)] = _StorageInfo(file_names[0], offset, place(0, 64, data))
             planner[fqn] = ("optim", "param_groups", "0", k)
     metadata = Metadata(
         state_dict_metadata=state_md,
@@ -163,7 +202,10 @@ def generate(out: str, layers: int, ranks: int, *, optim: bool = False) -> dict[
     )
     for r in range(ranks):
         with open(os.path.join(out, f"__{r}_0.distcp"), "wb") as f:
-            f.truncate(file_end[r])  # sparse: the sizes the metadata records, no data
+            if row_width is None:
+                f.truncate(file_end[r])  # sparse: the sizes the metadata records, no data
+            else:
+                f.write(b"".join(items[r]))
     import pickle
 
     with open(os.path.join(out, ".metadata"), "wb") as f:  # as FileSystemWriter.finish does
@@ -174,6 +216,14 @@ def generate(out: str, layers: int, ranks: int, *, optim: bool = False) -> dict[
         "metadata_mib": os.path.getsize(os.path.join(out, ".metadata")) / 2**20,
         "stored_gib": sum(file_end) / 2**30,
     }
+
+
+def checkpoint_dir(
+    workdir: str, layers: int, ranks: int, optim: bool, row_width: int | None
+) -> str:
+    """Where :func:`generate`'s checkpoint of these parameters is kept."""
+    width = "" if row_width is None else f"-w{row_width}"
+    return os.path.join(workdir, f"llama405b-{layers}L-{ranks}r" + "-optim" * optim + width)
 
 
 @dataclass
@@ -202,6 +252,10 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=126)
     ap.add_argument("--optim", action="store_true", help="add AdamW state")
+    ap.add_argument(
+        "--row-width", type=int, default=None,
+        help="rows of this many elements and real items instead of sparse files (generate())",
+    )  # fmt: skip
     ap.add_argument("--target-world", type=int, default=2048)
     ap.add_argument("--workdir", default="/tmp/ckbench")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
@@ -211,12 +265,10 @@ def main() -> None:
         "--only", default="", help="comma-separated row names to run (torch,inspect,cons,reshard)"
     )
     args = ap.parse_args()
-    src = os.path.join(
-        args.workdir, f"llama405b-{args.layers}L-{args.ranks}r" + "-optim" * args.optim
-    )
+    src = checkpoint_dir(args.workdir, args.layers, args.ranks, args.optim, args.row_width)
     if not os.path.exists(os.path.join(src, ".metadata")):
         t = time.perf_counter()
-        info = generate(src, args.layers, args.ranks, optim=args.optim)
+        info = generate(src, args.layers, args.ranks, optim=args.optim, row_width=args.row_width)
         print(f"generated {src} in {time.perf_counter() - t:.1f} s: {info}", file=sys.stderr)
     if args.generate_only:
         return
