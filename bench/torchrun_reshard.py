@@ -46,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 import scale_405b as gen  # the generator
+from ab import _export  # a revision's package as files
 
 _MEASURE = (
     "import json, resource, subprocess, sys, time\n"
@@ -60,17 +61,6 @@ _WORKER = (
     '"$1" -P -m ckptools reshard "$2" "$3" --world-size "$4" -q'
 )
 _UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def _export(rev: str, workdir: str) -> str:
-    tree = os.path.join(workdir, f"tree-{rev}")
-    if not os.path.isdir(tree):
-        os.makedirs(tree)
-        archive = subprocess.run(
-            ["git", "archive", rev, "ckptools"], check=True, capture_output=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
-    return tree
 
 
 def _env(tree: str) -> dict[str, str]:
