@@ -54,11 +54,15 @@ _MEASURE = (
 )
 
 
-def _measure(cmd: list[str]) -> tuple[float, float, float]:
-    """Wall s, CPU s and peak RSS MiB of ``cmd``, run in a fresh wrapper process."""
+def _measure(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: str | None = None
+) -> tuple[float, float, float]:
+    """Wall s, CPU s (``cmd`` and every process it waited for) and peak RSS MiB (its largest
+    process) of ``cmd``, run in a fresh wrapper process (``env``, ``cwd``: as subprocess's)."""
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, *cmd], check=True, stdout=subprocess.PIPE, text=True
-    )
+        [sys.executable, "-c", _MEASURE, *cmd], check=True, stdout=subprocess.PIPE, text=True,
+        env=env, cwd=cwd,
+    )  # fmt: skip
     wall, cpu, rss = json.loads(out.stdout.strip().splitlines()[-1])
     return float(wall), float(cpu), float(rss)
 

@@ -46,16 +46,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 import scale_405b as gen  # the generator
-from ab import _export  # a revision's package as files
+from ab import _export, _measure  # a revision's package as files; wall, CPU
 
-_MEASURE = (
-    "import json, resource, subprocess, sys, time\n"
-    "t = time.perf_counter()\n"
-    "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)\n"
-    "dt = time.perf_counter() - t\n"
-    "ru = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
-    "print(json.dumps([dt, ru.ru_utime + ru.ru_stime]))\n"
-)
 _WORKER = (
     'exec /usr/bin/time -f "%e %U %S %M" -o "$0.$RANK" '
     '"$1" -P -m ckptools reshard "$2" "$3" --world-size "$4" -q'
@@ -100,11 +92,7 @@ def _launch(tree: str, src: str, out: str, target: int, cwd: str, nproc: int) ->
         sys.executable, src, out, str(target),
     ]  # fmt: skip
     load = os.getloadavg()[0]
-    done = subprocess.run(
-        [sys.executable, "-c", _MEASURE, *cmd], check=True, stdout=subprocess.PIPE, text=True,
-        env=_env(tree), cwd=cwd,
-    )  # fmt: skip
-    wall, cpu = json.loads(done.stdout.strip().splitlines()[-1])
+    wall, cpu, _ = _measure(cmd, env=_env(tree), cwd=cwd)
     workers = []
     for rank in range(nproc):
         with open(f"{times}.{rank}") as f:

@@ -402,7 +402,7 @@ def shard(
     Under torchrun the output files are split over the ranks, as :func:`reshard` does.
 
     ``to="megatron"``: a Megatron-core ``torch_dist`` run directory instead
-    (:func:`_shard_megatron`), from a Llama-family model, its vocabulary padded to a multiple
+    (:func:`_planned_megatron`), from a Llama-family model, its vocabulary padded to a multiple
     of ``make_vocab_size_divisible_by``.
 
     Example:
@@ -413,14 +413,17 @@ def shard(
         world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
     )  # fmt: skip
-    if to == "megatron":
-        return _shard_megatron(src, out, options, config, make_vocab_size_divisible_by, started)
-    if to != "dcp":
+    divisor = make_vocab_size_divisible_by
+    if to == "megatron" and divisor < 1:
+        raise UsageError(f"--make-vocab-size-divisible-by {divisor}: must be at least 1")
+    if to not in ("dcp", "megatron"):
         raise UsageError(f"--to {to!r}: choose dcp or megatron")
-    return _carry_out(
-        "shard", options, started,
-        lambda: _planned_shard(src, out, options, config, keep_stored_names),
-    )  # fmt: skip
+    planned = (
+        (lambda: _planned_megatron(src, out, options, config, divisor))
+        if to == "megatron"
+        else (lambda: _planned_shard(src, out, options, config, keep_stored_names))
+    )
+    return _carry_out("shard", options, started, planned)
 
 
 def _planned_shard(
@@ -465,30 +468,14 @@ def _planned_shard(
     )  # fmt: skip
 
 
-def _shard_megatron(
-    src: str,
-    out: str,
-    options: ReshardOptions,
-    config: str | None,
-    divisor: int,
-    started: float,
-) -> ReshardResult:
-    """``shard --to megatron``: the HF model at ``src`` as Megatron-core saves it: a run
-    directory with ``latest_checkpointed_iteration.txt`` and ``iter_0000001/`` (the DCP with
-    Megatron's names, stacked layers, fused QKV and fc1, padded vocabulary, ``common_state``,
-    and ``metadata.json``), committed as one rename."""
-    if divisor < 1:
-        raise UsageError(f"--make-vocab-size-divisible-by {divisor}: must be at least 1")
-    return _carry_out(
-        "shard", options, started,
-        lambda: _planned_megatron(src, out, options, config, divisor),
-    )  # fmt: skip
-
-
 def _planned_megatron(
     src: str, out: str, options: ReshardOptions, config: str | None, divisor: int
 ) -> _Run:
-    """:func:`_shard_megatron`'s reading and planning (one process: see :func:`_carry_out`)."""
+    """``shard --to megatron``'s reading and planning (one process: see :func:`_carry_out`):
+    the HF model at ``src`` as Megatron-core saves it, a run directory with
+    ``latest_checkpointed_iteration.txt`` and ``iter_0000001/`` (the DCP with Megatron's names,
+    stacked layers, fused QKV and fc1, padded vocabulary, ``common_state``, and
+    ``metadata.json``), committed as one rename."""
     from ckptools.engine.converted import merge_source
     from ckptools.layouts import megatron as layout
     from ckptools.plan import megatron
