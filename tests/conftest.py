@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import sys
@@ -74,6 +75,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _old_basetemps is not None:
         _old_basetemps.join()  # before pytest's own cleanup looks at the same directories
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what collection made (torch, transformers and every test module: ~600k objects) out
+    of the cyclic collector's reach (``gc.freeze()``).
+
+    A worker then runs hundreds of tests, and each full collection walked that heap again:
+    17 and 11 of them in the two workers of one run of ``tests/integration``, 4.8 and 3.1 s of
+    CPU. What tests make afterwards is collected as before; only cycles among the modules
+    imported at collection would never be freed, and they live as long as the process anyway.
+    """
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

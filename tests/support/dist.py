@@ -84,6 +84,7 @@ _SERVER_PRELOAD = (
     "ckptools.consolidate",
     "ckptools.reshard",
     "ckptools.training",
+    "tests.support.freeze_heap",  # last: the whole preloaded heap out of the ranks' collections
 )
 # Variables these libraries read when imported (huggingface_hub's HF_HUB_CACHE / HF_HUB_OFFLINE,
 # ...). The ranks of a run whose environment differs here from the fork server's are forked from

@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import gc
 import io
 import json
 import os
@@ -627,6 +628,8 @@ def _main() -> None:
         raise RuntimeError(
             f"a preloaded module started a thread: {threading.enumerate()}, {len(tasks)} tasks"
         )
+    # Out of the collector's reach in every child (tests/support/freeze_heap.py says why).
+    gc.freeze()
     _Server(sock, env_at_start).serve()
 
 
