@@ -9,15 +9,18 @@ naming the file and the limit, and leave the source as it was.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import pickle
+import resource
+import select
 import signal
 import subprocess
 import sys
-import textwrap
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -35,48 +38,50 @@ from ckptools.layouts.dcp import read_dcp
 TIMEOUT_S = 30
 MAX_RSS_BYTES = 1 << 30
 
-# Runs the command as a grandchild and reports its own peak RSS on the last line of stderr; the
-# address space is capped (well above the 1 GiB asserted) so a regression cannot take the
-# machine down with it.
-_RUNNER = textwrap.dedent(
-    """
-    import resource, subprocess, sys
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
-    p = subprocess.run([sys.executable, "-m", "ckptools", *sys.argv[1:]], preexec_fn=cap,
-                       capture_output=True, text=True)
-    sys.stdout.write(p.stdout)
-    sys.stderr.write(p.stderr)
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    sys.stderr.write(f"\\nRSS {rss}\\n")
-    sys.exit(p.returncode)
-    """
-)
+# The address space of each command is capped (well above the 1 GiB asserted) so a regression
+# cannot take the machine down with it.
+_AS_CAP = 6 << 30
 
 
 def _ckpt(*args: str) -> tuple[int, str, int, float]:
-    """(exit code, output without the RSS line, peak RSS in bytes, seconds) of ``ckpt args``."""
+    """(exit code, output, peak RSS in bytes, seconds) of ``ckpt args`` run as a child of this
+    process, its peak RSS read from ``wait4``'s rusage of it alone."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     t0 = time.monotonic()
-    # its own session, so a command that runs past the limit is killed with its runner (a
-    # hashing loop in C would otherwise outlive the test and hold a core)
-    with subprocess.Popen(
-        [sys.executable, "-c", _RUNNER, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    ) as run:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        # its own session, so a command that runs past the limit is killed with anything it
+        # started (a hashing loop in C would otherwise outlive the test and hold a core)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "ckptools", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env=env,
+            start_new_session=True,
+        )
         try:
-            out, err = run.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.communicate()
+            with contextlib.suppress(ProcessLookupError):  # a child that has already exited
+                resource.prlimit(child.pid, resource.RLIMIT_AS, (_AS_CAP, _AS_CAP))
+            exited = os.pidfd_open(child.pid)
+            try:
+                ready, _, _ = select.select([exited], [], [], TIMEOUT_S)
+            finally:
+                os.close(exited)
+        except BaseException:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise
+        if not ready:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
             pytest.fail(f"ckpt {' '.join(args)} ran past {TIMEOUT_S} s")
-    seconds = time.monotonic() - t0
-    head, _, rss = err.rstrip().rpartition("\nRSS ")
-    return run.returncode, (out + head).strip(), int(rss), seconds
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        seconds = time.monotonic() - t0
+        out.seek(0)
+        err.seek(0)
+        text = (out.read() + err.read()).decode()
+    return child.returncode, text.strip(), usage.ru_maxrss * 1024, seconds
 
 
 def _one_line_error(*args: str, exit_code: int = 1) -> str:
