@@ -17,7 +17,8 @@ the report shows which code ran. Wall time (start-up included), CPU time (user +
 than wall on a shared machine) and peak RSS are those of the child. Ratios are medians of
 same-round ratios. Prints one table and the ratios. ``--cold`` empties the page cache (``sync``,
 then ``3`` into ``/proc/sys/vm/drop_caches``: root only) before every command, so each reads
-the source, and the interpreter and its imports, from disk.
+the source, and the interpreter and its imports, from disk. ``--rotate`` starts round r with its
+r-th run, so that every run takes each place in a round equally often.
 
 Usage::
 
@@ -107,6 +108,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/ckbench-ab")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each command")
+    ap.add_argument(
+        "--rotate", action="store_true", help="round r starts with the r-th run (places balanced)"
+    )
     args = ap.parse_args()
 
     os.makedirs(args.workdir, exist_ok=True)
@@ -130,12 +134,17 @@ def main() -> None:
                 f.write("3\n")
         results.setdefault(name, []).append(_measure(cmd))
 
+    runs = [("cp -r + sync", ["sh", "-c", f'cp -r "{src}" "$0" && sync "$0"/*', out])]
+    for command in args.commands:
+        for label, tree in trees.items():
+            argv = [*_python(tree), "-m", "ckptools", *COMMANDS[command](src, out)]
+            runs.append((f"{command} ({label})", argv))
     for r in range(args.repeat):
-        run("cp -r + sync", ["sh", "-c", f'cp -r "{src}" "$0" && sync "$0"/*', out])
-        for command in args.commands:
-            for label, tree in trees.items():
-                run(f"{command} ({label})", [*_python(tree), "-m", "ckptools",
-                                             *COMMANDS[command](src, out)])  # fmt: skip
+        # --rotate: round r starts with the r-th run, so each takes every place in a round
+        # equally often (the same code measured 1.17x and 1.06x `cp` in two places of one run)
+        shift = r % len(runs) if args.rotate else 0
+        for name, cmd in runs[shift:] + runs[:shift]:
+            run(name, cmd)
         print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.2f} s" for k, v in results.items()),
               flush=True)  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
@@ -150,7 +159,8 @@ def _report(results: dict[str, list[tuple[float, float, float]]], nbytes: int, a
     floor = results["cp -r + sync"]
     lines = [
         f"### {nbytes / 1e9:.2f} GB, base {args.base} vs {args.head or 'working tree'}, "
-        f"median of {args.repeat} alternating rounds, {'cold' if args.cold else 'warm'} cache",
+        f"median of {args.repeat} alternating rounds{' (rotated)' if args.rotate else ''}, "
+        f"{'cold' if args.cold else 'warm'} cache",
         "",
         "| command | wall s | CPU s | peak RSS MiB | x cp -r + sync (same-round) |",
         "| --- | ---: | ---: | ---: | ---: |",
