@@ -12,13 +12,14 @@ STAMP := $(VENV)/.ckptools-installed
 # pytest-xdist workers: three on the 2-core machines this suite is sized for, because a worker
 # spends much of its time waiting (on rank processes, torchrun, disk): with two, the cores were
 # busy 58 % of a run; three took the idle re-run from 11 min 47 s to 10 min 41 s (2026-11-27).
-# Files are dealt whole to a worker (--dist loadfile), so module-scoped producers run once.
+# Files are dealt whole to a worker (--dist loadfile), so module-scoped producers run once, the
+# longest first (tests/support/file_order.py; --no-loadscope-reorder keeps that order).
 TEST_WORKERS ?= 3
 # PYTHONDONTWRITEBYTECODE emptied: where the environment sets it (this project's machines do),
 # every process the suite starts compiled ckptools from source again and every pytest worker
 # rewrote every test module's asserts again; cached (in __pycache__, ignored by git), a re-run
 # collects in 12 s instead of 19, and `python -m ckptools --help` starts in 0.13 s, not 0.20.
-PYTEST := DS_ACCELERATOR=cpu PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := DS_ACCELERATOR=cpu PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 setup: $(STAMP)
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-#: the loopback S3 server and per-test buckets of the object-storage tests
-pytest_plugins = ("tests.support.s3", "tests.support.hub_server")
+#: the loopback S3 server and per-test buckets of the object-storage tests, the local Hub, and
+#: the order in which files are dealt to the xdist workers (longest first)
+pytest_plugins = ("tests.support.s3", "tests.support.hub_server", "tests.support.file_order")
 
 # DeepSpeed's CPU engines JIT-build an op (deepspeed_shm_comm: ~130 s of both cores, in the first
 # DeepSpeed test of a run) into torch's extensions directory, where it is kept under a key of its
