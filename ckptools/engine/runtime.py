@@ -21,8 +21,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any, Generic, NoReturn, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, NoReturn, TypeVar
 
 from ckptools.errors import PieceAbortedError
 from ckptools.io import space
@@ -53,12 +53,15 @@ def run_all(
 ) -> None:
     """Run ``task`` on every item, ``workers`` threads taking them in order from one FIFO queue.
 
-    On the first error (or Ctrl-C) ``on_error`` tells the running tasks to stop, the queued ones
-    are cancelled, and once the running ones have returned the first real error is raised: of
-    the failures in the order their pieces ended, the first that is not a
+    On the first error (or Ctrl-C) ``on_error`` tells the running tasks to stop, no further item
+    is taken, and once the running ones have returned the first real error is raised: of the
+    failures in the order their pieces ended, the first that is not a
     :class:`~ckptools.errors.PieceAbortedError` (a piece that gave up because another failed,
     which may end before the piece that failed has finished cleaning up). A disk-full
     ``OSError`` that names its file is raised as :class:`~ckptools.errors.DiskFullError`.
+
+    The queue is a shared position in ``items``, not a future per item: a 405B reshard hands a
+    rank a million items, and a queued ``concurrent.futures.Future`` each held ~2 KB (2 GiB).
     """
     if workers <= 1:
         for item in items:
@@ -66,29 +69,43 @@ def run_all(
         return
     failures: list[BaseException] = []
     lock = threading.Lock()
+    stop = threading.Event()
+    positions = iter(range(len(items)))
 
-    def guarded(item: T) -> None:
-        try:
-            _run_one(task, item)
-        except BaseException as e:
-            with lock:  # in the order they happened, not the order the pool reports them
-                failures.append(e)
-            raise
+    def take() -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(positions, None)
+            if i is None:
+                return
+            try:
+                _run_one(task, items[i])
+            except BaseException as e:
+                with lock:  # in the order they happened
+                    failures.append(e)
+                stop.set()
+                on_error()
+                return
 
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-copy")
-    futures: list[Future[Any]] = []
+    threads = [
+        threading.Thread(target=take, name=f"ckpt-copy_{n}")
+        for n in range(min(workers, len(items)))
+    ]
     try:
-        futures = [pool.submit(guarded, item) for item in items]
-        wait(futures, return_when=FIRST_EXCEPTION)
-    except BaseException:  # Ctrl-C (or a failed submit): the interrupt is what is raised
-        _stop(pool, futures, on_error)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C: the running tasks are told to stop, the interrupt raised
+        stop.set()
+        on_error()
+        for t in threads:
+            if t.ident is not None:  # started
+                t.join()
         raise
     if failures:
-        _stop(pool, futures, on_error)
-        with lock:
-            first = next((e for e in failures if not isinstance(e, PieceAbortedError)), None)
-            raise first if first is not None else failures[0]
-    pool.shutdown(wait=True)
+        first = next((e for e in failures if not isinstance(e, PieceAbortedError)), None)
+        raise first if first is not None else failures[0]
 
 
 def _run_one(task: Callable[[T], None], item: T) -> None:
@@ -98,16 +115,6 @@ def _run_one(task: Callable[[T], None], item: T) -> None:
         if space.is_disk_full(e) and e.filename is not None:
             raise space.disk_full(e, None) from e
         raise
-
-
-def _stop(
-    pool: ThreadPoolExecutor, futures: list[Future[Any]], on_error: Callable[[], None]
-) -> None:
-    """Tell the running tasks to stop, cancel the queued ones, wait for the running ones."""
-    on_error()
-    for fut in futures:
-        fut.cancel()
-    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _disk_full(e: OSError, fd: int) -> NoReturn:
