@@ -63,7 +63,7 @@ def resolve_chunk(
         return chunk
     prefetch_archive(reader, chunk.file, chunk.offset, chunk.length, with_data=reading_data)
     archive = torch_archive.read_archive(reader, chunk.file, chunk.offset, chunk.length)
-    ref = torch_archive.load_pickle(reader, archive)
+    ref = torch_archive.load_tensor_pickle(reader, archive)
     where = f"{reader.root}/{chunk.file}@{chunk.offset}"
     if not isinstance(ref, safe_pickle.TensorRef):
         raise CorruptCheckpointError(

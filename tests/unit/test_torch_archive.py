@@ -121,3 +121,40 @@ def test_cached_tail_equals_a_fresh_build(dtype: str, shape: tuple[int, ...]) ->
     assert tensor_archive_layout(dtype, shape) is layout  # planned and written alike: cached
     for crc in (0, 0xFFFFFFFF, 0x12345678, random.getrandbits(32)):
         assert layout.tail(crc) == layout._build_tail(crc)
+
+
+def test_a_tensor_pickle_seen_before_is_not_decoded_again(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of one shape pickle the same bytes: the second is answered from the first's
+    TensorRef; other values and refusals are decoded every time."""
+    from pathlib import Path
+
+    from ckptools.formats import torch_archive
+
+    monkeypatch.setattr(torch_archive, "_TENSOR_REFS", {})
+    decoded: list[bytes] = []
+    real = safe_pickle.restricted_loads
+
+    def counting(data: bytes, *args: object, **kwargs: object) -> object:
+        decoded.append(data)
+        return real(data, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(safe_pickle, "restricted_loads", counting)
+    root = Path(str(tmp_path))
+    torch.save(torch.ones(3, 4), root / "a.pt")
+    torch.save(torch.zeros(3, 4), root / "b.pt")  # same shape, other bytes: the same pickle
+    torch.save(torch.ones(4, 3), root / "c.pt")  # another shape
+    torch.save({"step": 3}, root / "d.pt")  # not a tensor
+    with LocalReader(str(root)) as reader:
+
+        def ref(name: str) -> object:
+            archive = read_archive(reader, name, 0, (root / name).stat().st_size)
+            return torch_archive.load_tensor_pickle(reader, archive)
+
+        a, b, c = ref("a.pt"), ref("b.pt"), ref("c.pt")
+        assert a is b and isinstance(a, safe_pickle.TensorRef)
+        assert isinstance(c, safe_pickle.TensorRef) and c.shape == (4, 3)
+        assert len(decoded) == 2
+        assert ref("d.pt") == {"step": 3} and ref("d.pt") == {"step": 3}
+        assert len(decoded) == 4  # a dict is decoded (and a fresh one returned) every time
