@@ -221,8 +221,8 @@ def load_tensor_pickle(reader: Reader, archive: Archive) -> Any:
     already decoded to a ``TensorRef`` is not decoded again.
 
     Every chunk of a sharded tensor pickles the same few bytes (its shape, strides and dtype:
-    ranks of one tensor mostly hold chunks of one shape), and the restricted unpickler cost
-    ~70 us of the ~100 us it takes to resolve a chunk, for each of a 405B checkpoint's million
+    ranks of one tensor mostly hold chunks of one shape), and the restricted unpickler cost a
+    third of the ~100 us it takes to resolve a chunk, for each of a 405B checkpoint's million
     chunks. The decoded value is a function of the bytes alone (the allowlist is fixed here), a
     ``TensorRef`` is immutable, and a remembered one costs no decoding work for the budgets to
     bound; anything else (another object, an error) is never remembered.
