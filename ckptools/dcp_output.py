@@ -43,6 +43,7 @@ class Share:
     which also writes the markers from the whole plans), or one rank's share of it
     (:meth:`of_files`)."""
 
+    kind: str  # "reshard" or "shard": what a failure on another rank is reported as
     src: str
     out: str
     parts: Parts
@@ -157,20 +158,17 @@ def write(
         fsync_dir(tmp)
         commit(tmp, out, overwrite)
 
-    with ranks.staged(prepare, _discard, "reshard") as tmp:
-        shares = ranks.from_all(lambda: write_share(tmp), "reshard")
+    kind = share.kind
+    with ranks.staged(prepare, discard, kind) as tmp:
+        shares = ranks.from_all(lambda: write_share(tmp), kind)
         written = sum(w for w, _ in shares)
         kept = sum(k for _, k in shares)
-        ranks.from_root(lambda: markers(tmp), "reshard")
+        ranks.from_root(lambda: markers(tmp), kind)
         if share.checksums:
             write_checksums(tmp, workers=workers, quiet=True, distributed=ranks.world_size > 1)
-        ranks.from_root(lambda: rename(tmp), "reshard")
+        ranks.from_root(lambda: rename(tmp), kind)
     return written, kept
 
 
 def _target(tmp: str, sub: str) -> str:
     return storage.join(tmp, sub) if sub else tmp
-
-
-def _discard(tmp: str, error: BaseException) -> None:
-    discard(tmp, error)

@@ -615,7 +615,8 @@ class _Run:
             {"world_size": self.options.world_size, "plan": summary, **self.fingerprint_options},
         )  # fmt: skip
         return Share(
-            src=self.src, out=self.out, parts=self.parts, source_root=self.source_root,
-            copied=self.copied, made=self.made, checksums=self.checksums, identity=identity,
-            summary=summary, rank_items=self.rank_items, notes=tuple(self.notes),
+            kind=self.kind, src=self.src, out=self.out, parts=self.parts,
+            source_root=self.source_root, copied=self.copied, made=self.made,
+            checksums=self.checksums, identity=identity, summary=summary,
+            rank_items=self.rank_items, notes=tuple(self.notes),
         )  # fmt: skip

@@ -391,19 +391,24 @@ def _assert_nothing_left(out: Path) -> None:
     assert glob.glob(f"{out}.tmp-*") == []
 
 
-@pytest.mark.parametrize("command", ["consolidate", "reshard"])
+@pytest.mark.parametrize("command", ["consolidate", "reshard", "shard"])
 def test_unwritable_destination_fails_every_rank(
     produced: Callable[..., Produced], tmp_path: Path, command: str
 ) -> None:
-    src = str(produced("fsdp2", world_size=2, optimizer=True).path)
+    source = produced("hf_sharded") if command == "shard" else produced("fsdp2", world_size=2,
+                                                                        optimizer=True)  # fmt: skip
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     out = blocker / "out"  # rank 0 cannot create the temporary directory beside it
-    extra = ["--world-size", "3"] if command == "reshard" else []
-    launch = torchrun([command, src, str(out), *extra, "-q"], tmp_path, nproc=2, failing=True)
+    extra = ["--world-size", "3"] if command != "consolidate" else []
+    launch = torchrun(
+        [command, str(source.path), str(out), *extra, "-q"], tmp_path, nproc=2, failing=True
+    )
     _assert_all_failed(launch)
-    # Rank 1 did nothing wrong: it learnt of rank 0's error and left with it.
-    assert any(f"{command} failed on another rank (rank 0)" in s for s in launch.stderr)
+    # Rank 1 did nothing wrong: it learnt of rank 0's error and left with it, named by the
+    # command that was run (a shard once reported itself as a failed reshard)
+    told = f"error: {command} failed on another rank (rank 0)"
+    assert any(line.startswith(told) for s in launch.stderr for line in s.splitlines())
     assert blocker.read_text() == "not a directory"
 
 
