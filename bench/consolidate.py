@@ -217,9 +217,9 @@ def plan_timing(workdir: str, n_tensors: int, ranks: int) -> str:
     Uses the test suite's generator of valid DCP ``.metadata`` (run from the repository root).
     """
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ckptools.consolidate import select_tensors
     from ckptools.layouts import read_manifest
     from ckptools.plan.safetensors import plan_consolidation
+    from ckptools.verbs.consolidate import select_tensors
     from tests.support.producers import big_many_tensors_metadata
 
     src = os.path.join(workdir, f"meta-{n_tensors}x{ranks}")

@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING, Any
 from ckptools._version import __version__
 
 if TYPE_CHECKING:
-    from ckptools.consolidate import ConsolidateResult, consolidate
     from ckptools.core.manifest import Manifest
-    from ckptools.diff import diff
     from ckptools.engine.reader import read_object, read_tensor
     from ckptools.errors import CkptError
     from ckptools.hub import PushResult, push_to_hub
-    from ckptools.inspection import InspectReport, inspect
     from ckptools.layouts import read_manifest
-    from ckptools.reshard import ReshardResult, reshard, shard
     from ckptools.training.load_pretrained import load_pretrained
     from ckptools.training.manager import CheckpointManager
     from ckptools.training.pretrained import save_pretrained
     from ckptools.training.roundtrip import verify_roundtrip
     from ckptools.training.state import load, save
+    from ckptools.verbs.consolidate import ConsolidateResult, consolidate
+    from ckptools.verbs.diff import diff
+    from ckptools.verbs.inspection import InspectReport, inspect
+    from ckptools.verbs.reshard import ReshardResult, reshard, shard
     from ckptools.verify import VerifyReport, verify
 
 __all__ = [
@@ -61,21 +61,21 @@ __all__ = [
 # Every public name is resolved on first use: `import ckptools` (and every `ckpt` run, and
 # `ckpt --help`) then pays only for the modules the command touches, not for every verb and torch.
 _LAZY = {
-    "ConsolidateResult": "consolidate",
-    "consolidate": "consolidate",
+    "ConsolidateResult": "verbs.consolidate",
+    "consolidate": "verbs.consolidate",
     "Manifest": "core.manifest",
-    "diff": "diff",
+    "diff": "verbs.diff",
     "read_object": "engine.reader",
     "read_tensor": "engine.reader",
     "CkptError": "errors",
     "PushResult": "hub",
     "push_to_hub": "hub",
-    "InspectReport": "inspection",
-    "inspect": "inspection",
+    "InspectReport": "verbs.inspection",
+    "inspect": "verbs.inspection",
     "read_manifest": "layouts",
-    "ReshardResult": "reshard",
-    "reshard": "reshard",
-    "shard": "reshard",
+    "ReshardResult": "verbs.reshard",
+    "reshard": "verbs.reshard",
+    "shard": "verbs.reshard",
     "CheckpointManager": "training.manager",
     "save_pretrained": "training.pretrained",
     "load_pretrained": "training.load_pretrained",
@@ -103,9 +103,9 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The package module: importing the submodule ``ckptools.consolidate`` (``diff``, ``reshard``,
-    ``verify``) would bind that module over the public function of the same name; keep the
-    function, as an eager ``from .consolidate import consolidate`` here used to."""
+    """The package module: importing the subpackage ``ckptools.verify`` would bind that package
+    over the public function of the same name; keep the function. (The other verbs live in
+    ``ckptools.verbs``, whose modules bind nothing here.)"""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _FUNCTION_MODULES and isinstance(value, types.ModuleType):
@@ -113,5 +113,5 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
 
 
-_FUNCTION_MODULES = frozenset({"consolidate", "diff", "reshard", "verify"})
+_FUNCTION_MODULES = frozenset({"verify"})
 sys.modules[__name__].__class__ = _Package

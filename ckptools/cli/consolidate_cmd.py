@@ -142,11 +142,11 @@ def consolidate_command(
       ckpt consolidate lora-ckpt merged --merge-lora --adapter-config adapter_config.json
       ckpt consolidate megatron_run hf_model --masters --config hf_config_dir
     """
-    from ckptools.collective import plans_elsewhere
+    from ckptools.engine.collective import plans_elsewhere
 
     if plans_elsewhere(options["dry_run"]):
         return
-    from ckptools.consolidate import consolidate
+    from ckptools.verbs.consolidate import consolidate
 
     src = at_tag(src, tag)
     if key is not None:
@@ -165,7 +165,7 @@ def consolidate_command(
         emit(result, as_json, _render)
         return
     from ckptools.cli.push_cmd import push_consolidated
-    from ckptools.collective import reports_here
+    from ckptools.engine.collective import reports_here
 
     if reports_here():  # under torchrun every rank wrote its share; rank 0 pushes OUT
         push_consolidated(

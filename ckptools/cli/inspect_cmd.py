@@ -48,7 +48,7 @@ def inspect_command(
       ckpt inspect out/checkpoint-500 --json | jq '.totals'
       ckpt inspect checkpoint.pth --key model_state_dict
     """
-    from ckptools.inspection import inspect
+    from ckptools.verbs.inspection import inspect
 
     emit(inspect(at_tag(path, tag), **options), as_json, partial(_render, limit=limit))
 
@@ -196,7 +196,7 @@ def _megatron_lines(mg: dict[str, Any]) -> list[str]:
 
 
 def _peft_lines(peft: dict[str, Any]) -> list[str]:
-    """``inspect``'s lines for a PEFT-wrapped model (:func:`ckptools.lora.describe`)."""
+    """``inspect``'s lines for a PEFT-wrapped model (:func:`ckptools.views.lora.describe`)."""
     out = []
     for name, a in peft["adapters"].items():
         out.append(

@@ -10,10 +10,10 @@ from typing import Any
 
 import click
 
-from ckptools import collective
 from ckptools.cli import interrupts
 from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE
 from ckptools.cli.render import dumps
+from ckptools.engine import collective
 from ckptools.errors import CkptError, UsageError
 
 _ENVIRONMENT_ERRNOS = {

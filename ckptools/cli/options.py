@@ -3,7 +3,7 @@
 Each option's name is the library's keyword argument (``--max-shard-size`` ↔ ``max_shard_size``)
 and its default is the library's: a command passes what it parsed through unchanged, so the CLI
 never holds a second default (``--workers`` left unset is ``None``, which the library resolves as
-:func:`ckptools.tunables.workers` says).
+:func:`ckptools.io.tunables.workers` says).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ckptools import tunables
+from ckptools.io import tunables
 
 F = TypeVar("F", bound=Callable[..., Any])
 

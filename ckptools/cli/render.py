@@ -8,12 +8,11 @@ from typing import Any, Protocol
 
 import click
 
-from ckptools.collective import reports_here
-
 # Re-exported: the commands render sizes through this module; the formats live with parse_size.
 from ckptools.core.sizes import human_bytes as human_bytes
 from ckptools.core.sizes import human_count as human_count
 from ckptools.core.sizes import human_size as human_size
+from ckptools.engine.collective import reports_here
 
 
 class Result(Protocol):

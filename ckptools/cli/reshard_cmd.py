@@ -105,11 +105,11 @@ def reshard_command(
       ckpt reshard checkpoint.pt ckpt-4 --world-size 4
       torchrun --nproc-per-node 4 -m ckptools reshard ckpt/step-1000 ckpt-16 --world-size 16
     """
-    from ckptools.collective import plans_elsewhere
+    from ckptools.engine.collective import plans_elsewhere
 
     if plans_elsewhere(options["dry_run"]):
         return
-    from ckptools.reshard import reshard
+    from ckptools.verbs.reshard import reshard
 
     order = None
     if param_order is not None:
@@ -168,11 +168,11 @@ def shard_command(
       ckpt shard ./Llama-3-8B ckpt/step-0 --world-size 8
       ckpt shard ./Llama-3-8B megatron_run --to megatron
     """
-    from ckptools.collective import plans_elsewhere
+    from ckptools.engine.collective import plans_elsewhere
 
     if plans_elsewhere(options["dry_run"]):
         return
-    from ckptools.reshard import shard
+    from ckptools.verbs.reshard import shard
 
     if options["world_size"] is None:
         if options["to"] != "megatron":

@@ -140,7 +140,7 @@ def diff_command(
       ckpt diff checkpoints/step-1000 hf_model
       ckpt diff run1/step-100 run2/step-100 --atol 1e-6 --json
     """
-    from ckptools.diff import diff
+    from ckptools.verbs.diff import diff
 
     report = diff(at_tag(a, tag_a), at_tag(b, tag_b), **options)
     emit(report, as_json, partial(_render_diff, show_all=show_all))
@@ -175,7 +175,7 @@ def _render_diff(d: dict[str, Any], show_all: bool) -> str:
 def _detail(t: dict[str, Any]) -> str:
     """What differs in one tensor of a diff's JSON form, as :meth:`TensorDiff.describe` says it
     (less the name, which has its own column)."""
-    from ckptools.diff import TensorDiff
+    from ckptools.verbs.diff import TensorDiff
 
     def shape(key: str) -> tuple[int, ...] | None:
         return None if t[key] is None else tuple(t[key])

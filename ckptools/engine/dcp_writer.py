@@ -225,7 +225,7 @@ def share_of(manifest: Manifest, plan: DcpPlan, files: Collection[int]) -> tuple
     chunks it reads are the item's own ``sources``, and an object item names its own bytes.
 
     Under torchrun rank 0 reads the source and hands each other rank this, so that no other
-    rank reads the source's metadata (:mod:`ckptools.collective`).
+    rank reads the source's metadata (:mod:`ckptools.engine.collective`).
     """
     share = plan.of_files(files)
     entries = {}
@@ -335,7 +335,7 @@ def write_dcp(
     number of files; every file is fsynced before ``.metadata`` commits the checkpoint.
 
     With ``only_files`` (indices r of the ``__r_0.distcp`` files: this process's share under
-    torchrun, see :mod:`ckptools.collective`) only those files are written, and no
+    torchrun, see :mod:`ckptools.engine.collective`) only those files are written, and no
     ``.metadata``: rank 0 writes it (:func:`write_metadata`) once every process is done.
     ``on_file_done(r)`` is called once file r is complete and durable (fsynced, or uploaded),
     to journal it (:mod:`ckptools.io.resume`).

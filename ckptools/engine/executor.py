@@ -49,8 +49,8 @@ from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, pwrite_all, run_all
 from ckptools.io import space, storage
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader, open_reader
+from ckptools.io.tunables import DEFAULT_MEMORY_BUDGET_BYTES
 from ckptools.plan.safetensors import ConsolidationPlan, FilePlan, TensorPlan, chunk_span, runs
-from ckptools.tunables import DEFAULT_MEMORY_BUDGET_BYTES
 
 #: Blocks are a multiple of the largest itemsize (complex128) so no element is ever split.
 _BLOCK_ALIGN_BYTES = 64

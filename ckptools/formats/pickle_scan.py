@@ -14,7 +14,7 @@ allowlist nor the object budget can stop them:
 :func:`scan` follows the unpickler's stack with one number per object, the nodes hashing it
 visits (shared references counted once per path; lists, dicts and sets count 1 since hashing
 them fails at once, records 1 since they hash by identity). It refuses a memo index beyond the
-pickle's own length, a hashed key of more than :data:`ckptools.tunables.PICKLE_KEY_NODES` nodes,
+pickle's own length, a hashed key of more than :data:`ckptools.io.tunables.PICKLE_KEY_NODES` nodes,
 hashing more nodes in all than the object budget, and a tuple larger than the budget, each with
 one line naming the file. It does not judge values (the allowlist and the budget do): a pickle
 it cannot follow (unknown opcode, stack underflow, truncated argument) is left to the
@@ -36,8 +36,8 @@ import functools
 import re
 from typing import Any, Protocol
 
-from ckptools import tunables
 from ckptools.errors import CkptError, DecodingLimitError
+from ckptools.io import tunables
 
 
 class Budget(Protocol):
@@ -480,7 +480,7 @@ def known_safe(data: bytes) -> bool:
 def key_nodes(value: object, budget: Budget) -> int:
     """Nodes that hashing ``value`` visits (tuples as trees, an int per 4 bytes of digits), for
     a constructor about to hash it; refuses, as :func:`scan` does, more than
-    :data:`~ckptools.tunables.PICKLE_KEY_NODES`."""
+    :data:`~ckptools.io.tunables.PICKLE_KEY_NODES`."""
     cap = tunables.PICKLE_KEY_NODES
     nodes = 0
     todo = [value]

@@ -17,7 +17,7 @@ and a size they are asked for may not exceed the bytes of the pickle) and from w
 shared references into a tree (``torch.save`` values are walked once, counted and depth-capped,
 before anyone else walks them). What the C unpickler does inside ``load()`` (sizing its memo,
 hashing keys) is bounded before it starts by :mod:`ckptools.formats.pickle_scan`. Limits are
-tunables (:mod:`ckptools.tunables`) and a breach is a one-line
+tunables (:mod:`ckptools.io.tunables`) and a breach is a one-line
 :class:`~ckptools.errors.DecodingLimitError` naming the one to raise.
 """
 
@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptools import tunables
 from ckptools.errors import (
     CkptError,
     CorruptCheckpointError,
@@ -47,6 +46,7 @@ from ckptools.formats.tensor_refs import OtherTensor as OtherTensor
 from ckptools.formats.tensor_refs import StorageRef as StorageRef
 from ckptools.formats.tensor_refs import StorageType as StorageType
 from ckptools.formats.tensor_refs import TensorRef as TensorRef
+from ckptools.io import tunables
 
 _UNSET: Any = object()  # an argument the pickle did not pass
 
@@ -131,8 +131,8 @@ def short(value: Any) -> str:
 
 class _Budget:
     """What one pickle may decode into, charged by the constructors that copy and by the walk
-    over the result: at most :func:`ckptools.tunables.pickle_objects` objects, nesting at most
-    :func:`ckptools.tunables.pickle_depth` deep, and no size asked of a constructor larger than
+    over the result: at most :func:`ckptools.io.tunables.pickle_objects` objects, nesting at most
+    :func:`ckptools.io.tunables.pickle_depth` deep, and no size asked of a constructor larger than
     the pickle itself (a legitimate pickle only copies bytes it contains)."""
 
     def __init__(self, source: str, pickle_bytes: int) -> None:

@@ -21,7 +21,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.hub.errors import SUGGESTED_MAX_SHARD_SIZE, first_line
-from ckptools.tunables import env_size
+from ckptools.io.tunables import env_size
 
 #: The Hub rejects any single file over 50 GB (its documented hard limit per file; it recommends
 #: far smaller files). Decimal GB, the smaller reading of "50 GB", so a file that passes here is

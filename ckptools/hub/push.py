@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptools import tunables
 from ckptools.core.manifest import Manifest
 from ckptools.errors import UsageError
 from ckptools.hub.card import (
@@ -47,6 +46,7 @@ from ckptools.hub.checks import (
     resolve_max_file_bytes,
 )
 from ckptools.hub.errors import raised_as_hub_errors, status_of
+from ckptools.io import tunables
 from ckptools.io.progress import ByteProgress
 
 _HASH_BLOCK_BYTES = 8 * 2**20

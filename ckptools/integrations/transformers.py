@@ -26,9 +26,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ckptools import collective
-from ckptools.consolidate import DEFAULT_MAX_SHARD_SIZE, CastDType, ConsolidateResult, consolidate
+from ckptools.engine import collective
 from ckptools.hub import PushResult, push_to_hub
+from ckptools.verbs.consolidate import (
+    DEFAULT_MAX_SHARD_SIZE,
+    CastDType,
+    ConsolidateResult,
+    consolidate,
+)
 
 __all__ = ["FSDP_MODEL_DIR", "CkptoolsCallback"]
 

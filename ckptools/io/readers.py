@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from ckptools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from ckptools.io.containment import contained
 from ckptools.io.paths import filesystem, is_url, join, local_path
-from ckptools.tunables import env_int
+from ckptools.io.tunables import env_int
 
 #: Largest single ranged GET. A bigger read is split into parts of this size fetched concurrently
 #: (object stores serve one connection at ~50-100 MB/s, many in parallel at line rate); 8 MiB is

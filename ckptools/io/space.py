@@ -30,9 +30,9 @@ import os
 import threading
 from collections.abc import Iterator
 
-from ckptools import tunables
 from ckptools.core.sizes import human_size
 from ckptools.errors import DiskFullError
+from ckptools.io import tunables
 
 #: What a write answers when the space (or the quota, or the file-size limit) is exhausted.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})

@@ -1,7 +1,7 @@
 """How producers name the numbered saves of a run directory: one pattern each, group 1 the step.
 
 Kept apart from the layouts that read those saves: finding a model's ``config.json`` above a
-checkpoint (:func:`ckptools.export.find_model_files`) asks whether a directory is one numbered
+checkpoint (:func:`ckptools.views.export.find_model_files`) asks whether a directory is one numbered
 save, and must not import every producer's reader for that (issue 27: start-up).
 """
 

@@ -98,7 +98,7 @@ class DcpPlan:
 
     def of_files(self, files: Collection[int]) -> DcpPlan:
         """This plan with only the items of the rank files ``files``: what the process that
-        writes those files (under torchrun, :mod:`ckptools.collective`) needs. The file sizes
+        writes those files (under torchrun, :mod:`ckptools.engine.collective`) needs. The file sizes
         stay whole, so every process still finds the same split of the files, and so do the
         shapes and key paths; such a plan writes no ``.metadata`` (its items are not all)."""
         wanted = set(files)

@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from ckptools import _compat, collective
+from ckptools import _compat
 from ckptools.core.manifest import Manifest, TensorEntry
+from ckptools.engine import collective
 from ckptools.errors import (
     CheckpointNotFoundError,
     HubConnectionError,
@@ -49,6 +50,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
+from ckptools.io.tunables import env_size
 from ckptools.layouts.safetensors import read_safetensors
 from ckptools.training.fill import (
     Copy,
@@ -61,7 +63,6 @@ from ckptools.training.fill import (
     torch_dtype,
 )
 from ckptools.training.pretrained_keys import KeyFilter, ignore_filter, in_memory_names
-from ckptools.tunables import env_size
 
 if TYPE_CHECKING:
     from torch import nn

@@ -32,14 +32,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-from ckptools import _compat, collective
+from ckptools import _compat
 from ckptools.core.keys import key_path
 from ckptools.core.manifest import Manifest, TensorEntry
 from ckptools.core.tensor_value import TensorValue
+from ckptools.engine import collective
 from ckptools.engine.reader import SourceCache, read_object
 from ckptools.errors import IncompleteCheckpointError, UnsupportedCheckpointError, UsageError
-from ckptools.export import suggested_optimizer_order
 from ckptools.io import storage
+from ckptools.io.tunables import env_size
 from ckptools.layouts import read_manifest
 from ckptools.plan.training import (
     MODEL,
@@ -63,7 +64,7 @@ from ckptools.training.fill import (
 )
 from ckptools.training.load_pretrained import DEFAULT_READ_BUFFER_BYTES, READ_BUFFER_ENV
 from ckptools.training.megatron_source import training_manifest
-from ckptools.tunables import env_size
+from ckptools.views.export import suggested_optimizer_order
 
 if TYPE_CHECKING:
     from torch import nn

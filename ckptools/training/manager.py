@@ -1,8 +1,8 @@
 """``CheckpointManager``: periodic crash-safe saves, retention, resume and async saves.
 
 Roles and order (every rank calls every public method, in the same order; the steps are
-:class:`ckptools.collective.Ranks`' ``from_root``/``from_all``, so an error on one rank reaches
-every rank instead of leaving them waiting):
+:class:`ckptools.engine.collective.Ranks`' ``from_root``/``from_all``, so an error on one
+rank reaches every rank instead of leaving them waiting):
 
 ``save``
     1. every rank waits for the previous async save (and raises its error, if any);
@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ckptools import _compat, collective
-from ckptools.collective import Ranks
+from ckptools import _compat
+from ckptools.engine import collective
+from ckptools.engine.collective import Ranks
 from ckptools.errors import CkptError, UsageError
 from ckptools.io import space, storage
 from ckptools.training import store

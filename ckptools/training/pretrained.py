@@ -10,13 +10,13 @@ gathers the whole model. The output is byte-identical to ``ckpt consolidate`` of
    then gives the checkpoint metadata ``dcp.save`` would write — the same tensor order and the same
    rank for every replicated tensor.
 2. That metadata becomes a torch-free :class:`~ckptools.core.manifest.Manifest`, and
-   :func:`ckptools.consolidate.plan_export` (the front half of ``consolidate`` itself: key
+   :func:`ckptools.verbs.consolidate.plan_export` (the front half of ``consolidate`` itself: key
    mapping, tied-weight rule, :func:`ckptools.plan.safetensors.plan_consolidation`) plans the files.
 3. Rank 0 creates the files (final sizes, headers) in ``<out>.tmp-<id>/`` and the config files; each
    rank ``pwrite``\\s the bytes of its own shards at their planned offsets
    (:func:`ckptools.plan.safetensors.runs` maps a shard's box to runs of output elements); after
    every rank succeeded, rank 0 writes the index last and renames the directory into place
-   (the protocol of :mod:`ckptools.collective`: a failure anywhere removes the directory and
+   (the protocol of :mod:`ckptools.engine.collective`: a failure anywhere removes the directory and
    raises on every rank).
 """
 
@@ -37,9 +37,17 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ckptools import lora
-from ckptools.collective import Ranks
-from ckptools.consolidate import (
+from ckptools.core import dtypes
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.engine.collective import Ranks
+from ckptools.engine.executor import create_files
+from ckptools.engine.runtime import pwrite_all
+from ckptools.errors import CkptError
+from ckptools.io import staging, storage
+from ckptools.plan.conversions import Piece, split_fqn
+from ckptools.plan.safetensors import ConsolidationPlan, runs
+from ckptools.training.state import state_to_save, write_model_config
+from ckptools.verbs.consolidate import (
     DEFAULT_MAX_SHARD_SIZE,
     CastDType,
     Export,
@@ -50,15 +58,7 @@ from ckptools.consolidate import (
     tie_setting,
     write_index,
 )
-from ckptools.core import dtypes
-from ckptools.core.manifest import Chunk, Manifest, TensorEntry
-from ckptools.engine.executor import create_files
-from ckptools.engine.runtime import pwrite_all
-from ckptools.errors import CkptError
-from ckptools.io import staging, storage
-from ckptools.plan.conversions import Piece, split_fqn
-from ckptools.plan.safetensors import ConsolidationPlan, runs
-from ckptools.training.state import state_to_save, write_model_config
+from ckptools.views import lora
 
 if TYPE_CHECKING:
     from torch import nn

@@ -2,8 +2,8 @@
 
 Save the training state with DCP, load it back into state whose every byte differs, and compare
 bit-exactly; rank 0 also runs :func:`ckptools.verify` on the written files. The ranks talk through
-the protocol of :mod:`ckptools.collective` (an all-gather of every rank's mismatches, then rank 0's
-findings, or its error, broadcast), so every rank returns the same report.
+the protocol of :mod:`ckptools.engine.collective` (an all-gather of every rank's mismatches,
+then rank 0's findings, or its error, broadcast), so every rank returns the same report.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ckptools import collective
+from ckptools.engine import collective
 from ckptools.verify.report import Finding
 from ckptools.verify.verifier import verify
 

@@ -43,10 +43,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptools import collective, tunables
 from ckptools.core.manifest import Manifest
+from ckptools.engine import collective
 from ckptools.errors import CorruptCheckpointError
-from ckptools.io import storage
+from ckptools.io import storage, tunables
 from ckptools.verify import scan
 from ckptools.verify.digests import ALGORITHM, Digests, FileSum, ItemKey, ItemSum
 from ckptools.verify.report import Finding

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from ckptools.diff import DiffReport
+    from ckptools.verbs.diff import DiffReport
 
 FindingKind = Literal[
     "missing_file",  # a file the metadata refers to does not exist

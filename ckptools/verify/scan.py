@@ -21,15 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptools import collective
 from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32
+from ckptools.engine import collective
 from ckptools.engine.reader import prefetch_archive
 from ckptools.errors import CkptError
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
-from ckptools.tunables import env_int
+from ckptools.io.tunables import env_int
 from ckptools.verify.digests import Digests, FileSum, ItemKey, ItemSum, new_hasher
 from ckptools.verify.report import Finding
 from ckptools.verify.structure import Item, Structure

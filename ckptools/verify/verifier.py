@@ -6,15 +6,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ckptools import collective, tunables
+from ckptools.engine import collective
 from ckptools.errors import UsageError
-from ckptools.io import storage
+from ckptools.io import storage, tunables
 from ckptools.verify import checksums, scan
 from ckptools.verify.report import VerifyReport
 from ckptools.verify.structure import check_structure, read
 
 if TYPE_CHECKING:
-    from ckptools.diff import DiffReport
+    from ckptools.verbs.diff import DiffReport
 
 
 @storage.accepts_storage_options
@@ -53,7 +53,7 @@ def verify(
         distributed: under torchrun (``torchrun -m ckptools verify``), or called by every rank
             of an initialised process group: the files to read are split over the ranks by
             bytes and the findings gathered, so every rank returns the report one process would
-            (:mod:`ckptools.collective`). Off by default, because one rank of a training job
+            (:mod:`ckptools.engine.collective`). Off by default, because one rank of a training job
             calling ``verify`` alone is the common case.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
@@ -130,7 +130,7 @@ def _diff(
     """The comparison with ``against`` (rank 0 compares; every rank gets its report)."""
     if against is None:
         return None
-    from ckptools.diff import diff
+    from ckptools.verbs.diff import diff
 
     return ranks.from_root(
         lambda: diff(path, against, atol=atol, rtol=rtol, format_a=format), "verify --against"

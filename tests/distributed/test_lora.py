@@ -228,9 +228,9 @@ def test_merge_lora_equals_merge_and_unload(
     the copy, a cast), copied and then merged in place (blocks of 3 rows too)."""
     from transformers import AutoModelForCausalLM
 
-    from ckptools import lora
+    from ckptools.views import lora
 
-    consolidate_module = importlib.import_module("ckptools.consolidate")  # not the function
+    consolidate_module = importlib.import_module("ckptools.verbs.consolidate")  # not the function
 
     monkeypatch.setattr(lora, "MERGE_BLOCK_ELEMENTS", 3 * 16)
     if path == "in_place":

@@ -1,6 +1,7 @@
-""":meth:`ckptools.collective.Ranks.scatter_from_root` on real gloo ranks: each rank gets its own
-value, rank 0's never leaves it, and rank 0's error (in ``fn`` or in pickling a share) reaches
-every rank as :meth:`~ckptools.collective.Ranks.from_root`'s does, the group still in step.
+""":meth:`ckptools.engine.collective.Ranks.scatter_from_root` on real gloo ranks: each rank gets
+its own value, rank 0's never leaves it, and rank 0's error (in ``fn`` or in pickling a share)
+reaches every rank as :meth:`~ckptools.engine.collective.Ranks.from_root`'s does, the group still
+in step.
 
 (The whole protocol, through ``torchrun -m ckptools reshard``, is tested in
 ``tests/distributed/test_scaleout.py``.)
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckptools.collective import Ranks
+from ckptools.engine.collective import Ranks
 from ckptools.errors import UsageError
 from tests.support.dist import run_ranks
 

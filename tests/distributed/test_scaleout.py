@@ -424,7 +424,7 @@ def test_damage_found_by_one_rank_fails_every_rank(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
     import ckptools
-    from ckptools.collective import balance
+    from ckptools.engine.collective import balance
     from ckptools.plan.dcp import plan_dcp
 
     p = produced("fsdp2", world_size=2, optimizer=True)

@@ -165,7 +165,7 @@ def test_ddp_two_param_groups(produced: Callable[..., Produced], param_names: bo
 
 def _output_names(path: Path) -> list[str]:
     manifest = ckptools.read_manifest(str(path))
-    from ckptools.consolidate import select_tensors
+    from ckptools.verbs.consolidate import select_tensors
 
     return list(select_tensors(manifest))
 

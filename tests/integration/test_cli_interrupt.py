@@ -66,7 +66,7 @@ def _interrupt_after_import(proc: subprocess.Popen[str], module: str) -> list[st
     ("module", "command"),
     [
         ("click.core", ["--help"]),  # the entry point's imports, before any command runs
-        ("ckptools.consolidate", ["consolidate", "{src}", "{out}"]),  # in the command
+        ("ckptools.verbs.consolidate", ["consolidate", "{src}", "{out}"]),  # in the command
     ],
 )
 def test_ctrl_c_while_importing_is_one_line_and_130(

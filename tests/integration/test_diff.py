@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 import ckptools
 from ckptools.cli.exit_codes import EXIT_DIFFERENCES
 from ckptools.cli.main import cli
-from ckptools.diff import BLOCK_BYTES_ENV
 from ckptools.engine.reader import resolve_chunk
 from ckptools.io.storage import LocalReader
 from ckptools.layouts import read_manifest
+from ckptools.verbs.diff import BLOCK_BYTES_ENV
 from tests.conftest import Produced
 from tests.support import producers
 

@@ -30,9 +30,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptools import tunables
 from ckptools.errors import DecodingLimitError
 from ckptools.formats import safe_pickle
+from ckptools.io import tunables
 from ckptools.layouts.dcp import read_dcp
 
 TIMEOUT_S = 30

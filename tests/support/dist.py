@@ -81,8 +81,8 @@ _SERVER_PRELOAD = (
     "tests.support.dist",
     "tests.support.producers",
     "tests.support.reference",
-    "ckptools.consolidate",
-    "ckptools.reshard",
+    "ckptools.verbs.consolidate",
+    "ckptools.verbs.reshard",
     "ckptools.training",
     "tests.support.freeze_heap",  # last: the whole preloaded heap out of the ranks' collections
 )

@@ -2,8 +2,8 @@
 layers, no import cycles, few top-level modules, no giant modules or functions.
 
 Layers, lowest first; a module may import its own layer and those below it:
-  base (errors, _compat, _version, collective) <- core, tunables <- io <- formats <- layouts
-  <- plan <- engine <- verbs (consolidate, export, reshard, dcp_output, diff, inspection, verify/,
+  base (errors, _compat, _version) <- core <- io (tunables among them) <- formats <- layouts
+  <- plan <- engine (collective among them) <- views (export, lora) <- verbs (verbs/, verify/,
   hub/, training/, integrations/) <- cli
 """
 
@@ -20,31 +20,24 @@ PACKAGE = os.path.join(os.path.dirname(__file__), "..", "..", "ckptools")
 LAYERS: dict[str, int] = {
     "ckptools": 0,  # the package surface: lazy names only, checked separately
     "ckptools.errors": 0,
-    "ckptools.tunables": 1,  # reads core.sizes; everything above core may read tunables
     "ckptools._compat": 0,
     "ckptools._version": 0,
-    "ckptools.collective": 0,
     "ckptools.core": 1,
     "ckptools.io": 2,
     "ckptools.formats": 3,
     "ckptools.layouts": 4,
     "ckptools.plan": 5,
     "ckptools.engine": 6,
-    "ckptools.consolidate": 7,
-    "ckptools.export": 7,
-    "ckptools.lora": 7,
-    "ckptools.reshard": 7,
-    "ckptools.dcp_output": 7,
-    "ckptools.diff": 7,
-    "ckptools.inspection": 7,
-    "ckptools.verify": 7,
-    "ckptools.hub": 7,
-    "ckptools.training": 7,
-    "ckptools.integrations": 7,
-    "ckptools.cli": 8,
-    "ckptools.__main__": 8,
+    "ckptools.views": 7,  # the checkpoint as the HF model (export) and its LoRA adapter
+    "ckptools.verbs": 8,
+    "ckptools.verify": 8,
+    "ckptools.hub": 8,
+    "ckptools.training": 8,
+    "ckptools.integrations": 8,
+    "ckptools.cli": 9,
+    "ckptools.__main__": 9,
 }
-MAX_TOP_LEVEL_MODULES = 14
+MAX_TOP_LEVEL_MODULES = 3
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 100
 

@@ -58,7 +58,7 @@ def test_disk_full_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", "/data/out/model.safetensors")
 
-    monkeypatch.setattr("ckptools.inspection.inspect", full)
+    monkeypatch.setattr("ckptools.verbs.inspection.inspect", full)
     result = CliRunner().invoke(cli, ["inspect", "x"])
     assert result.exit_code == 1
     assert result.output.strip() == (
@@ -106,9 +106,9 @@ def test_shared_options_have_the_librarys_defaults() -> None:
 @pytest.mark.parametrize(
     ("args", "target"),
     [
-        (["consolidate", "src", "out"], "ckptools.consolidate.consolidate"),
-        (["reshard", "src", "out", "--world-size", "2"], "ckptools.reshard.reshard"),
-        (["shard", "src", "out", "--world-size", "2"], "ckptools.reshard.shard"),
+        (["consolidate", "src", "out"], "ckptools.verbs.consolidate.consolidate"),
+        (["reshard", "src", "out", "--world-size", "2"], "ckptools.verbs.reshard.reshard"),
+        (["shard", "src", "out", "--world-size", "2"], "ckptools.verbs.reshard.shard"),
         (["verify", "src"], "ckptools.verify.verify"),
         (["checksum", "src"], "ckptools.verify.checksums.write_checksums"),
     ],

@@ -1,4 +1,4 @@
-"""The pure and one-process parts of :mod:`ckptools.collective` (the collective steps on real
+"""The pure and one-process parts of :mod:`ckptools.engine.collective` (the collective steps on real
 ranks are tested through torchrun in ``tests/distributed/test_scaleout.py``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptools.collective import Ranks, balance, current, reports_here
+from ckptools.engine.collective import Ranks, balance, current, reports_here
 
 
 @given(st.lists(st.integers(0, 10**9), max_size=60), st.integers(1, 9))
@@ -56,7 +56,7 @@ def test_one_process_runs_each_step_itself() -> None:
 def test_no_job_means_one_process_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     code = (
         "import sys\n"
-        "from ckptools.collective import current, reports_here\n"
+        "from ckptools.engine.collective import current, reports_here\n"
         "assert current() == current(False) and current().world_size == 1\n"
         "assert reports_here()\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"

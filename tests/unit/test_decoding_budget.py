@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptools import tunables
 from ckptools.errors import CorruptCheckpointError, DecodingLimitError, UsageError
 from ckptools.formats import pickle_scan, safe_pickle
+from ckptools.io import tunables
 
 ARCHIVE = safe_pickle.ARCHIVE_GLOBALS
 
@@ -143,7 +143,7 @@ def test_short_repr_is_bounded() -> None:
 
 
 def test_world_size_is_bounded_before_planning(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptools.reshard import ReshardOptions
+    from ckptools.verbs.reshard import ReshardOptions
 
     monkeypatch.delenv(tunables.MAX_WORLD_SIZE_ENV, raising=False)
     limit = tunables.DEFAULT_MAX_WORLD_SIZE

@@ -1,4 +1,4 @@
-"""LoRA name rules and options (:mod:`ckptools.lora`): what is recognised, what is refused.
+"""LoRA name rules and options (:mod:`ckptools.views.lora`): what is recognised, what is refused.
 The end-to-end checks against peft itself are in tests/distributed/test_lora.py."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptools import lora
-from ckptools.consolidate import ConsolidateOptions
 from ckptools.errors import UsageError
+from ckptools.verbs.consolidate import ConsolidateOptions
+from ckptools.views import lora
 
 _M = "base_model.model.model.layers.0.self_attn.q_proj"
 

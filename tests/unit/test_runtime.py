@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptools import collective
 from ckptools.core.sizes import human_size
-from ckptools.engine import runtime
+from ckptools.engine import collective, runtime
 from ckptools.engine.runtime import BLOCK_BYTES, Scratch, pwrite_all, run_all
 from ckptools.errors import CkptError, DiskFullError, PieceAbortedError
 from ckptools.io import space

@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 
 import ckptools
-from ckptools import tunables
-from ckptools.consolidate import (
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.core.sizes import parse_size
+from ckptools.errors import UsageError
+from ckptools.io import tunables
+from ckptools.layouts.base import read_marker
+from ckptools.verbs.consolidate import (
     DEFAULT_MAX_SHARD_SIZE,
     ConsolidateOptions,
     ExportOptions,
     plan_export,
 )
-from ckptools.core.manifest import Chunk, Manifest, TensorEntry
-from ckptools.core.sizes import parse_size
-from ckptools.errors import UsageError
-from ckptools.layouts.base import read_marker
-from ckptools.reshard import ReshardOptions
+from ckptools.verbs.reshard import ReshardOptions
 
 
 def test_consolidate_options_defaults_and_resolution(monkeypatch: pytest.MonkeyPatch) -> None:

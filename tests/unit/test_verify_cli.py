@@ -10,14 +10,14 @@ import pytest
 from click.testing import CliRunner
 
 import ckptools
-from ckptools import tunables
 from ckptools.cli.exit_codes import EXIT_DIFFERENCES
 from ckptools.cli.main import cli
 from ckptools.errors import UsageError
+from ckptools.io import tunables
 from ckptools.verify import scan as scan_module
 
 # ``ckptools.diff`` is also the public function; take the module.
-diff_module = importlib.import_module("ckptools.diff")
+diff_module = importlib.import_module("ckptools.verbs.diff")
 
 
 def test_commands_are_registered() -> None:

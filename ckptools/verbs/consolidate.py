@@ -18,28 +18,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptools import collective, lora, tunables
-from ckptools.collective import Ranks
 from ckptools.core.manifest import MODEL_FILES_DIR, Manifest
+from ckptools.engine import collective
+from ckptools.engine.collective import Ranks
 from ckptools.engine.executor import block_bytes, create_files, execute, in_row_blocks
 from ckptools.errors import UsageError
-from ckptools.export import (
-    DEFAULT_MAX_SHARD_SIZE,
-    MODEL_FILES,
-    CastDType,
-    Export,
-    ExportOptions,
-    find_model_files,
-    model_config,
-    plan_export,
-    same_storage,
-    same_written_bytes,
-    select_tensors,
-    tie_setting,
-    tied_candidates,
-    write_index,
-)
-from ckptools.io import storage
+from ckptools.io import storage, tunables
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
     check_out,
@@ -55,8 +39,25 @@ from ckptools.io.staging import (
 )
 from ckptools.layouts import read_manifest
 from ckptools.plan.safetensors import ConsolidationPlan
+from ckptools.views import lora
+from ckptools.views.export import (
+    DEFAULT_MAX_SHARD_SIZE,
+    MODEL_FILES,
+    CastDType,
+    Export,
+    ExportOptions,
+    find_model_files,
+    model_config,
+    plan_export,
+    same_storage,
+    same_written_bytes,
+    select_tensors,
+    tie_setting,
+    tied_candidates,
+    write_index,
+)
 
-# Export planning lives in ckptools.export; these names stay importable from here.
+# Export planning lives in ckptools.views.export; these names stay importable from here.
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "MODEL_FILES",
@@ -84,11 +85,11 @@ class ConsolidateOptions(ExportOptions):
 
     Attributes:
         dry_run: plan only; write nothing.
-        workers: copy threads as given (None: :func:`ckptools.tunables.workers`).
-        memory_budget: copy buffers as given (None: :func:`ckptools.tunables.memory_budget`).
+        workers: copy threads as given (None: :func:`ckptools.io.tunables.workers`).
+        memory_budget: copy buffers as given (None: :func:`ckptools.io.tunables.memory_budget`).
         format: force the source layout instead of detecting it.
         quiet: no progress bar.
-        distributed: split the copy over the ranks of a job (:mod:`ckptools.collective`).
+        distributed: split the copy over the ranks of a job (:mod:`ckptools.engine.collective`).
         worker_count: the copy threads, resolved (derived).
         memory_budget_bytes: the copy buffers' bytes, resolved (derived).
     """
@@ -229,7 +230,7 @@ def consolidate(
         format: force the source layout instead of detecting it.
         quiet: no progress bar.
         distributed: under torchrun, or called by every rank of an initialised process group,
-            split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
+            split the copy over the ranks (every rank must call it; :mod:`~.engine.collective`);
             False: this process writes everything alone.
         keep_in_memory_names: keep the in-memory names, not save_pretrained's on-disk format.
         adapter: write only the LoRA adapter of a PEFT-wrapped model, as
@@ -467,7 +468,7 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
 def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
     """Every rank copies its share of the chunks; rank 0 creates the files first and commits last.
 
-    Called by every rank, in the same order (:mod:`ckptools.collective`): rank 0 creates the
+    Called by every rank, in the same order (:mod:`ckptools.engine.collective`): rank 0 creates the
     temporary directory and every file (headers written, final sizes) and hands out its name;
     every rank copies the chunks of its byte share (:func:`ckptools.engine.executor.share_of`) and
     fsyncs; once all have, rank 0 runs :meth:`_Run.finish` (model files, index last, rename). On

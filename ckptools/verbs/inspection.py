@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptools import lora
 from ckptools.core import keys
 from ckptools.core.manifest import Manifest
 from ckptools.engine.reader import read_object
@@ -16,6 +15,7 @@ from ckptools.io import storage
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import sharding_summary
 from ckptools.layouts.optimizer_state import flat_shard_note, optimizer_alone, optimizer_states
+from ckptools.views import lora
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ The source is read once: its manifest gives each DCP directory as a part (with i
 manifest) and the files beside the data (``aux_files``), found in the layout's one walk; the
 options are validated once (:class:`ReshardOptions`). Under torchrun it is read once per job,
 by rank 0, which hands every other rank what writing its files needs (:func:`_carry_out`;
-the writing: :mod:`ckptools.dcp_output`).
+the writing: :mod:`ckptools.verbs.dcp_output`).
 """
 
 from __future__ import annotations
@@ -31,16 +31,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from ckptools import collective, dcp_output, tunables
-from ckptools.consolidate import model_config
 from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, Part
-from ckptools.dcp_output import Share
+from ckptools.engine import collective
 from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UsageError
-from ckptools.export import suggested_optimizer_order
 from ckptools.formats import torch_archive
-from ckptools.io import storage
+from ckptools.io import storage, tunables
 from ckptools.io.resume import fingerprint
 from ckptools.io.staging import IN_PROGRESS, check_out
 from ckptools.layouts import read_manifest
@@ -49,7 +46,11 @@ from ckptools.layouts.optimizer_state import optimizer_alone
 from ckptools.plan.dcp import DcpPlan, plan_dcp
 from ckptools.plan.megatron import VOCAB_DIVISOR
 from ckptools.plan.training import training_layout
+from ckptools.verbs import dcp_output
+from ckptools.verbs.consolidate import model_config
+from ckptools.verbs.dcp_output import Share
 from ckptools.verify.checksums import CHECKSUM_FILE
+from ckptools.views.export import suggested_optimizer_order
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
@@ -85,14 +86,15 @@ class ReshardOptions:
         prefix: the key prefix of every tensor (shard).
         overwrite: replace an existing OUT.
         dry_run: plan only; write nothing.
-        workers: copy threads as given (None: :func:`ckptools.tunables.workers`).
+        workers: copy threads as given (None: :func:`ckptools.io.tunables.workers`).
         quiet: no progress bar.
         format: force the source layout instead of detecting it.
-        distributed: split the output files over the ranks of a job (:mod:`ckptools.collective`).
+        distributed: split the output files over the ranks of a job
+            (:mod:`ckptools.engine.collective`).
         worker_count: the copy threads, resolved (derived).
 
     Raises:
-        UsageError: a world size below 1 or above :func:`ckptools.tunables.max_world_size`,
+        UsageError: a world size below 1 or above :func:`ckptools.io.tunables.max_world_size`,
             an unknown ``rank_state``, bad ``workers``.
     """
 
@@ -538,13 +540,13 @@ def _carry_out(
     """Plan (``planned`` reads the source and plans every part) and write, or only plan.
 
     A dry run plans here and writes nothing, whatever the job. Otherwise one process plans and
-    writes everything, or, in a job of several ranks (:func:`ckptools.collective.current`),
+    writes everything, or, in a job of several ranks (:func:`ckptools.engine.collective.current`),
     rank 0 alone reads the source and plans, and hands every other rank its share
-    (:func:`ckptools.dcp_output.shares`, through
-    :meth:`~ckptools.collective.Ranks.scatter_from_root`): the items of the files it writes
+    (:func:`ckptools.verbs.dcp_output.shares`, through
+    :meth:`~ckptools.engine.collective.Ranks.scatter_from_root`): the items of the files it writes
     and what writing and reporting them need. The source is parsed once per job, not once per
     process (a 405B model's 1,024-rank ``.metadata``: ~20 s of CPU and ~2 GiB of memory in
-    each). Then every rank writes its files (:func:`ckptools.dcp_output.write`).
+    each). Then every rank writes its files (:func:`ckptools.verbs.dcp_output.write`).
     An error of rank 0's while reading or planning reaches every rank, and every rank raises
     before anything is created.
     """
@@ -607,7 +609,7 @@ class _Run:
 
     def share(self) -> Share:
         """All of it: what one process writes, or rank 0 of a job, which shares it out
-        (:func:`ckptools.dcp_output.shares`)."""
+        (:func:`ckptools.verbs.dcp_output.shares`)."""
         summary = {sub: plan.to_dict() for sub, (_, plan) in self.parts.items()}
         identity = "" if self.options.dry_run else fingerprint(
             self.kind,

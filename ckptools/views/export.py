@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from ckptools import lora
 from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import parse_size
@@ -25,6 +24,7 @@ from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
 from ckptools.layouts.numbered import is_numbered_save
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+from ckptools.views import lora
 
 if TYPE_CHECKING:
     from ckptools.plan.conversions import KeyMap
@@ -76,7 +76,7 @@ class ExportOptions:
         overwrite: replace an existing output directory.
         keep_in_memory_names: write the in-memory form (fused experts), not the on-disk format.
         adapter: write only the LoRA adapter, as ``PeftModel.save_pretrained`` does
-            (:mod:`ckptools.lora`).
+            (:mod:`ckptools.views.lora`).
         merge_lora: write the model with the LoRA adapter merged into its weights.
         lora_alpha: the adapter's ``lora_alpha`` (the checkpoint does not store it).
         adapter_config: an ``adapter_config.json`` giving alpha and the rest of the LoraConfig.

@@ -33,7 +33,7 @@ from ckptools.engine.reader import RowBytes, resolve_chunk
 from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
-from ckptools.tunables import env_int
+from ckptools.io.tunables import env_int
 
 if TYPE_CHECKING:
     import torch
@@ -426,7 +426,7 @@ def _tied_aliases(
     ``config.json``, or in ``config``): what ``consolidate`` and ``save_pretrained`` write, and
     what ``from_pretrained`` fills from the input embedding. Empty unless such a name exists.
     """
-    from ckptools.export import find_model_files, tie_setting, tied_candidates
+    from ckptools.views.export import find_model_files, tie_setting, tied_candidates
 
     pairs = [(o, i) for o, i in tied_candidates(names, manifest) if o not in other and i in other]
     if not pairs or not tie_setting(find_model_files(other_path, config)):
@@ -539,7 +539,7 @@ def diff(
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
     notes = []
     if config is not None or keep_in_memory_names or names_a.keys() != names_b.keys():
-        from ckptools.consolidate import find_model_files, model_config
+        from ckptools.verbs.consolidate import find_model_files, model_config
 
         # a DCP has no config.json of its own: the other side's names the model
         cfg_a, cfg_b = (model_config(find_model_files(s, config)) for s in (a, b))

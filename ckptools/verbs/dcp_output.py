@@ -2,7 +2,8 @@
 
 A :class:`Share` is what one process writes and reports: the whole output, or, under torchrun,
 one rank's files. Rank 0 alone reads the source and plans (:mod:`ckptools.reshard`), then hands
-every other rank its share (:func:`shares`, :meth:`ckptools.collective.Ranks.scatter_from_root`):
+every other rank its share (:func:`shares`,
+:meth:`ckptools.engine.collective.Ranks.scatter_from_root`):
 the plan's items of that rank's files only and, of each source manifest, only what the writer
 reads (:func:`ckptools.engine.dcp_writer.share_of`). :func:`write` is the staged, resumable
 protocol every rank then runs.
@@ -14,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptools import collective
-from ckptools.collective import Ranks
 from ckptools.core.manifest import Manifest
+from ckptools.engine import collective
 from ckptools.engine import dcp_writer as dcp_write
+from ckptools.engine.collective import Ranks
 from ckptools.engine.dcp_writer import write_dcp
 from ckptools.io import storage
 from ckptools.io.resume import Journal
@@ -66,7 +67,7 @@ class Share:
 
 def shares(whole: Share, world_size: int) -> list[Share]:
     """Each of ``world_size`` ranks' share of ``whole``: rank 0 all of it, every other rank
-    what writing the files :meth:`~ckptools.collective.Ranks.mine` gives it needs."""
+    what writing the files :meth:`~ckptools.engine.collective.Ranks.mine` gives it needs."""
     units = _units(whole.parts)
     files: list[dict[str, list[int]]] = [{sub: [] for sub in whole.parts} for _ in
                                          range(world_size)]  # fmt: skip
@@ -88,7 +89,8 @@ def write(
     """Write ``share.parts`` and ``share.copied`` into ``share.out``, atomically (``overwrite``:
     replacing it); ``workers`` copy threads in each process, progress on rank 0 unless ``quiet``.
 
-    Called by every rank, in this order (:mod:`ckptools.collective`; one process is rank 0 of 1):
+    Called by every rank, in this order (:mod:`ckptools.engine.collective`; one process is rank 0
+    of 1):
     rank 0 creates the temporary directory and copies ``copied`` (files beside the DCP data)
     into it; every rank writes the ``__r_0.distcp`` files :meth:`Ranks.mine` gives it (balanced
     by bytes over the files of all parts: the file sizes of a rank's share are whole, so every
