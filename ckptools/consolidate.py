@@ -40,10 +40,9 @@ from ckptools.export import (
     write_index,
 )
 from ckptools.io import storage
+from ckptools.io.out_rules import check_out
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
-    check_out,
-    check_writable,
     commit,
     copy_into,
     discard,
@@ -266,8 +265,10 @@ def consolidate(
         lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
         masters=masters)  # fmt: skip
     out = out.rstrip("/") or out
-    # OUT may lie inside SRC (e.g. checkpoint-N/hf); a dry run plans anyway, saying it exists
-    exists = check_out(out, options.overwrite, dry_run=options.dry_run, src=src, inside_src=True)
+    # a dry run plans anyway, saying that OUT exists
+    exists = check_out(
+        out, kind="model", overwrite=options.overwrite, dry_run=options.dry_run, src=src
+    )
     if options.merge_lora and storage.is_url(out):
         raise UsageError(f"{out}: --merge-lora rewrites weights in place; write to a local dir")
     run = _Run.planned(src, out, options, started)
@@ -483,7 +484,7 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
         )
 
     def prepare() -> str:
-        check_writable(out, options.overwrite, src=run.src, inside_src=True)
+        check_out(out, kind="model", overwrite=options.overwrite, src=run.src)
         made = make_tmp_dir(out)
         try:
             reserve(made, plan.bytes_to_write)
