@@ -138,7 +138,9 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc]
                 kwargs.get("model"), kwargs.get("processing_class"), config_dir
             )
             self.last_result = consolidate(
-                checkpoint,
+                # the model's DCP directory, not checkpoint-N: OUT lies beside the source, never
+                # inside it (checkpoint-N/hf/ is this callback's design, refused to the CLI)
+                os.path.join(checkpoint, FSDP_MODEL_DIR),
                 out,
                 max_shard_size=self.max_shard_size,
                 dtype=self.dtype,

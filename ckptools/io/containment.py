@@ -20,28 +20,21 @@ to a file directly in that repository's ``blobs/``; nothing wider.
 The check costs one ``lstat`` per file named directly in the root (a ``realpath`` only for links
 and names with directories), once per file, not per chunk: nothing measurable beside parsing.
 
-:func:`check_apart` is the same idea for outputs: OUT must not be SRC, hold it or lie inside it,
-or ``--overwrite`` would delete the source (or the next run copy OUT into itself).
+The same idea for outputs (OUT is not SRC, does not hold it, does not lie inside it) is one of
+the rules about OUT in :mod:`ckptools.io.out_rules`.
 """
 
 from __future__ import annotations
 
 import os
-import posixpath
 import stat
 
-from ckptools.errors import OutsideCheckpointError, UsageError
-from ckptools.io.paths import exists, is_url, isfile, join, local_path, walk_files
+from ckptools.errors import OutsideCheckpointError
+from ckptools.io.paths import is_url, join, local_path
 
 #: How much of a refused name a message shows (names from a stranger may be huge).
 _SHOWN_CHARS = 120
 _HF_REPO_PREFIX = "models--"
-#: What a consolidation writes last in its model directory, and the kinds of file it writes
-#: (weights, config and tokenizer files, a model card): an existing OUT inside SRC with one of
-#: the markers and nothing else is an earlier consolidation's output, which a new one may
-#: replace; a checkpoint saved there (optimizer.pt, .distcp, rng_state.pth...) is not.
-_MODEL_DIR_MARKERS = ("model.safetensors.index.json", "model.safetensors")
-_MODEL_DIR_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".md")
 
 
 def outside_reason(root: str, rel: str, *, links: bool = True) -> str | None:
@@ -144,51 +137,3 @@ def _hf_blob(real_parent: str, target: str) -> bool:
         ):
             return os.path.dirname(target) == os.path.join(repo, "blobs")
         d = parent
-
-
-def _normalised(path: str) -> str:
-    if is_url(path):
-        scheme, _, rest = path.split("::")[-1].partition("://")
-        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
-    return os.path.realpath(local_path(path))
-
-
-def check_apart(src: str, out: str, *, allow_inside: bool = False) -> None:
-    """Refuse an OUT that is SRC, holds SRC or (unless ``allow_inside``) lies inside SRC (real
-    paths compared; URLs by their normalised prefix). Call before anything is created or deleted.
-
-    ``allow_inside`` is for writers that copy nothing but the model's own files from SRC
-    (consolidate, whose Trainer callback writes ``checkpoint-N/hf/`` by design): an OUT inside
-    SRC is never deleted with it, and they never read it back. A reshard copies every file
-    beside the data, so an OUT inside SRC would end up in the next output. Even then an OUT
-    inside SRC that exists must be a model directory an earlier consolidation wrote (the
-    callback again, for a resumed run saving the same step): anything else there is part of
-    the source, which ``--overwrite`` would replace.
-
-    Raises:
-        UsageError: one line saying which.
-    """
-    if is_url(src) != is_url(out):
-        return
-    sep = "/" if is_url(out) else os.sep
-    s, o = _normalised(src), _normalised(out)
-    if o == s:
-        why = "is the source checkpoint itself"
-    elif s.startswith(o.rstrip(sep) + sep):
-        why = f"holds the source checkpoint {src} (--overwrite would delete it)"
-    elif o.startswith(s.rstrip(sep) + sep) and not allow_inside:
-        why = f"lies inside the source checkpoint {src}"
-    elif o.startswith(s.rstrip(sep) + sep) and exists(out) and not _is_model_dir(out):
-        why = (
-            f"already exists inside the source checkpoint {src} and is part of it (not a model "
-            "directory a consolidation wrote), which --overwrite would replace"
-        )
-    else:
-        return
-    raise UsageError(f"{out}: {why}; write the output somewhere else", path=out)
-
-
-def _is_model_dir(path: str) -> bool:
-    if not any(isfile(join(path, name)) for name in _MODEL_DIR_MARKERS):
-        return False
-    return all(rel.endswith(_MODEL_DIR_SUFFIXES) for rel in walk_files(path))

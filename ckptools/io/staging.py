@@ -6,7 +6,9 @@ store is one :class:`Staging` strategy, chosen once by :func:`staging_for` (mode
 pair of temporary-path classes, atomic rename and commit file):
 
 * ``check_writable`` (before any work): refuse an OUT that exists (locally) or that holds a
-  checkpoint or foreign objects (object store), unless ``overwrite``;
+  checkpoint or foreign objects (object store), unless ``overwrite``; the writers call it
+  through :func:`ckptools.io.out_rules.check_out`, which holds every rule about OUT (apart
+  from the source, what ``overwrite`` may replace);
 * ``location`` + ``begin`` give the *staging location* to write into: locally a fresh
   ``<out>.tmp-<id>/`` beside OUT (same filesystem, so rename works); on an object store, which
   has no rename, OUT itself, after an in-progress note (:data:`IN_PROGRESS`) is written and
@@ -20,7 +22,7 @@ pair of temporary-path classes, atomic rename and commit file):
   ``discard`` removes the staging location on failure; ``delete`` removes a committed output so
   that no half-deleted one ever looks complete.
 
-The module functions (:func:`check_writable`, :func:`make_tmp_dir`, :func:`resumable_staging`,
+The module functions (:func:`make_tmp_dir`, :func:`resumable_staging`,
 :func:`commit`, :func:`discard`, :func:`output_dir`, ...) are these steps for the strategy of
 their OUT.
 
@@ -33,6 +35,7 @@ upload appears only when complete), which readers treat as incomplete and a late
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -60,6 +63,11 @@ MARKER_NAMES = frozenset(
 #: A single-file Hugging Face model: the object is whole or absent, so it is its own marker.
 _WHOLE_MODEL_FILES = frozenset({"model.safetensors", "pytorch_model.bin"})
 SPOOL_DIR_ENV = "CKPTOOLS_SPOOL_DIR"
+#: Why a staging directory cannot be created where OUT asks (a usage error, not a failure).
+_CANNOT_CREATE = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EEXIST, errno.EROFS,
+     errno.EBUSY}
+)  # fmt: skip
 #: Uploads queued or running before a writer waits for one to finish: local spool space is
 #: bounded by (this + the file being written) x the largest output file.
 MAX_PENDING_UPLOADS = 2
@@ -147,8 +155,19 @@ class LocalStaging:
         return os.path.join(os.path.dirname(out), name)
 
     def begin(self, tmp: str) -> str:
-        os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
-        os.mkdir(tmp)
+        parent = os.path.dirname(os.path.abspath(tmp))
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.mkdir(tmp)
+        except OSError as e:
+            # a place where nothing can be made (/proc, a read-only or vanished directory):
+            # what out_rules.check_place could not foresee, said in one line
+            if e.errno not in _CANNOT_CREATE:
+                raise
+            raise UsageError(
+                f"{parent}: cannot create the output there ({e.strerror}); choose another OUT",
+                path=parent,
+            ) from e
         return tmp
 
     def resume(self, out: str, fingerprint: str) -> str:
@@ -339,41 +358,6 @@ def fsync_dir(path: str) -> None:
     staging_for(path).sync(path)
 
 
-def check_writable(
-    out: str, overwrite: bool, *, src: str | None = None, inside_src: bool = False
-) -> None:
-    """Refuse an existing OUT unless ``overwrite`` (checked before any work starts); see
-    :meth:`ObjectStoreStaging.check_writable` for what counts as existing on an object store.
-    With ``src``, refuse an OUT that is the source, holds it or (unless ``inside_src``) lies
-    inside it, whatever ``overwrite`` says (:func:`ckptools.io.containment.check_apart`)."""
-    if src is not None:
-        storage.check_apart(src, out, allow_inside=inside_src)
-    staging_for(out).check_writable(out, overwrite)
-
-
-def check_out(
-    out: str,
-    overwrite: bool,
-    *,
-    dry_run: bool,
-    src: str | None = None,
-    inside_src: bool = False,
-) -> list[str]:
-    """:func:`check_writable`, except that a dry run (which writes nothing) gets an OUT that
-    exists said, as the notes returned, rather than refused, so the plan is still shown; an
-    OUT that is or holds the source is refused either way."""
-    if not dry_run:
-        check_writable(out, overwrite, src=src, inside_src=inside_src)
-        return []
-    if src is not None:
-        storage.check_apart(src, out, allow_inside=inside_src)
-    try:
-        staging_for(out).check_writable(out, overwrite)
-    except UsageError as e:
-        return [f"{e} (without --dry-run the run would stop here)"]
-    return []
-
-
 def commit(tmp: str, out: str, overwrite: bool) -> None:
     """Publish the staging location ``tmp`` as ``out``.
 
@@ -388,7 +372,8 @@ def make_tmp_dir(out: str) -> str:
     """Create and return the staging location for ``out`` (see the module docstring).
 
     Locally ``<out>.tmp-<random>/`` beside ``out`` (same filesystem: rename works). On an object
-    store ``out`` itself, holding only the in-progress note; call :func:`check_writable` first,
+    store ``out`` itself, holding only the in-progress note; call
+    :func:`ckptools.io.out_rules.check_out` first,
     since whatever else is there is removed.
     """
     strategy = staging_for(out)
@@ -421,7 +406,7 @@ def _has_journal(staging: str) -> bool:
 def resumable_staging(out: str, fingerprint: str) -> str:
     """The staging location for ``out`` (as :func:`make_tmp_dir`), or the one an interrupted run
     of the same conversion (``fingerprint``, :func:`ckptools.io.resume.fingerprint`) left, whose
-    journaled files the writer then skips. Call :func:`check_writable` first.
+    journaled files the writer then skips. Call :func:`ckptools.io.out_rules.check_out` first.
 
     Locally the directory is locked for this process until :func:`commit` or :func:`discard`.
     On an object store an interrupted run's prefix is reused as it is (an upload is whole or
@@ -605,7 +590,8 @@ def upload_dir(local_dir: str, out: str, overwrite: bool) -> None:
     """Publish the finished local directory ``local_dir`` at the object-store prefix ``out``:
     staged as :func:`make_tmp_dir` does, data files uploaded (concurrently, each deleted locally
     once up), then the commit markers, then :func:`commit`. For writers whose ranks share local
-    files (``save_pretrained``); call :func:`check_writable` before the work starts.
+    files (``save_pretrained``); call :func:`ckptools.io.out_rules.check_out` before the work
+    starts.
     """
     staging = make_tmp_dir(out)
     try:
@@ -631,7 +617,7 @@ def output_dir(out: str, *, overwrite: bool = False) -> Iterator[str]:
         >>> with output_dir("/tmp/model-out", overwrite=True) as tmp:   # doctest: +SKIP
         ...     write_everything_into(tmp)                                # marker last
     """
-    check_writable(out, overwrite)
+    staging_for(out).check_writable(out, overwrite)
     tmp = make_tmp_dir(out)
     try:
         yield tmp

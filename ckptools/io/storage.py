@@ -12,7 +12,7 @@ their own modules:
   every public function taking ``storage_options=`` enters;
 * :mod:`ckptools.io.durable`: the local fsyncs an atomic commit relies on;
 * :mod:`ckptools.io.containment`: :func:`contained`, the rule that a path a checkpoint names stays
-  inside it, and :func:`check_apart`, that an output is not its source.
+  inside it (the rules about an output directory are :mod:`ckptools.io.out_rules`').
 
 How an output is staged and committed (local rename, object-store marker) is
 :mod:`ckptools.io.staging`'s.
@@ -20,7 +20,7 @@ How an output is staged and committed (local rename, object-store marker) is
 
 from __future__ import annotations
 
-from ckptools.io.containment import check_apart, contained, outside_reason, shown
+from ckptools.io.containment import contained, outside_reason, shown
 from ckptools.io.options import (
     StorageOptions,
     accepts_storage_options,
@@ -80,7 +80,6 @@ __all__ = [
     "StorageOptions",
     "accepts_storage_options",
     "basename",
-    "check_apart",
     "contained",
     "dirname",
     "exists",

@@ -30,6 +30,7 @@ from ckptools.errors import (
 )
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
+from ckptools.io.out_rules import is_model_output
 from ckptools.layouts.base import Layout, digest, read_marker, register
 
 METADATA_FILE = ".metadata"
@@ -455,12 +456,22 @@ def _below(tree: Mapping[str, int], subdir: str) -> dict[str, int]:
 
 def _aux_files(tree: Mapping[str, int], subdirs: Sequence[str]) -> tuple[str, ...]:
     """Files beside the DCP data that belong to the checkpoint (trainer_state.json, meta.pt...):
-    not in a hidden directory, and not a part's ``.distcp`` data or ``.metadata`` marker (any
-    other file in a DCP directory belongs to the checkpoint too)."""
+    not in a hidden directory, not a part's ``.distcp`` data or ``.metadata`` marker (any
+    other file in a DCP directory belongs to the checkpoint too), and not in a model directory
+    consolidated from it (the Trainer callback's ``checkpoint-N/hf/``): an output, not part of
+    the checkpoint, so a reshard does not carry it along."""
+    below: dict[str, list[str]] = {}
+    for rel in tree:
+        top, sep, rest = rel.partition("/")
+        if sep and top not in subdirs:
+            below.setdefault(top, []).append(rest)
+    outputs = {top for top, names in below.items() if is_model_output(names)}
     out: list[str] = []
     for rel in tree:
         rel_dir, _, name = rel.rpartition("/")
         if any(d.startswith(".") for d in rel_dir.split("/") if d):
+            continue
+        if rel.partition("/")[0] in outputs and "/" in rel:
             continue
         if rel_dir in subdirs and (name.endswith(".distcp") or name == METADATA_FILE):
             continue

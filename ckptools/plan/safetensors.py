@@ -24,6 +24,7 @@ from ckptools.core import dtypes
 from ckptools.core.bulk import without_gc
 from ckptools.core.geometry import Box, tensor_runs, tiling_problems
 from ckptools.core.geometry import chunk_span as chunk_span
+from ckptools.core.hf_files import INDEX_NAME as INDEX_NAME
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.errors import CorruptCheckpointError
 from ckptools.formats.safetensors_header import header_bytes, safetensors_code
@@ -33,7 +34,6 @@ from ckptools.formats.safetensors_header import header_bytes, safetensors_code
 runs = tensor_runs
 
 SINGLE_FILE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True, slots=True)

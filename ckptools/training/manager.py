@@ -47,6 +47,7 @@ from ckptools.engine import collective
 from ckptools.engine.collective import Ranks
 from ckptools.errors import CkptError, UsageError
 from ckptools.io import space, storage
+from ckptools.io.out_rules import check_replaceable
 from ckptools.training import store
 from ckptools.training.retention import RetentionPolicy
 from ckptools.training.state import (
@@ -332,6 +333,8 @@ class CheckpointManager:
 
         def prepare() -> str:
             store.clean_stale(self.root)
+            # the same step saved again replaces its checkpoint, never a directory of other files
+            check_replaceable(store.step_dir(self.root, step), kind="dcp", overwrite=True)
             tmp = store.new_tmp_dir(self.root, step)
             store.create_tmp_dir(tmp)
             written = write_model_config(model, tmp)

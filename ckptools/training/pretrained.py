@@ -44,6 +44,7 @@ from ckptools.engine.executor import create_files
 from ckptools.engine.runtime import pwrite_all
 from ckptools.errors import CkptError
 from ckptools.io import staging, storage
+from ckptools.io.out_rules import check_out
 from ckptools.plan.conversions import Piece, split_fqn
 from ckptools.plan.safetensors import ConsolidationPlan, runs
 from ckptools.training.state import state_to_save, write_model_config
@@ -259,7 +260,7 @@ def _prepare(
 ) -> tuple[_Staged, Export]:
     """Rank 0: check OUT, make the staging directory, write the model files, plan as consolidate
     does and create the files (final sizes, headers)."""
-    staging.check_writable(out, options.overwrite)
+    check_out(out, kind="model", overwrite=options.overwrite)
     tmp = _staging_dir(out)
     try:
         names, tie, config = _prepare_files(model, options.config, tmp, out)

@@ -24,10 +24,9 @@ from ckptools.engine.collective import Ranks
 from ckptools.engine.executor import block_bytes, create_files, execute, in_row_blocks
 from ckptools.errors import UsageError
 from ckptools.io import storage, tunables
+from ckptools.io.out_rules import check_out
 from ckptools.io.resume import Journal, fingerprint
 from ckptools.io.staging import (
-    check_out,
-    check_writable,
     commit,
     copy_into,
     discard,
@@ -229,9 +228,8 @@ def consolidate(
         memory_budget: bytes of copy buffers (default ``CKPTOOLS_MEMORY_BUDGET`` or 256 MiB).
         format: force the source layout instead of detecting it.
         quiet: no progress bar.
-        distributed: under torchrun, or called by every rank of an initialised process group,
-            split the copy over the ranks (every rank must call it; :mod:`~.engine.collective`);
-            False: this process writes everything alone.
+        distributed: under torchrun, or called by every rank of a process group, split the
+            copy over the ranks (every rank must call it); False: this process writes alone.
         keep_in_memory_names: keep the in-memory names, not save_pretrained's on-disk format.
         adapter: write only the LoRA adapter of a PEFT-wrapped model, as
             ``PeftModel.save_pretrained`` does: ``adapter_model.safetensors`` (peft's names,
@@ -267,8 +265,8 @@ def consolidate(
         lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
         masters=masters)  # fmt: skip
     out = out.rstrip("/") or out
-    # OUT may lie inside SRC (e.g. checkpoint-N/hf); a dry run plans anyway, saying it exists
-    exists = check_out(out, options.overwrite, dry_run=options.dry_run, src=src, inside_src=True)
+    # a dry run plans anyway, saying that OUT exists
+    exists = check_out(out, kind="model", overwrite=overwrite, dry_run=dry_run, src=src)
     if options.merge_lora and storage.is_url(out):
         raise UsageError(f"{out}: --merge-lora rewrites weights in place; write to a local dir")
     run = _Run.planned(src, out, options, started)
@@ -484,7 +482,7 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
         )
 
     def prepare() -> str:
-        check_writable(out, options.overwrite, src=run.src, inside_src=True)
+        check_out(out, kind="model", overwrite=options.overwrite, src=run.src)
         made = make_tmp_dir(out)
         try:
             reserve(made, plan.bytes_to_write)

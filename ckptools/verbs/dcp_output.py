@@ -21,9 +21,9 @@ from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.collective import Ranks
 from ckptools.engine.dcp_writer import write_dcp
 from ckptools.io import storage
+from ckptools.io.out_rules import check_out
 from ckptools.io.resume import Journal
 from ckptools.io.staging import (
-    check_writable,
     commit,
     copy_into,
     discard,
@@ -115,7 +115,7 @@ def write(
         mine[units[i][0]].append(units[i][1])
 
     def prepare() -> str:
-        check_writable(out, overwrite, src=share.src)
+        check_out(out, kind="dcp", overwrite=overwrite, src=share.src)
         tmp = resumable_staging(out, identity)
         try:
             reserve(tmp, sum(sum(plan.file_sizes) for _, plan in parts.values()))

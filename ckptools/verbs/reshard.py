@@ -38,8 +38,9 @@ from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UsageError
 from ckptools.formats import torch_archive
 from ckptools.io import storage, tunables
+from ckptools.io.out_rules import check_out
 from ckptools.io.resume import fingerprint
-from ckptools.io.staging import IN_PROGRESS, check_out
+from ckptools.io.staging import IN_PROGRESS
 from ckptools.layouts import read_manifest
 from ckptools.layouts.dcp import require_plain
 from ckptools.layouts.optimizer_state import optimizer_alone
@@ -338,7 +339,9 @@ def _read_source(
     """OUT checked (before anything is read), then the source's manifest (read once), refused
     unless its format ``accepts``."""
     # a dry run plans anyway, saying that OUT exists
-    exists = check_out(out, options.overwrite, dry_run=options.dry_run, src=src)
+    exists = check_out(
+        out, kind="dcp", overwrite=options.overwrite, dry_run=options.dry_run, src=src
+    )
     manifest = read_manifest(src, options.format)
     if not accepts(manifest.format):
         raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")

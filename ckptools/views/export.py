@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ckptools.core import dtypes, keys
+from ckptools.core.hf_files import MODEL_FILES as MODEL_FILES
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import parse_size
 from ckptools.errors import UsageError
@@ -31,22 +32,6 @@ if TYPE_CHECKING:
 
 #: transformers' own default for ``save_pretrained`` and what the Hub expects.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-#: Files beside a checkpoint that make a loadable model directory.
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-)
 #: Output and input embedding names whose weights models tie (``tie_word_embeddings``).
 _OUTPUT_EMBEDDINGS = ("lm_head.weight", "embed_out.weight", "output.weight")
 _INPUT_EMBEDDINGS = (

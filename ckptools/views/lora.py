@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptools.core import keys
+from ckptools.core.hf_files import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG_NAME
+from ckptools.core.hf_files import ADAPTER_WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
 from ckptools.core.manifest import Manifest
 from ckptools.errors import UsageError
 from ckptools.io import storage
 
 #: The prefix a ``PeftModel`` puts before the wrapped model's names.
 PEFT_PREFIX = "base_model.model."
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-ADAPTER_CONFIG_NAME = "adapter_config.json"
 #: Elements of a weight merged at once: 16 Mi (64 MiB of float32 delta, and the rows' bytes),
 #: so a merge's memory does not grow with the largest weight.
 MERGE_BLOCK_ELEMENTS = 16 * 2**20

@@ -306,8 +306,13 @@ def test_existing_out_refused_then_overwritten(
     (out / "keep.txt").write_text("mine")
     with pytest.raises(UsageError, match="already exists"):
         ckptools.consolidate(str(p.path), str(out), quiet=True)
+    # --overwrite replaces an earlier output, never a directory holding the user's files
+    with pytest.raises(UsageError, match=r"would delete keep\.txt, which ckptools did not write"):
+        ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True)
     assert (out / "keep.txt").read_text() == "mine"
-    ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True)
+    (out / "keep.txt").unlink()
+    ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True)  # empty: replaced
+    ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True)  # its own output
     assert sorted(os.listdir(out)) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 

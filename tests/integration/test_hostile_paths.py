@@ -345,13 +345,8 @@ def test_out_must_not_be_src_hold_it_or_lie_inside_it(
     args = [command, str(ckpt), str(out), "--overwrite"]
     if command == "reshard":
         args += ["--world-size", "2"]
-    if command == "consolidate" and where == "inside":
-        # consolidate copies no file beside the data: checkpoint-N/hf/ is the Trainer
-        # callback's own design, and the source is never deleted with it
-        assert CliRunner().invoke(cli, args).exit_code == 0
-        shutil.rmtree(out)
-        assert _tree_digest(tmp_path / "parent") == before
-        return
+    # consolidate too: an output inside its source travels with it into the next conversion
+    # (the Trainer callback's checkpoint-N/hf/ is written from the model's DCP directory)
     text = _refused(args, code=2)
     assert "source checkpoint" in text
     assert _tree_digest(tmp_path / "parent") == before
@@ -360,47 +355,6 @@ def test_out_must_not_be_src_hold_it_or_lie_inside_it(
         kwargs = {"world_size": 2} if command == "reshard" else {}
         api(str(ckpt) + "/", str(out), overwrite=True, **kwargs)
     assert _tree_digest(tmp_path / "parent") == before
-
-
-@pytest.mark.parametrize("overwrite", [True, False])
-def test_existing_out_inside_src_is_replaced_only_when_a_consolidation_wrote_it(
-    tmp_path: Path, overwrite: bool
-) -> None:
-    # issue 25, item 23: a fresh OUT inside SRC is the Trainer callback's design, and so is
-    # replacing the model directory it wrote there; replacing anything else there is not.
-    ckpt = _dcp(tmp_path / "ckpt")
-    part = ckpt / "ema"  # part of the source tree: a second DCP the run saved beside the model
-    dcp.save({"model": _tensors()}, checkpoint_id=str(part))
-    before = _tree_digest(ckpt)
-    flag = ["--overwrite"] if overwrite else []
-    text = _refused(["consolidate", str(ckpt), str(part), *flag], code=2)
-    assert text.startswith(f"error: {part}: already exists inside the source checkpoint {ckpt}")
-    assert "write the output somewhere else" in text
-    (ckpt / "notes.txt").write_text("the user's own file")
-    text = _refused(["consolidate", str(ckpt), str(ckpt / "notes.txt"), *flag], code=2)
-    assert "notes.txt: already exists inside the source checkpoint" in text
-    (ckpt / "notes.txt").unlink()
-    assert _tree_digest(ckpt) == before
-    with pytest.raises(UsageError, match="already exists inside the source"):
-        ckptools.consolidate(str(ckpt), str(part) + "/", overwrite=overwrite)
-    assert _tree_digest(ckpt) == before
-
-    hf = ckpt / "hf"
-    assert CliRunner().invoke(cli, ["consolidate", str(ckpt), str(hf)]).exit_code == 0
-    first = _tree_digest(hf)
-    assert (
-        CliRunner().invoke(cli, ["consolidate", str(ckpt), str(hf), "--overwrite"]).exit_code == 0
-    )
-    assert _tree_digest(hf) == first
-    # a model directory that is also a checkpoint (a Trainer's, with its optimizer) is not
-    # what a consolidation wrote: part of the source again
-    layer = torch.nn.Linear(4, 4)
-    torch.save(torch.optim.AdamW(layer.parameters()).state_dict(), hf / "optimizer.pt")
-    text = _refused(["consolidate", str(ckpt), str(hf), "--overwrite"], code=2)
-    assert f"{hf}: already exists inside the source checkpoint" in text
-    assert (hf / "optimizer.pt").exists()
-    shutil.rmtree(hf)
-    assert _tree_digest(ckpt) == before
 
 
 def test_out_apart_from_src_through_a_link(tmp_path: Path) -> None:

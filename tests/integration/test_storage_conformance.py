@@ -17,7 +17,7 @@ import fsspec
 import pytest
 
 from ckptools.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
-from ckptools.io import staging, storage
+from ckptools.io import out_rules, staging, storage
 from ckptools.io.resume import Journal
 
 BACKENDS = ["local", "memory", "s3"]
@@ -199,11 +199,12 @@ def test_failed_write_leaves_nothing_complete(root: str) -> None:
 
 def test_interrupted_write_is_incomplete_and_cleared_by_the_next(root: str) -> None:
     out = storage.join(root, "out")
-    staging.check_writable(out, overwrite=False)
+    out_rules.check_out(out, kind="dcp", overwrite=False)
     tmp = staging.make_tmp_dir(out)
     _put(tmp, {"a.safetensors": b"half"})  # killed here: no marker, no discard
     assert not storage.exists(storage.join(out, MARKER))
-    staging.check_writable(out, overwrite=False)  # what we left does not block the next run
+    # what we left does not block the next run
+    out_rules.check_out(out, kind="dcp", overwrite=False)
     with staging.output_dir(out) as again:
         _write_output(again, {"b.safetensors": b"whole"})
     assert storage.walk_files(out) == {MARKER: 2, "b.safetensors": 5}
@@ -214,7 +215,7 @@ def test_overwrite_rules(root: str) -> None:
     with staging.output_dir(out) as tmp:
         _write_output(tmp, {"old.bin": b"old"})
     with pytest.raises(UsageError, match="overwrite"):
-        staging.check_writable(out, overwrite=False)
+        out_rules.check_out(out, kind="dcp", overwrite=False)
     with staging.output_dir(out, overwrite=True) as tmp:
         _write_output(tmp, {"new.bin": b"new!"})
     assert storage.walk_files(out) == {MARKER: 2, "new.bin": 4}  # nothing of the old one
@@ -225,7 +226,7 @@ def test_foreign_content_is_refused_without_overwrite(root: str) -> None:
     out = storage.join(root, "out")
     _put(out, {"notes.txt": b"mine"})
     with pytest.raises(UsageError, match="overwrite"):
-        staging.check_writable(out, overwrite=False)
+        out_rules.check_out(out, kind="dcp", overwrite=False)
     assert storage.walk_files(out) == {"notes.txt": 4}
 
 
@@ -240,7 +241,7 @@ def test_delete_removes_a_committed_output(root: str) -> None:
 
 def test_resume_reuses_the_same_conversions_staging(root: str) -> None:
     out = storage.join(root, "out")
-    staging.check_writable(out, overwrite=False)
+    out_rules.check_out(out, kind="dcp", overwrite=False)
     tmp = staging.resumable_staging(out, "fp-1")
     _put(tmp, {"shard-1.bin": b"done"})
     Journal.open(tmp, "fp-1").record("shard-1.bin", size=4)
