@@ -104,7 +104,8 @@ def detect(path: str, format: str | None = None) -> Layout:
     Raises:
         CheckpointNotFoundError: ``path`` does not exist.
         UsageError: ``path`` is one file of a multi-file checkpoint (point at its directory).
-        UnknownFormatError: no layout matched; the message lists each layout's reason.
+        UnknownFormatError: ``path`` is an empty directory, or no layout matched (one line;
+            each layout's reason is in its ``details``, which ``--debug`` prints).
     """
     if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
@@ -120,21 +121,29 @@ def detect(path: str, format: str | None = None) -> Layout:
         names = ", ".join(_MODULES)
         raise UnknownFormatError(f"unknown format {format!r}; choose one of: {names}")
     _refuse_one_part(path)
-    reasons = []
+    if directory_names(path) == []:
+        raise UnknownFormatError(f"{path}: empty directory, no checkpoint here", path=path)
+    refusals = []
     for layout in _in_order():
         reason = layout.probe(path)
         if reason is None:
             return layout
-        reasons.append(f"  {layout.name}: {reason}")
+        refusals.append((layout.name, reason))
+    reasons = tuple(f"  {name}: {reason}" for name, reason in refusals)
     inside = _checkpoints_inside(path)
     if inside:
-        raise UnknownFormatError(_point_at(path, inside), path=path, details=tuple(reasons))
-    raise UnknownFormatError(
-        f"{path}: not a checkpoint ckptools recognises:\n"
-        + "\n".join(reasons)
-        + "\n(use --format NAME to force a layout and see its full error)",
-        path=path,
-    )
+        raise UnknownFormatError(_point_at(path, inside), path=path, details=reasons)
+    # one line; a layout that recognised the path but names a way on (a directory of several
+    # torch.save files: point at one) is that line, the rest are --debug's
+    way_on = next(((n, r) for n, r in refusals if "point at" in r), None)
+    if way_on is not None:
+        message = f"{path}: not a checkpoint ckptools reads as it is: {way_on[0]}: {way_on[1]}"
+    else:
+        message = (
+            f"{path}: not a checkpoint ckptools recognises (--debug lists why each layout "
+            "refused it; --format NAME forces one and shows its full error)"
+        )
+    raise UnknownFormatError(message, path=path, details=reasons)
 
 
 def _part_hint(path: str) -> str:
