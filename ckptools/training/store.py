@@ -316,8 +316,8 @@ def list_run(
         return managed
     others = [
         CheckpointInfo(
-            s.step, s.path, s.complete, s.reason, size_bytes=s.size_bytes, latest=s.latest,
-            producer=s.producer, name=s.name,
+            s.step, s.path, s.complete, s.reason, world_size=s.world_size,
+            size_bytes=s.size_bytes, latest=s.latest, producer=s.producer, name=s.name,
         )
         for s in list_saves(root)
     ]  # fmt: skip

@@ -7,6 +7,7 @@ all (an empty directory, one file of a DeepSpeed save) is one line saying so."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptools.cli.main import cli
+from tests.conftest import Produced
 from tests.support.deepspeed_producers import case_dir, deepspeed_available, produce_zero
 
 _needs_deepspeed = pytest.mark.skipif(
@@ -69,6 +71,59 @@ def test_zero2_model_states_file_alone_is_refused_naming_the_directory(
     other = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     assert f"point at {tag}" in _ckpt("inspect", str(other))[2]
     assert _ckpt("inspect", str(tag))[0] == 0
+
+
+# --- 9: a save missing a rank's file is not latest, and reading takes the one list marks ------
+
+
+@_needs_deepspeed
+def test_deepspeed_save_missing_a_rank_file_is_incomplete_and_reading_takes_the_older(
+    zero2_run: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "ds"
+    shutil.copytree(zero2_run, run)
+    (run / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    saves = _listed(run)
+    assert saves["global_step2"]["complete"] is False
+    assert "rank 1's optimizer file is missing" in str(saves["global_step2"]["reason"])
+    assert saves["global_step1"]["complete"] is True and saves["global_step1"]["latest"] is True
+    assert saves["global_step1"]["world_size"] == 2
+    code, out, err = _ckpt("inspect", str(run), "--json")
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert any("using global_step1" in n for n in notes), notes
+    assert any("names global_step2, which is not whole" in n for n in notes), notes
+    # what was read is global_step1: DeepSpeed's own converter of that tag agrees
+    hf = tmp_path / "hf"
+    code, _, err = _ckpt("consolidate", str(run), str(hf), "-q")
+    assert code == 0, err
+    import torch
+    from safetensors.torch import load_file
+
+    ours = load_file(str(hf / "model.safetensors"))
+    theirs = torch.load(run / "zero_to_fp32-global_step1.pt", weights_only=True)
+    for name, want in theirs.items():
+        assert torch.equal(ours[name], want), name
+
+
+def test_trainer_checkpoint_missing_a_distcp_is_incomplete_and_reading_takes_the_older(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    src = produced("trainer").path
+    out_dir = tmp_path / "output_dir"
+    for n in (1, 2):
+        shutil.copytree(src, out_dir / f"checkpoint-{n}")
+    (out_dir / "checkpoint-2" / "pytorch_model_fsdp_0" / "__1_0.distcp").unlink()
+    saves = _listed(out_dir)
+    assert saves["checkpoint-2"]["complete"] is False
+    assert "__1_0.distcp missing" in str(saves["checkpoint-2"]["reason"])
+    assert saves["checkpoint-1"]["latest"] is True and saves["checkpoint-1"]["world_size"] == 2
+    code, out, err = _ckpt("inspect", str(out_dir), "--json")
+    assert code == 0, err
+    assert any(
+        "using checkpoint-1" in n and "ignored: checkpoint-2" in n for n in json.loads(out)["notes"]
+    )
+    assert _ckpt("verify", str(out_dir))[0] == 0
 
 
 # --- 16a: an empty directory, and one no layout reads, in one line ---------------------------
