@@ -4,7 +4,8 @@ Every producer that keeps several saves numbers them in directories of its own n
 record which is the last one they finished: the Trainer's ``checkpoint-N`` (no record: it
 resumes from the highest number), DeepSpeed's ``global_stepN`` tags (``latest`` names one),
 verl's ``global_step_N`` and Megatron's ``iter_0000010`` (both recorded in
-``latest_checkpointed_iteration.txt``) and torchtitan's ``step-N``.
+``latest_checkpointed_iteration.txt``) and ``step-N`` (torchtitan's, or a script's
+``dcp.save`` per step: labelled by the layout that reads the run directory).
 Each is listed with its step, whether it is whole (the very check the layout's own reading of
 the run directory applies, :func:`~ckptools.layouts.base.newest_numbered`: every rank file the
 save's own metadata names is there), its size, the ranks its file names show, and which one
@@ -29,7 +30,7 @@ from ckptools.errors import CkptError
 from ckptools.io import storage
 from ckptools.layouts import dcp, deepspeed, megatron, numbered, verl, wrappers
 from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts.base import directory_names
+from ckptools.layouts.base import detect, directory_names
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,22 @@ def _verl_ranks(path: str) -> int | None:
     return None
 
 
+def _steps_label(root: str) -> str:
+    """Who reads a run directory of ``step-N/`` saves: torchtitan's layout when they are its,
+    else the layout of the save reading the directory takes (a ``dcp.save`` per step)."""
+    try:
+        return detect(root).name
+    except CkptError:
+        return "dcp"
+
+
 PRODUCERS = (
     Producer("trainer", numbered.TRAINER, wrappers.trainer_lacks, _no_record, _dcp_ranks),
     Producer("deepspeed", numbered.DEEPSPEED, deepspeed.save_lacks, _deepspeed_latest,
              deepspeed.save_ranks),
     Producer("verl", numbered.VERL, _verl_lacks, _verl_latest, _verl_ranks),
-    Producer("torchtitan", numbered.TORCHTITAN, wrappers.dcp_lacks, _no_record, _dcp_ranks),
+    # labelled by _steps_label: torchtitan, or whoever reads the newest whole save
+    Producer("step", numbered.TORCHTITAN, wrappers.dcp_lacks, _no_record, _dcp_ranks),
     Producer("megatron", numbered.MEGATRON, _megatron_lacks, _megatron_latest, _dcp_ranks),
 )  # fmt: skip
 
@@ -160,10 +171,11 @@ def list_saves(root: str) -> list[Save]:
         recorded = producer.recorded(root, names)
         if recorded not in whole or not whole[recorded]:
             recorded = max(((s, n) for s, n, _ in found if whole[n]), default=(0, None))[1]
+        label = _steps_label(root) if producer.name == "step" else producer.name
         for step, name, full in sorted(found):
             saves.append(
                 Save(
-                    producer=producer.name,
+                    producer=label,
                     name=name,
                     step=step,
                     path=full,

@@ -126,6 +126,68 @@ def test_trainer_checkpoint_missing_a_distcp_is_incomplete_and_reading_takes_the
     assert _ckpt("verify", str(out_dir))[0] == 0
 
 
+# --- 10: a CheckpointManager root reads as the save list marks latest ---------------------------
+
+
+def test_manager_root_reads_the_latest_save_in_numeric_order(tmp_path: Path) -> None:
+    import torch
+
+    import ckptools
+
+    root = tmp_path / "checkpoints"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    mgr = ckptools.CheckpointManager(str(root))
+    for step in (4, 8, 11, 14):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        mgr.save(step, model, metrics={"loss": 1.0 / step})
+    mgr.close()
+    saves = _listed(root)
+    assert [n for n, c in saves.items() if c["latest"]] == ["step-14"]
+    code, out, err = _ckpt("inspect", str(root), "--json")
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert any(f"{root}: using step-14, the newest complete of 3" in n for n in notes), notes
+    hf = tmp_path / "hf"
+    assert _ckpt("consolidate", str(root), str(hf), "-q")[0] == 0
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(hf / "model.safetensors"))["weight"], model.weight)
+    # the text table: every column under a header, the marker's ranks, time and metrics shown
+    code, out, _ = _ckpt("list", str(root))
+    lines = out.splitlines()
+    assert lines[0] == f"{root} (ckptools)"
+    assert len(lines[1].split()) == len(lines[2].split()) == 7
+    assert "complete (latest)" in lines[-1] and "loss=" in lines[-1]
+
+
+def test_plain_dcp_step_run_is_labelled_by_what_reads_it(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    src = produced("fsdp2", world_size=2).path
+    run = tmp_path / "checkpoints"
+    for n in (4, 11):
+        shutil.copytree(src, run / f"step-{n}")
+    code, out, _ = _ckpt("list", str(run))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"{run} (dcp)"
+    # as many rules as headers; the ranks column filled from the file names
+    assert len(lines[1].split()) == len(lines[2].split()) == 5
+    assert lines[-1].split()[0] == "step-11" and lines[-1].split()[-1] == "2"
+    assert "(latest)" in lines[-1]
+    code, out, err = _ckpt("inspect", str(run), "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["layout"] == "dcp"
+    assert any("using step-11" in n for n in report["notes"])
+    assert _ckpt("inspect", str(run), "--format", "dcp")[0] == 0
+    # a real torchtitan run is still torchtitan's
+    titan = produced("torchtitan").path.parent
+    assert _ckpt("list", str(titan))[1].splitlines()[0] == f"{titan} (torchtitan)"
+
+
 # --- 16a: an empty directory, and one no layout reads, in one line ---------------------------
 
 
