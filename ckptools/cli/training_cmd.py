@@ -44,7 +44,8 @@ def _render_list(d: dict[str, Any]) -> str:
     if not d["checkpoints"]:
         return (
             f"{d['root']}: no saves (looked for a CheckpointManager's step-N, Trainer "
-            "checkpoint-N, DeepSpeed global_stepN, verl global_step_N, torchtitan step-N)"
+            "checkpoint-N, DeepSpeed global_stepN, verl global_step_N, Megatron iter_0000010, "
+            "torchtitan's or dcp.save's step-N)"
         )
     rows = []
     for c in d["checkpoints"]:
