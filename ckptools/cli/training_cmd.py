@@ -25,7 +25,8 @@ def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
     """List the saves under ROOT: step, complete or not, size, and which one is latest (what a
     resume or reading ROOT loads). ROOT is a CheckpointManager root (with each save's metrics),
     or a run directory of numbered saves: a Trainer output_dir (checkpoint-N), a DeepSpeed run
-    (global_stepN, 'latest'), verl (global_step_N), torchtitan (step-N).
+    (global_stepN, 'latest'), verl (global_step_N), Megatron (iter_0000010), torchtitan's or a
+    script's dcp.save per step (step-N).
 
     \b
     Examples:
@@ -43,7 +44,8 @@ def _render_list(d: dict[str, Any]) -> str:
     if not d["checkpoints"]:
         return (
             f"{d['root']}: no saves (looked for a CheckpointManager's step-N, Trainer "
-            "checkpoint-N, DeepSpeed global_stepN, verl global_step_N, torchtitan step-N)"
+            "checkpoint-N, DeepSpeed global_stepN, verl global_step_N, Megatron iter_0000010, "
+            "torchtitan's or dcp.save's step-N)"
         )
     rows = []
     for c in d["checkpoints"]:
@@ -53,6 +55,8 @@ def _render_list(d: dict[str, Any]) -> str:
             else ""
         )
         state = "complete" if c["complete"] else f"INCOMPLETE ({c['reason']})"
+        if c["latest"]:
+            state += " (latest)"
         rows.append(
             [
                 c["name"],
@@ -62,12 +66,18 @@ def _render_list(d: dict[str, Any]) -> str:
                 str(c["world_size"] or ""),
                 when,
                 _metrics_text(c["metrics"]),
-                "latest" if c["latest"] else "",
             ]
         )
-    headers = ["save", "step", "state", "size", "ranks", "saved", "metrics", ""]
+    headers = ["save", "step", "state", "size", "ranks", "saved", "metrics"]
+    align = "lrlrrll"
+    # a column no save fills (the time and metrics only the manager's marker records) is left out
+    kept = [i for i in range(len(headers)) if i < 4 or any(row[i] for row in rows)]
     producers = sorted({c["producer"] for c in d["checkpoints"]})
-    return f"{d['root']} ({', '.join(producers)})\n" + table(headers, rows, align="lrlrr")
+    return f"{d['root']} ({', '.join(producers)})\n" + table(
+        [headers[i] for i in kept],
+        [[row[i] for i in kept] for row in rows],
+        align="".join(align[i] for i in kept),
+    )
 
 
 @click.command("prune")

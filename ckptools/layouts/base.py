@@ -104,7 +104,8 @@ def detect(path: str, format: str | None = None) -> Layout:
     Raises:
         CheckpointNotFoundError: ``path`` does not exist.
         UsageError: ``path`` is one file of a multi-file checkpoint (point at its directory).
-        UnknownFormatError: no layout matched; the message lists each layout's reason.
+        UnknownFormatError: ``path`` is an empty directory, or no layout matched (one line;
+            each layout's reason is in its ``details``, which ``--debug`` prints).
     """
     if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
@@ -113,6 +114,11 @@ def detect(path: str, format: str | None = None) -> Layout:
             layout = _layout(format)
             reason = layout.probe(path)
             if reason is not None:
+                run = None
+                with suppress(CkptError):  # a run of step-N/ saves whose newest that layout reads
+                    run = step_run(path)
+                if run is not None and run.name == format:
+                    return run
                 raise UnknownFormatError(
                     f"{path}: not a {format} checkpoint: {reason}{_part_hint(path)}", path=path
                 )
@@ -120,21 +126,100 @@ def detect(path: str, format: str | None = None) -> Layout:
         names = ", ".join(_MODULES)
         raise UnknownFormatError(f"unknown format {format!r}; choose one of: {names}")
     _refuse_one_part(path)
-    reasons = []
+    if directory_names(path) == []:
+        raise UnknownFormatError(f"{path}: empty directory, no checkpoint here", path=path)
+    refusals = []
     for layout in _in_order():
         reason = layout.probe(path)
         if reason is None:
             return layout
-        reasons.append(f"  {layout.name}: {reason}")
+        refusals.append((layout.name, reason))
+    reasons = tuple(f"  {name}: {reason}" for name, reason in refusals)
+    run = step_run(path)
+    if run is not None:
+        return run
     inside = _checkpoints_inside(path)
     if inside:
-        raise UnknownFormatError(_point_at(path, inside), path=path, details=tuple(reasons))
-    raise UnknownFormatError(
-        f"{path}: not a checkpoint ckptools recognises:\n"
-        + "\n".join(reasons)
-        + "\n(use --format NAME to force a layout and see its full error)",
-        path=path,
+        raise UnknownFormatError(_point_at(path, inside), path=path, details=reasons)
+    # one line; a layout that recognised the path but names a way on (a directory of several
+    # torch.save files: point at one) is that line, the rest are --debug's
+    way_on = next(((n, r) for n, r in refusals if "point at" in r), None)
+    if way_on is not None:
+        message = f"{path}: not a checkpoint ckptools reads as it is: {way_on[0]}: {way_on[1]}"
+    else:
+        message = (
+            f"{path}: not a checkpoint ckptools recognises (--debug lists why each layout "
+            "refused it; --format NAME forces one and shows its full error)"
+        )
+    raise UnknownFormatError(message, path=path, details=reasons)
+
+
+class RunSave(Layout):
+    """A run directory of ``step-N/`` saves (a :class:`~ckptools.training.CheckpointManager`
+    root, or a script's ``dcp.save`` per step), read as the save :func:`step_run` chose, by the
+    layout that detects that save (its ``name``); the manifest's notes say which."""
+
+    def __init__(self, chosen: Chosen, layout: Layout) -> None:
+        self.chosen, self.layout = chosen, layout
+        self.name, self.description, self.priority = layout.name, layout.description, 99
+
+    @property
+    def save(self) -> str:
+        return storage.join(self.chosen.parent, self.chosen.name)
+
+    def probe(self, path: str) -> str | None:
+        return None if path == self.chosen.parent else f"not the run directory {path}"
+
+    def read_manifest(self, path: str) -> Manifest:
+        return self.chosen.noted(self.layout.read_manifest(self.save))
+
+
+#: the numbered saves of a step run (the manager's, torchtitan's): ``step-N``
+STEP_SAVE = re.compile(r"^step-(\d+)$")
+
+
+def step_lacks(path: str, *, managed: bool) -> str | None:
+    """What the ``step-N`` save ``path`` lacks, or None when whole: in a CheckpointManager root
+    (``managed``) its commit marker and every file it records, else a whole DCP directory."""
+    if managed:
+        from ckptools.training.store import read_marker as commit_marker
+
+        return commit_marker(path)[1] or None
+    from ckptools.layouts.wrappers import dcp_lacks
+
+    return dcp_lacks(path)
+
+
+def is_managed(path: str, names: Sequence[str]) -> bool:
+    """Whether the run directory ``path`` is a CheckpointManager root: one of its ``step-N``
+    saves holds the manager's commit marker."""
+    from ckptools.training.store import MARKER_NAME
+
+    return any(
+        STEP_SAVE.match(n) and storage.isfile(storage.join(path, n, MARKER_NAME)) for n in names
     )
+
+
+def step_run(path: str) -> RunSave | None:
+    """The directory ``path`` of ``step-N/`` saves that no layout reads itself, resolved to its
+    newest whole save (numbers compared as numbers; what ``ckpt list`` marks latest), or None
+    when it holds no ``step-N/`` (or none a layout reads)."""
+    names = directory_names(path) or []
+    if not any(STEP_SAVE.match(n) for n in names):
+        return None
+    managed = is_managed(path, names)
+    what = "no commit marker recording every file" if managed else "no whole DCP save"
+    chosen = newest_numbered(
+        path, STEP_SAVE, lambda p: step_lacks(p, managed=managed) is None, what
+    )
+    if chosen is None:
+        return None
+    save = storage.contained(path, chosen.name, named_by=path, entry="holds")
+    try:
+        layout = detect(save)
+    except UnknownFormatError:
+        return None
+    return RunSave(chosen, layout)
 
 
 def _part_hint(path: str) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ckptools.core import dtypes
@@ -34,6 +35,7 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
@@ -41,7 +43,8 @@ from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
 from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts.base import Layout, directory_names, register
+from ckptools.layouts import numbered
+from ckptools.layouts.base import Layout, directory_names, newest_numbered, register
 from ckptools.layouts.deepspeed_optimizer import ZeroState, optimizer_tree
 from ckptools.layouts.deepspeed_partitions import (
     RankFlat,
@@ -362,6 +365,73 @@ def _world_size(f: dsf.ArchiveFile) -> tuple[int, int]:
     return stage, counts[0]
 
 
+def save_lacks(tag_dir: str) -> str | None:
+    """What the save (tag directory) ``tag_dir`` lacks to be read, or None when it is whole:
+    the check :func:`read_deepspeed` makes before reading any tensor (every rank's optimizer
+    file for the world size its first one records, and the model states), so ``ckpt list`` and
+    reading the run directory agree. Reads one rank file's pickle, no tensor data.
+    """
+    try:
+        sizes = storage.file_sizes(tag_dir)
+        optim, model3 = _stage_files(tag_dir, sizes)
+        if not optim:
+            return "no *_optim_states.pt rank files"
+        low = min(optim)
+        with open_reader(tag_dir) as reader:
+            stage, world = _world_size(dsf.open_file(reader, optim[low], sizes[optim[low]]))
+    except (CorruptCheckpointError, UnsupportedCheckpointError, OSError) as e:
+        return f"unreadable: {e}"
+    absent = [r for r in range(world) if r not in optim]
+    if absent:
+        return f"rank {absent[0]}'s optimizer file is missing ({world} ranks wrote it)"
+    stray = sorted(r for r in optim if r >= world)
+    if stray:
+        return f"optimizer files of ranks {stray}, beyond its {world} ranks"
+    if stage <= 2 and dsf.MODEL_STATES not in sizes:
+        return f"no {dsf.MODEL_STATES}"
+    absent = [r for r in range(world) if r not in model3] if stage == 3 else []
+    if absent:
+        return f"rank {absent[0]}'s model states file is missing"
+    return None
+
+
+def save_ranks(tag_dir: str) -> int | None:
+    """How many ranks wrote the save ``tag_dir``, from its file names (one optimizer file a
+    rank): what ``ckpt list`` shows without opening one."""
+    names = directory_names(tag_dir) or ()
+    count = sum(1 for n in names if dsf.OPTIM_RE.match(n))
+    return count or None
+
+
+def read_run(path: str) -> Manifest:
+    """A run directory or tag directory (:func:`read_deepspeed`); when the save ``latest`` names
+    is not whole (a rank's file missing: the job died while saving), the newest whole
+    ``global_stepN`` instead, with a note saying so (what ``ckpt list`` marks latest)."""
+    try:
+        return read_deepspeed(path)
+    except CheckpointNotFoundError as e:
+        names = set(directory_names(path) or ())
+        if dsf.LATEST not in names:
+            raise
+        tag_rel, tag, _ = dsf.find_tag(path, names)
+        tag_dir = storage.join(path, tag_rel)
+        lacks = save_lacks(tag_dir) if storage.isdir(tag_dir) else "no such directory"
+        if lacks is None:
+            raise
+        try:
+            found = newest_numbered(
+                path, numbered.DEEPSPEED, lambda p: save_lacks(p) is None, lacks
+            )
+        except IncompleteCheckpointError:
+            found = None
+        if found is None or found.name == tag:
+            raise e from None
+        inner = storage.contained(path, found.name, named_by=path, entry="holds")
+        manifest = found.noted(read_deepspeed(inner))
+        note = f"{storage.join(path, dsf.LATEST)} names {tag}, which is not whole ({lacks})"
+        return replace(manifest, notes=(*manifest.notes, note))
+
+
 def read_deepspeed(path: str) -> Manifest:
     """Manifest of a ZeRO checkpoint: a run directory (``latest`` names the tag) or a tag
     directory itself (how another tag is chosen).
@@ -588,7 +658,7 @@ class DeepSpeedLayout(Layout):
         return "no 'latest' tag file and no *_optim_states.pt rank files"
 
     def read_manifest(self, path: str) -> Manifest:
-        return read_deepspeed(path)
+        return read_run(path)
 
 
 register(DeepSpeedLayout())

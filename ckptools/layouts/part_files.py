@@ -6,8 +6,11 @@ one ``model-00001-of-00004.safetensors`` of a sharded model directory.
 Read alone, each is wrong in its own way (an unnamed tensor, ZeRO-3's zero-element
 placeholders, a pickle whose producer classes belong to the whole), so :func:`part_of` names
 the directory instead, and :func:`ckptools.layouts.base.detect` refuses in one line pointing
-at it. Only names that never stand alone are listed: a ``mp_rank_00_model_states.pt`` of ZeRO
-1/2 or a ``model_world_size_1_rank_0.pt`` hold a whole model and stay readable as files.
+at it. Only names that never stand alone are listed, and DeepSpeed's ``mp_rank_00_model_states.pt``
+beside ZeRO optimizer rank files: ZeRO 1/2 keep there the module's low-precision copy, not the
+fp32 masters the directory's reading exports. A ``model_world_size_1_rank_0.pt``, or a
+``mp_rank_00_model_states.pt`` with no ZeRO files beside it, holds a whole model and stays
+readable as a file.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ _PARTS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^metadata\.json$"), "megatron"),
     (re.compile(r"^latest_checkpointed_iteration\.txt$"), "megatron"),
 )
+#: DeepSpeed's model states of a save, one file of it when ZeRO optimizer rank files lie beside
+_DS_MODEL_STATES = re.compile(r"^mp_rank_\d+_model_states\.pt$")
+_DS_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
 #: (file name whose group ``n`` counts the files of the whole and ``i`` numbers this one,
 #: family, the number of the first file): alone when ``n`` is 1
 _COUNTED: tuple[tuple[re.Pattern[str], str, int], ...] = (
@@ -60,6 +66,13 @@ def part_of(path: str) -> tuple[str, str] | None:
         m = pattern.match(name)
         if m and int(m["n"]) > 1:
             return family, directory
+    if _DS_MODEL_STATES.match(name):
+        try:
+            beside = storage.listdir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if any(_DS_OPTIM.match(n) for n in beside):
+            return "deepspeed", directory
     return None
 
 

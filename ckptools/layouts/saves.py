@@ -4,9 +4,11 @@ Every producer that keeps several saves numbers them in directories of its own n
 record which is the last one they finished: the Trainer's ``checkpoint-N`` (no record: it
 resumes from the highest number), DeepSpeed's ``global_stepN`` tags (``latest`` names one),
 verl's ``global_step_N`` and Megatron's ``iter_0000010`` (both recorded in
-``latest_checkpointed_iteration.txt``) and torchtitan's ``step-N``.
-Each is listed with its step, whether it is whole (the test the layout's own reading of the run
-directory applies, :func:`~ckptools.layouts.base.newest_numbered`), its size, and which one
+``latest_checkpointed_iteration.txt``) and ``step-N`` (torchtitan's, or a script's
+``dcp.save`` per step: labelled by the layout that reads the run directory).
+Each is listed with its step, whether it is whole (the very check the layout's own reading of
+the run directory applies, :func:`~ckptools.layouts.base.newest_numbered`: every rank file the
+save's own metadata names is there), its size, the ranks its file names show, and which one
 reading the run directory picks: the recorded one when it is whole, else the newest whole one.
 The checkpoint manager's own ``step-N`` (with its ``.ckptools-complete`` marker) is listed by
 :func:`ckptools.training.store.list_checkpoints`.
@@ -24,10 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptools.errors import CkptError
 from ckptools.io import storage
+from ckptools.layouts import dcp, deepspeed, megatron, numbered, verl, wrappers
 from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts import megatron, numbered, verl, wrappers
-from ckptools.layouts.base import directory_names
+from ckptools.layouts.base import detect, directory_names
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,10 @@ class Producer:
 
     name: str
     pattern: re.Pattern[str]  # group 1: the step
-    whole: Callable[[str], bool]  # whether the save directory holds a whole checkpoint
-    lacks: str  # what a save that is not whole lacks
+    lacks: Callable[[str], str | None]  # what a save lacks to be read (None: whole), as the
+    # layout reading the run directory judges it
     recorded: Callable[[str, list[str]], str | None]  # the producer's record of its latest
+    ranks: Callable[[str], int | None]  # how many ranks wrote a save, from its file names
 
 
 def _no_record(root: str, names: list[str]) -> str | None:
@@ -52,13 +56,15 @@ def _deepspeed_latest(root: str, names: list[str]) -> str | None:
         return None
 
 
-def _deepspeed_whole(path: str) -> bool:
-    return any(dsf.OPTIM_RE.match(n) for n in directory_names(path) or ())
-
-
 def _verl_latest(root: str, names: list[str]) -> str | None:
     recorded = verl._recorded_step(root)
     return recorded[0] if recorded else None
+
+
+def _verl_lacks(path: str) -> str | None:
+    if verl._roles(path):
+        return None
+    return "no actor/ or critic/ holding fsdp_config.json and rank files"
 
 
 def _megatron_latest(root: str, names: list[str]) -> str | None:
@@ -68,18 +74,61 @@ def _megatron_latest(root: str, names: list[str]) -> str | None:
         return None
 
 
+def _megatron_lacks(path: str) -> str | None:
+    if megatron.is_save(path):  # megatron.resolve's test
+        return None
+    return "no metadata.json naming torch_dist with a DCP .metadata"
+
+
+def _dcp_ranks(path: str) -> int | None:
+    """Ranks that wrote the DCP directory ``path`` (or a Trainer save's first accelerate
+    directory): one ``__<rank>_<n>.distcp`` file name or more each."""
+    names = directory_names(path) or []
+    parts = sorted(n for n in names if n.startswith("pytorch_model_fsdp_"))
+    if parts and not any(n.endswith(".distcp") for n in names):
+        names = directory_names(storage.join(path, parts[0])) or []
+    ranks = {dcp.rank_of(n) for n in names if n.endswith(".distcp")}
+    ranks.discard(None)
+    return len(ranks) or None
+
+
+_VERL_RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_\d+\.pt$")
+
+
+def _verl_ranks(path: str) -> int | None:
+    for role in verl.ROLES:
+        for name in directory_names(storage.join(path, role)) or ():
+            m = _VERL_RANK_FILE.match(name)
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def _steps_label(root: str) -> str:
+    """Who reads a run directory of ``step-N/`` saves: torchtitan's layout when they are its,
+    else the layout of the save reading the directory takes (a ``dcp.save`` per step)."""
+    try:
+        return detect(root).name
+    except CkptError:
+        return "dcp"
+
+
 PRODUCERS = (
-    Producer("trainer", numbered.TRAINER, wrappers._trainer_checkpoint_complete,
-             "no DCP .metadata, no model file", _no_record),
-    Producer("deepspeed", numbered.DEEPSPEED, _deepspeed_whole,
-             "no *_optim_states.pt rank files", _deepspeed_latest),
-    Producer("verl", numbered.VERL, lambda p: bool(verl._roles(p)),
-             "no actor/ or critic/ holding fsdp_config.json and rank files", _verl_latest),
-    Producer("torchtitan", numbered.TORCHTITAN, wrappers._is_dcp, "no DCP .metadata",
-             _no_record),
-    Producer("megatron", numbered.MEGATRON, megatron.is_save,
-             "no metadata.json naming torch_dist with a DCP .metadata", _megatron_latest),
+    Producer("trainer", numbered.TRAINER, wrappers.trainer_lacks, _no_record, _dcp_ranks),
+    Producer("deepspeed", numbered.DEEPSPEED, deepspeed.save_lacks, _deepspeed_latest,
+             deepspeed.save_ranks),
+    Producer("verl", numbered.VERL, _verl_lacks, _verl_latest, _verl_ranks),
+    # labelled by _steps_label: torchtitan, or whoever reads the newest whole save
+    Producer("step", numbered.TORCHTITAN, wrappers.dcp_lacks, _no_record, _dcp_ranks),
+    Producer("megatron", numbered.MEGATRON, _megatron_lacks, _megatron_latest, _dcp_ranks),
 )  # fmt: skip
+
+
+def _lacks(producer: Producer, path: str) -> str | None:
+    try:
+        return producer.lacks(path)
+    except CkptError as e:  # a hostile or damaged record: not whole, and reading says why
+        return str(e)
 
 
 @dataclass(frozen=True)
@@ -94,6 +143,7 @@ class Save:
     reason: str  # what it lacks, when not complete
     size_bytes: int
     latest: bool  # the one reading the run directory picks
+    world_size: int | None = None  # ranks that wrote it, where its file names say
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,21 +166,24 @@ def list_saves(root: str) -> list[Save]:
                 found.append((int(m.group(1)), name, full))
         if not found:
             continue
-        whole = {name: producer.whole(full) for _, name, full in found}
+        lacks = {name: _lacks(producer, full) for _, name, full in found}
+        whole = {name: lacks[name] is None for name in lacks}
         recorded = producer.recorded(root, names)
         if recorded not in whole or not whole[recorded]:
             recorded = max(((s, n) for s, n, _ in found if whole[n]), default=(0, None))[1]
+        label = _steps_label(root) if producer.name == "step" else producer.name
         for step, name, full in sorted(found):
             saves.append(
                 Save(
-                    producer=producer.name,
+                    producer=label,
                     name=name,
                     step=step,
                     path=full,
                     complete=whole[name],
-                    reason="" if whole[name] else producer.lacks,
+                    reason=lacks[name] or "",
                     size_bytes=sum(storage.walk_files(full).values()),
                     latest=name == recorded,
+                    world_size=producer.ranks(full),
                 )
             )
     return saves

@@ -18,6 +18,7 @@ import re
 from dataclasses import replace
 
 from ckptools.core.manifest import Manifest
+from ckptools.errors import CorruptCheckpointError
 from ckptools.io import storage
 from ckptools.layouts import numbered
 from ckptools.layouts.base import Layout, newest_numbered, read_marker, register
@@ -63,14 +64,61 @@ def _accelerate_parts(path: str) -> list[str]:
     ]
 
 
-def _trainer_checkpoint_complete(path: str) -> bool:
+def dcp_lacks(path: str) -> str | None:
+    """What the DCP directory ``path`` lacks to be read, or None when it is whole: its
+    ``.metadata``, and every data file that metadata names (present: sizes are the reader's to
+    check). Parses the metadata (kept for the reader's own read), reads no tensor data."""
+    from ckptools.layouts.dcp import parse_metadata
+
+    meta = storage.join(path, METADATA_FILE)
+    if storage.outside_reason(path, METADATA_FILE) is not None:
+        return f"its {METADATA_FILE} leads outside it"
+    try:
+        md = parse_metadata(read_marker(meta, peek=True), meta)
+    except (FileNotFoundError, NotADirectoryError):
+        return f"no DCP {METADATA_FILE}"
+    except CorruptCheckpointError as e:
+        return f"unreadable {METADATA_FILE}: {e}"
+    named = sorted(
+        {
+            info.relative_path
+            for info in (getattr(md, "storage_data", None) or {}).values()
+            if isinstance(getattr(info, "relative_path", None), str)
+        }
+    )
+    inside = [n for n in named if storage.outside_reason(path, n) is None]
+    present = storage.file_sizes(path, inside) if inside else {}
+    missing = [n for n in inside if n not in present]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"{missing[0]}{more} missing ({METADATA_FILE} names it)"
+    return None
+
+
+def _is_whole_dcp(path: str) -> bool:
+    return dcp_lacks(path) is None
+
+
+def trainer_lacks(path: str) -> str | None:
+    """What the Trainer ``checkpoint-N`` directory ``path`` lacks, or None when it is whole:
+    each accelerate DCP directory whole (:func:`dcp_lacks`), or a full-state model file."""
     parts = _accelerate_parts(path)
+    for part in parts:
+        lacks = dcp_lacks(storage.join(path, part))
+        if lacks is not None:
+            return f"{part}: {lacks}"
     if parts:
-        return all(_is_dcp(storage.join(path, s)) for s in parts)
+        return None
     # a full-state checkpoint (model.safetensors or pytorch_model*.bin, optimizer.pt)
     from ckptools.layouts.torch_save import directory_reason  # see TrainerLayout.read_manifest
 
-    return directory_reason(set(_listdir(path))) is None
+    if directory_reason(set(_listdir(path))) is None:
+        return None
+    return "no DCP .metadata, no model file"
+
+
+def _trainer_checkpoint_complete(path: str) -> bool:
+    return trainer_lacks(path) is None
 
 
 class TrainerLayout(Layout):
@@ -90,7 +138,7 @@ class TrainerLayout(Layout):
         if parts:
             return read_dcp_tree(path, parts, layout=self.name)
         found = newest_numbered(
-            path, _TRAINER_CKPT, _trainer_checkpoint_complete, "no DCP .metadata, no model file"
+            path, _TRAINER_CKPT, _trainer_checkpoint_complete, "no whole DCP save, no model file"
         )
         assert found is not None
         inner = storage.contained(path, found.name, named_by=path, entry="holds")
@@ -173,7 +221,7 @@ class TorchtitanLayout(Layout):
         base = storage.basename(path)
         if _TITAN_STEP.match(base):
             return read_dcp_tree(path, layout=self.name)
-        found = newest_numbered(path, _TITAN_STEP, _is_dcp, "no DCP .metadata")
+        found = newest_numbered(path, _TITAN_STEP, _is_whole_dcp, "no whole DCP save")
         assert found is not None
         inner = storage.contained(path, found.name, named_by=path, entry="holds")
         return found.noted(read_dcp_tree(inner, layout=self.name))

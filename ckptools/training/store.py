@@ -308,16 +308,18 @@ def list_run(
     Raises:
         CheckpointNotFoundError: ``root`` does not exist.
     """
+    from ckptools.layouts.base import directory_names, is_managed
     from ckptools.layouts.saves import list_saves
 
     managed = list_checkpoints(root)
-    # torchtitan's step-N look like the manager's: the manager's have its marker
-    if any(c.complete for c in managed):
+    # torchtitan's step-N look like the manager's: the manager's have its marker (a root where
+    # none is committed yet is still the manager's: reading it says none is complete)
+    if is_managed(root, directory_names(root) or []):
         return managed
     others = [
         CheckpointInfo(
-            s.step, s.path, s.complete, s.reason, size_bytes=s.size_bytes, latest=s.latest,
-            producer=s.producer, name=s.name,
+            s.step, s.path, s.complete, s.reason, world_size=s.world_size,
+            size_bytes=s.size_bytes, latest=s.latest, producer=s.producer, name=s.name,
         )
         for s in list_saves(root)
     ]  # fmt: skip

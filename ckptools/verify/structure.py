@@ -107,6 +107,7 @@ def _finding_from_error(e: CkptError) -> Finding:
 def read(path: str, format: str | None) -> tuple[Manifest | None, list[Finding]]:
     """The manifest of ``path``, or None and the finding that says why it cannot be read."""
     from ckptools.layouts import detect
+    from ckptools.layouts.base import RunSave
     from ckptools.layouts.dcp import read_dcp_tree
     from ckptools.layouts.dcp_rank_local import LAYOUT as RANK_LOCAL
     from ckptools.layouts.dcp_rank_local import read_rank_local
@@ -114,6 +115,8 @@ def read(path: str, format: str | None) -> tuple[Manifest | None, list[Finding]]
     layout = detect(path, format)  # a missing path or unknown format is an error, not a finding
     try:
         # check_files=False: report every missing or short file below, not just the first.
+        if isinstance(layout, RunSave):  # a run directory: its chosen save, with the note
+            return layout.read_manifest(path), []
         if layout.name == "dcp":
             return read_dcp_tree(path, check_files=False), []
         if layout.name == RANK_LOCAL:

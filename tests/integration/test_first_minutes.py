@@ -91,7 +91,7 @@ def test_list_shows_the_saves_of_a_trainer_output_dir(
     code, stdout, _ = _ckpt("list", str(run))
     lines = stdout.splitlines()
     assert lines[0] == f"{run} (trainer)"
-    assert any(ln.startswith(f"{saved.name} ") and ln.endswith("latest") for ln in lines)
+    assert any(ln.startswith(f"{saved.name} ") and "complete (latest)" in ln for ln in lines)
     assert any(ln.startswith("checkpoint-900 ") and "INCOMPLETE" in ln for ln in lines)
     # what list calls latest is what reading the run directory reads
     code, stdout, _ = _ckpt("inspect", str(run), "--json")

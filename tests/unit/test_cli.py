@@ -46,12 +46,14 @@ def test_missing_path_is_one_line_exit_1(tmp_path: object) -> None:
     assert result.output.strip() == "error: /nonexistent/ckpt: no such file or directory"
 
 
-def test_unknown_directory_lists_each_layouts_reason(tmp_path: object) -> None:
+def test_unknown_directory_lists_each_layouts_reason_under_debug(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("lr 3e-4\n")
     result = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
     assert result.exit_code == 1
+    assert len(result.output.splitlines()) == 1 and "--debug lists" in result.output
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path), "--debug"])
     for name in ("dcp", "safetensors", "torch_save", "accelerate", "trainer", "lightning"):
-        assert f"  {name}: " in result.output
-    assert "Traceback" not in result.output
+        assert f"  {name}: " in result.stderr
 
 
 def test_disk_full_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -200,7 +200,7 @@ def test_cli_list_and_prune(tmp_path: Path) -> None:
     out = runner.invoke(cli, ["list", str(tmp_path)])
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
-    assert any(line.startswith("step-3 ") and line.rstrip().endswith("latest") for line in lines)
+    assert any(line.startswith("step-3 ") and "complete (latest)" in line for line in lines)
     assert any("INCOMPLETE" in line for line in lines)
     data = json.loads(runner.invoke(cli, ["list", str(tmp_path), "--json"]).output)
     assert [(c["step"], c["complete"]) for c in data["checkpoints"]] == [
