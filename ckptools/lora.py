@@ -298,7 +298,7 @@ def adapter_config(
 
     Raises:
         UsageError: no alpha (names ``source`` and ``--lora-alpha``), an unreadable config file,
-            or one whose ``r`` disagrees with the checkpoint.
+            one whose ``r`` disagrees with the checkpoint, or an alpha that is not positive.
     """
     modules = found.of(adapter)
     ranks = [m.rank for m in modules]
@@ -326,6 +326,11 @@ def adapter_config(
         cfg = {"r": r, "lora_alpha": lora_alpha}
     if "lora_alpha" not in cfg:
         raise UsageError(f"--adapter-config {config_file}: no lora_alpha; give --lora-alpha A")
+    alpha = cfg["lora_alpha"]
+    if not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
+        raise UsageError(
+            f"--adapter-config {config_file}: lora_alpha {alpha!r}: expected a positive number"
+        )
     cfg["r"] = cfg.get("r") or r
     cfg.setdefault("target_modules", found.target_modules(adapter))
     if not cfg.get("rank_pattern"):
