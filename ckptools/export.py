@@ -378,13 +378,40 @@ def suggested_optimizer_order(manifest: Manifest, config: str | None = None) -> 
 
 
 def tie_setting(files: list[tuple[str, str]]) -> bool | None:
-    cfg = model_config(files)
+    return config_ties(model_config(files))
+
+
+def config_ties(cfg: Mapping[str, Any] | None) -> bool | None:
+    """The model config's ``tie_word_embeddings`` (or its ``text_config``'s), None if unset."""
     if cfg is None:
         return None
     value = cfg.get("tie_word_embeddings")
     if value is None and isinstance(cfg.get("text_config"), dict):
         value = cfg["text_config"].get("tie_word_embeddings")
     return None if value is None else bool(value)
+
+
+#: The output embedding a transformers language model ties to its input embedding: every
+#: ``*ForCausalLM`` / ``*LMHeadModel`` / ``*ForConditionalGeneration`` holds it at the top.
+TIED_HEAD = "lm_head.weight"
+_HEADED = ("CausalLM", "LMHead", "ConditionalGeneration")
+
+
+def untied_head(names: Mapping[str, str], cfg: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """``(output embedding, input embedding)`` when ``names`` (a full model) leave out the
+    output embedding that ``cfg`` ties (``save_pretrained`` drops it; ``from_pretrained`` and
+    the live model, whose ``state_dict`` has it, share the input embedding's storage): the one
+    input embedding stored, no output embedding, a config that ties and a language-model
+    head among its ``architectures`` (if it names them). Else None."""
+    if not config_ties(cfg):
+        return None
+    arch = (cfg or {}).get("architectures") or []
+    if arch and not any(h in str(a) for a in arch for h in _HEADED):
+        return None
+    if any(n.endswith(_OUTPUT_EMBEDDINGS) for n in names):
+        return None
+    ins = [n for n in names if n.endswith(_INPUT_EMBEDDINGS)]
+    return (TIED_HEAD, ins[0]) if len(ins) == 1 else None
 
 
 def tied_candidates(names: Mapping[str, str], manifest: Manifest) -> list[tuple[str, str]]:
