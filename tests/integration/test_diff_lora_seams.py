@@ -21,6 +21,7 @@ import ckptools
 from ckptools.cli.exit_codes import EXIT_USAGE
 from ckptools.cli.main import cli
 from ckptools.errors import UsageError
+from tests.conftest import Produced
 
 _ALPHA = 16.0
 _Cached = Callable[[str, Sequence[Path], Callable[[Path], None]], Path]
@@ -107,3 +108,58 @@ def test_adapter_export_lists_both_files_it_wrote(peft_src: Path, tmp_path: Path
     code, text = _cli(["consolidate", str(peft_src), str(out), "--adapter", "--lora-alpha",
                        "16", "--json", "--overwrite"])  # fmt: skip
     assert code == 0 and json.loads(text)["config_files"] == ["adapter_config.json"], text
+
+
+def _damaged_copy(src: Path, dst: Path, fqn: str) -> tuple[str, int]:
+    """``src`` copied to ``dst`` with one bit flipped inside a stored record of ``fqn`` (not
+    its CRC): the file name and the byte flipped."""
+    import shutil
+
+    from ckptools.engine.reader import resolve_chunk
+    from ckptools.io.storage import LocalReader
+    from ckptools.layouts import read_manifest
+    from tests.support import producers
+
+    shutil.copytree(src, dst)
+    tensor = read_manifest(str(dst)).tensors[fqn]
+    with LocalReader(str(dst)) as reader:
+        raw = resolve_chunk(reader, tensor, tensor.chunks[0])
+    assert raw.crc32 is not None  # a DCP item stores its record's CRC-32
+    at = raw.offset + raw.length // 2
+    producers.flip_bit(dst / raw.file, at, 3)
+    return raw.file, at
+
+
+def test_diff_reports_a_damaged_record_as_verify_and_consolidate_do(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """One flipped bit in a DCP item: verify and consolidate report the damage naming file and
+    tensor; diff reported "1 element(s) differ". It now fails the same way, either side."""
+    from ckptools.errors import CorruptCheckpointError
+    from tests.integration.test_diff import _safetensors_of_reference
+
+    p = produced("single")
+    _safetensors_of_reference(p, tmp_path / "st")
+    fqn = "model.nested.deeper.w"  # as the DCP stores it
+    damaged = tmp_path / "damaged"
+    file, _ = _damaged_copy(p.path, damaged, fqn)
+    with pytest.raises(CorruptCheckpointError) as consolidated:
+        ckptools.consolidate(str(damaged), str(tmp_path / "hf"), quiet=True)
+    for a, b in ((damaged, tmp_path / "st"), (tmp_path / "st", damaged)):
+        with pytest.raises(CorruptCheckpointError) as caught:
+            ckptools.diff(str(a), str(b))
+        e = caught.value
+        assert e.fqn == fqn and e.path == consolidated.value.path == f"{damaged}/{file}"
+        # the same record, the same stored and computed CRCs, as consolidate names them
+        same = str(consolidated.value).split(": the file is damaged")[0]
+        assert str(e).startswith(same), (str(e), same)
+    code, text = _cli(["diff", str(damaged), str(tmp_path / "st")])
+    assert code == 1 and text.count("\n") == 1, text
+    assert f"{damaged}/{file}" in text and repr(fqn) in text and "CRC-32" in text, text
+    assert "differ" not in text
+    # verify --against keeps its report: the damage is a finding, once
+    for against, at in ((tmp_path / "st", damaged), (damaged, tmp_path / "st")):
+        report = ckptools.verify(str(at), against=str(against), quiet=True)
+        assert not report.ok and report.diff is None
+        crc = [f for f in report.findings if f.kind == "crc"]
+        assert len(crc) == 1 and crc[0].fqn in (fqn, None), report.findings
