@@ -457,6 +457,29 @@ def _tied_aliases(
     return found
 
 
+def _lora_views(
+    paths: tuple[str, str],
+    manifests: tuple[Manifest, Manifest],
+    names: tuple[Mapping[str, str], Mapping[str, str]],
+    notes: list[str],
+) -> tuple[Mapping[str, str], Mapping[str, str]]:
+    """Each side's names, a PEFT-wrapped model's replaced by its adapter's when the other side
+    is that adapter's export (``consolidate --adapter``, ``PeftModel.save_pretrained``); the
+    note for a PEFT-wrapped side (:func:`ckptools.lora.diff_view`) added to ``notes``."""
+    from ckptools import lora
+
+    out = list(names)
+    for i, side in enumerate("AB"):
+        view = lora.diff_view(names[i], manifests[i], names[1 - i].keys(), paths[i])
+        if view is None:
+            continue
+        adapter, note = view
+        if adapter is not None:
+            out[i] = adapter
+        notes.append(f"{side}: {note}")
+    return out[0], out[1]
+
+
 def _compare_all(
     ma: Manifest,
     mb: Manifest,
@@ -558,7 +581,9 @@ def diff(
     t0 = time.perf_counter()
     ma, mb = read_manifest(a, format_a), read_manifest(b, format_b)
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
-    notes = []
+    notes: list[str] = []
+    if names_a.keys() != names_b.keys():
+        names_a, names_b = _lora_views((a, b), (ma, mb), (names_a, names_b), notes)
     if config is not None or keep_in_memory_names or names_a.keys() != names_b.keys():
         from ckptools.consolidate import find_model_files, model_config
 

@@ -54,6 +54,7 @@ def _peft_dcp(out: Path) -> None:
     config = model.base_model.model.config
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(str(out / "src"))
+    model.save_pretrained(str(out / "peft_adapter"))  # peft's own adapter directory: a truth
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +164,54 @@ def test_diff_reports_a_damaged_record_as_verify_and_consolidate_do(
         assert not report.ok and report.diff is None
         crc = [f for f in report.findings if f.kind == "crc"]
         assert len(crc) == 1 and crc[0].fqn in (fqn, None), report.findings
+
+
+def test_diff_of_a_peft_model_and_its_adapter_export_compares_the_adapter(
+    peft_src: Path, tmp_path: Path
+) -> None:
+    """A PEFT checkpoint against its adapter (peft's own ``save_pretrained``, or
+    ``consolidate --adapter``) was "DIFFERENT: 37 tensors (missing 29, unexpected 8)": the
+    adapter is now compared under peft's names, either way round, with a note."""
+    from safetensors.torch import load_file, save_file
+
+    peft_adapter = peft_src.parent / "peft_adapter"
+    exported = tmp_path / "adapter"
+    ckptools.consolidate(str(peft_src), str(exported), adapter=True, lora_alpha=_ALPHA)
+    for other in (peft_adapter, exported):
+        for a, b, side in ((peft_src, other, "A"), (other, peft_src, "B")):
+            report = ckptools.diff(str(a), str(b))
+            assert report.identical, [t.describe() for t in report.differences]
+            assert len(report.tensors) == 8 and all(t.status == "equal" for t in report.tensors)
+            [note] = report.notes
+            assert note.startswith(f"{side}: a PEFT-wrapped model") and "adapter" in note
+    code, text = _cli(["diff", str(peft_src), str(exported)])
+    assert code == 0 and "identical: 8 tensors" in text and "LoRA 'default'" in text, text
+    # the values are compared: one changed element of lora_B is named
+    changed = load_file(str(peft_adapter / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    changed[name][2, 1] += 1.0
+    (tmp_path / "changed").mkdir()
+    save_file(changed, str(tmp_path / "changed" / "adapter_model.safetensors"))
+    report = ckptools.diff(str(peft_src), str(tmp_path / "changed"))
+    [d] = report.differences
+    assert (d.name, d.status, d.mismatched, d.first_index) == (name, "different", 1, (2, 1))
+
+
+def test_diff_of_a_peft_model_and_its_merged_export_says_how_to_compare(
+    peft_src: Path, tmp_path: Path
+) -> None:
+    """Against the merged model the names cannot meet (the merge is a computation): the
+    difference stays, and a note says A is a LoRA adapter and how to compare it."""
+    merged = tmp_path / "merged"
+    ckptools.consolidate(str(peft_src), str(merged), merge_lora=True, lora_alpha=_ALPHA)
+    report = ckptools.diff(str(peft_src), str(merged))
+    assert not report.identical
+    [note] = report.notes
+    assert note.startswith("A: a PEFT-wrapped model (LoRA 'default' on q_proj, v_proj)")
+    assert f"ckpt consolidate {peft_src} OUT --merge-lora" in note and "--adapter" in note
+    code, text = _cli(["diff", str(peft_src), str(merged)])
+    assert code == 3 and "note: A: a PEFT-wrapped model" in text and "--merge-lora" in text
+    # and compared as the note says, the merge is what the merged export holds
+    again = tmp_path / "again"
+    ckptools.consolidate(str(peft_src), str(again), merge_lora=True, lora_alpha=_ALPHA)
+    assert ckptools.diff(str(again), str(merged)).identical
