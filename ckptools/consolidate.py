@@ -221,9 +221,7 @@ def consolidate(
         out: the model directory to create.
         max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"``, ``"2GiB"`` or bytes.
         dtype: cast floating tensors to this dtype (other tensors are kept as stored).
-        select: export this key sub-tree instead of the model (see :func:`select_tensors`).
-        key: the container holding the model's state dict (``model_state_dict``): ``select``
-            by the name ``torch.save`` users know (give one of the two).
+        select, key: export this key sub-tree instead of the model (:func:`select_tensors`).
         strip_prefix: remove this prefix from output names.
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing ``out``.
@@ -236,9 +234,8 @@ def consolidate(
             split the copy over the ranks (:mod:`ckptools.collective`; every rank must call it);
             False: this process writes everything alone.
         keep_in_memory_names: keep the in-memory names, not save_pretrained's on-disk format.
-        adapter: write only the LoRA adapter of a PEFT-wrapped model, as
-            ``PeftModel.save_pretrained`` does: ``adapter_model.safetensors`` (peft's names,
-            bit-exact; only the adapter's bytes are read) and ``adapter_config.json``.
+        adapter: write only the LoRA adapter, as ``PeftModel.save_pretrained`` does (peft's
+            names, bit-exact, only its bytes read) with its ``adapter_config.json``.
         merge_lora: write the model with its LoRA adapter merged (``W + (B @ A) * scale``, as
             peft's ``merge_and_unload``), loadable by ``from_pretrained``.
         lora_alpha: the adapter's ``lora_alpha``, which checkpoints do not store.
@@ -266,10 +263,9 @@ def consolidate(
         max_shard_size=max_shard_size, dtype=dtype, select=select, key=key,
         strip_prefix=strip_prefix, config=config, overwrite=overwrite, dry_run=dry_run,
         workers=workers, memory_budget=memory_budget, format=format, quiet=quiet,
-        distributed=distributed,
-        keep_in_memory_names=keep_in_memory_names, adapter=adapter, merge_lora=merge_lora,
-        lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
-        masters=masters)  # fmt: skip
+        distributed=distributed, keep_in_memory_names=keep_in_memory_names, adapter=adapter,
+        merge_lora=merge_lora, lora_alpha=lora_alpha, adapter_config=adapter_config,
+        adapter_name=adapter_name, masters=masters)  # fmt: skip
     out = out.rstrip("/") or out
     # OUT may lie inside SRC (e.g. checkpoint-N/hf); a dry run plans anyway, saying it exists
     exists = check_out(out, options.overwrite, dry_run=options.dry_run, src=src, inside_src=True)
