@@ -121,7 +121,6 @@ def consolidate_command(
     push_to_hub: str | None,
     quiet: bool,
     as_json: bool,
-    key: str | None,
     tag: str | None,
     **options: Any,
 ) -> None:
@@ -149,12 +148,6 @@ def consolidate_command(
     from ckptools.verbs.consolidate import consolidate
 
     src = at_tag(src, tag)
-    if key is not None:
-        # the model's container is the sub-tree to export: --select's meaning, named for
-        # torch.save users
-        if options["select"] is not None:
-            raise click.UsageError("--key and --select both choose what to export; give one")
-        options["select"] = key
 
     if push_to_hub is not None:
         from ckptools.cli.push_cmd import check_push_option

@@ -17,12 +17,15 @@ instead of being copied into a fresh output whose own CRCs would then look clean
   compared with the stored CRC.
 * :func:`check_object_item` checks a non-tensor item (a ``torch.save`` archive copied byte for
   byte, never unpickled) before it is copied: its zip structure, then every record's CRC-32.
+* :class:`ReadChecks` checks records read front to back in pieces, by a reader that copies
+  nothing (``diff``), from the bytes it reads.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from ckptools.core.crc32 import crc32, crc32_combine
 from ckptools.core.manifest import Chunk
@@ -46,24 +49,76 @@ def _buffer(source: BufferSource) -> memoryview:
     return source if isinstance(source, memoryview) else source()
 
 
-def mismatch(reader: Reader, raw: Chunk, fqn: str, computed: int) -> CorruptCheckpointError:
-    """The one-line error for a record whose bytes do not match its stored CRC-32."""
+#: What a writer's CRC mismatch adds after "the file is damaged".
+NOT_COMMITTED = (
+    "and no output was committed (`ckpt verify` on the source lists every damaged record)"
+)
+
+
+def mismatch(
+    reader: Reader, raw: Chunk, fqn: str, computed: int, then: str = NOT_COMMITTED
+) -> CorruptCheckpointError:
+    """The one-line error for a record whose bytes do not match its stored CRC-32 (``then``:
+    what follows "the file is damaged", in the caller's terms)."""
     assert raw.crc32 is not None
     path = f"{reader.root}/{raw.file}"
     return CorruptCheckpointError(
         f"{path}: bytes {raw.offset}..{raw.offset + raw.length} of tensor {fqn!r} fail their "
         f"CRC-32 check (stored {raw.crc32:08x}, computed {computed:08x}): the file is damaged "
-        "and no output was committed (`ckpt verify` on the source lists every damaged record)",
+        f"{then}",
         path=path,
         fqn=fqn,
         rank=raw.rank,
     )
 
 
-def check(reader: Reader, raw: Chunk, fqn: str, computed: int) -> None:
+class ReadChecks:
+    """Checks records whose bytes a reader reads front to back in pieces (``diff``'s slabs of
+    rows): each piece's CRC is folded into its record's as it is read, and the record is
+    checked when its last byte is in, so the check costs no read of its own. A piece that does
+    not continue where the record's last one ended (the record read again from its start, or
+    out of order) restarts or drops that record's check: a check is never made of bytes that
+    were not all seen. Records without a stored CRC are not checked.
+
+    ``fqn``: the tensor named in the error; ``then``: what the error says follows (see
+    :func:`mismatch`). Not thread-safe: one reader, one thread.
+    """
+
+    def __init__(self, reader: Reader, fqn: str, then: str) -> None:
+        self._reader = reader
+        self._fqn = fqn
+        self._then = then
+        self._running: dict[tuple[str, int], tuple[int, int]] = {}  # record -> (bytes, CRC)
+
+    def add(self, raw: Chunk, start: int, data: Any) -> None:
+        """Bytes ``start..start+len(data)`` of record ``raw`` (``raw.offset``-relative), read.
+
+        Raises:
+            CorruptCheckpointError: the record is complete and fails its stored CRC-32.
+        """
+        if raw.crc32 is None or not len(data):
+            return
+        key = (raw.file, raw.offset)
+        done, crc = self._running.get(key, (0, 0))
+        if start == 0:
+            done, crc = 0, 0
+        elif start != done:
+            self._running.pop(key, None)
+            return
+        crc = crc32(data, crc)
+        done += len(data)
+        if done < raw.length:
+            self._running[key] = (done, crc)
+            return
+        self._running.pop(key, None)
+        if done == raw.length:
+            check(reader=self._reader, raw=raw, fqn=self._fqn, computed=crc, then=self._then)
+
+
+def check(reader: Reader, raw: Chunk, fqn: str, computed: int, then: str = NOT_COMMITTED) -> None:
     """Raise :func:`mismatch` unless ``computed`` is ``raw``'s stored CRC (or it has none)."""
     if raw.crc32 is not None and computed != raw.crc32:
-        raise mismatch(reader, raw, fqn, computed)
+        raise mismatch(reader, raw, fqn, computed, then)
 
 
 def truncated(reader: Reader, raw: Chunk, at: int) -> CorruptCheckpointError:

@@ -24,6 +24,8 @@ from ckptools.io.storage import Reader, open_reader
 if TYPE_CHECKING:
     import torch
 
+    from ckptools.engine.checked_copy import ReadChecks
+
 #: Bytes at the start of a DCP item holding its pickle and the record headers before the tensor
 #: data (torch.save aligns data to 64 bytes after ~400-700 bytes of them).
 _ARCHIVE_HEAD_BYTES = 2048
@@ -127,11 +129,16 @@ class RowBytes:
 
     ``contiguous`` is False when a chunk is stored with non-contiguous strides (a transposed
     view saved as is); :meth:`read` does not place those, the caller reads them with torch.
+    ``checks``: the bytes read are handed to it, so each record read to its end is checked
+    against its stored CRC-32 (:class:`~ckptools.engine.checked_copy.ReadChecks`).
     """
 
-    def __init__(self, reader: Reader, tensor: TensorEntry) -> None:
+    def __init__(
+        self, reader: Reader, tensor: TensorEntry, checks: ReadChecks | None = None
+    ) -> None:
         self.reader = reader
         self.tensor = tensor
+        self.checks = checks
         self.itemsize = dtypes.dtype(tensor.dtype).itemsize
         seen: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
         for c in tensor.chunks:
@@ -146,7 +153,10 @@ class RowBytes:
         shape, k = self.tensor.shape, self.itemsize
         if not shape:
             c = self.chunks[0]
-            return bytearray(self.reader.read(c.file, c.offset, k))
+            scalar = bytearray(self.reader.read(c.file, c.offset, k))
+            if self.checks is not None:
+                self.checks.add(c, 0, scalar)
+            return scalar
         slab_offsets = (r0,) + (0,) * (len(shape) - 1)
         slab_sizes = (r1 - r0, *shape[1:])
         out = bytearray(math.prod(slab_sizes) * k)
@@ -161,6 +171,8 @@ class RowBytes:
                     c.file, c.offset + skip * k, (hi - lo) * (c.numel // c.sizes[0]) * k
                 )
             )
+            if self.checks is not None:
+                self.checks.add(c, skip * k, data)
             for src, dst, n in copy_runs(c.offsets, c.sizes, slab_offsets, slab_sizes):
                 view[dst * k : (dst + n) * k] = data[(src - skip) * k : (src - skip + n) * k]
         return out

@@ -126,7 +126,8 @@ class ConsolidateResult:
         dropped: ``(dropped, kept)`` pairs of tied weights not written (the config ties them).
         tied: ``(a, b)`` pairs found to hold the same data and both written (no config said to
             tie them).
-        config_files: model files copied into OUT.
+        config_files: the files written into OUT beside the weights: those copied, and those
+            made (``config.json`` of a Megatron run, ``adapter_config.json`` of ``adapter``).
         skipped_objects: non-tensor entries of the checkpoint, which safetensors cannot hold.
         notes: facts worth showing.
     """
@@ -187,6 +188,7 @@ def consolidate(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     dtype: CastDType | None = None,
     select: str | None = None,
+    key: str | None = None,
     strip_prefix: str | None = None,
     config: str | None = None,
     overwrite: bool = False,
@@ -219,7 +221,7 @@ def consolidate(
         out: the model directory to create.
         max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"``, ``"2GiB"`` or bytes.
         dtype: cast floating tensors to this dtype (other tensors are kept as stored).
-        select: export this key sub-tree instead of the model (see :func:`select_tensors`).
+        select, key: export this key sub-tree instead of the model (:func:`select_tensors`).
         strip_prefix: remove this prefix from output names.
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing ``out``.
@@ -231,9 +233,8 @@ def consolidate(
         distributed: under torchrun, or called by every rank of a process group, split the
             copy over the ranks (every rank must call it); False: this process writes alone.
         keep_in_memory_names: keep the in-memory names, not save_pretrained's on-disk format.
-        adapter: write only the LoRA adapter of a PEFT-wrapped model, as
-            ``PeftModel.save_pretrained`` does: ``adapter_model.safetensors`` (peft's names,
-            bit-exact; only the adapter's bytes are read) and ``adapter_config.json``.
+        adapter: write only the LoRA adapter, as ``PeftModel.save_pretrained`` does (peft's
+            names, bit-exact, only its bytes read) with its ``adapter_config.json``.
         merge_lora: write the model with its LoRA adapter merged (``W + (B @ A) * scale``, as
             peft's ``merge_and_unload``), loadable by ``from_pretrained``.
         lora_alpha: the adapter's ``lora_alpha``, which checkpoints do not store.
@@ -258,12 +259,12 @@ def consolidate(
     """
     started = time.perf_counter()
     options = ConsolidateOptions(
-        max_shard_size=max_shard_size, dtype=dtype, select=select, strip_prefix=strip_prefix,
-        config=config, overwrite=overwrite, dry_run=dry_run, workers=workers,
-        memory_budget=memory_budget, format=format, quiet=quiet, distributed=distributed,
-        keep_in_memory_names=keep_in_memory_names, adapter=adapter, merge_lora=merge_lora,
-        lora_alpha=lora_alpha, adapter_config=adapter_config, adapter_name=adapter_name,
-        masters=masters)  # fmt: skip
+        max_shard_size=max_shard_size, dtype=dtype, select=select, key=key,
+        strip_prefix=strip_prefix, config=config, overwrite=overwrite, dry_run=dry_run,
+        workers=workers, memory_budget=memory_budget, format=format, quiet=quiet,
+        distributed=distributed, keep_in_memory_names=keep_in_memory_names, adapter=adapter,
+        merge_lora=merge_lora, lora_alpha=lora_alpha, adapter_config=adapter_config,
+        adapter_name=adapter_name, masters=masters)  # fmt: skip
     out = out.rstrip("/") or out
     # a dry run plans anyway, saying that OUT exists
     exists = check_out(out, kind="model", overwrite=overwrite, dry_run=dry_run, src=src)
@@ -353,6 +354,13 @@ class _Run:
     def copied(self) -> tuple[str, ...]:
         return tuple(name for _, name in self.model_files)
 
+    @property
+    def made(self) -> tuple[str, ...]:
+        """The model files written from what the export made, not copied."""
+        config = self.export.config is not None and "config.json" not in self.copied
+        adapter = self.export.adapter_config is not None
+        return ("config.json",) * config + (lora.ADAPTER_CONFIG_NAME,) * adapter
+
     def result(
         self, bytes_written: int, tied: tuple[tuple[str, str], ...] = ()
     ) -> ConsolidateResult:
@@ -372,7 +380,7 @@ class _Run:
             workers=self.options.worker_count,
             dropped=self.export.dropped,
             tied=tied,
-            config_files=self.copied,
+            config_files=self.copied + self.made,
             skipped_objects=len(self.manifest.objects),
             notes=tuple(self.notes) + tuple(self.manifest.notes),
         )

@@ -6,6 +6,11 @@ Tensors are matched by the model's own FQNs, found the way ``consolidate`` finds
 ``_orig_mod.`` stripped), so DCP's ``model.layers.0.w`` meets the safetensors ``layers.0.w`` of
 its consolidation. Non-model state (optimizer, counters) is not compared.
 
+Every record that stores a CRC-32 (a DCP item, a ``torch.save`` record) is checked against it
+from the bytes read for the comparison (:class:`~ckptools.engine.checked_copy.ReadChecks`): a
+damaged record is a :class:`~ckptools.errors.CorruptCheckpointError` naming the file and the
+tensor, as ``consolidate`` and ``verify`` report it, not "1 element differs".
+
 Values are compared in slabs of whole dim-0 rows read straight from each side's stored chunks
 (however each side is sharded), so memory is bounded by :data:`DEFAULT_BLOCK_BYTES` per side plus
 float64 temporaries of the same number of elements, never by the tensor's size. Exceptions: one
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ckptools.core import dtypes, keys
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
+from ckptools.engine.checked_copy import ReadChecks
 from ckptools.engine.reader import RowBytes, resolve_chunk
 from ckptools.errors import UsageError
 from ckptools.io import storage
@@ -190,11 +196,12 @@ def resolve_block_bytes() -> int:
 class _SlabReader:
     """Reads rows ``[r0, r1)`` of one tensor from its stored chunks (replicas read once)."""
 
-    def __init__(self, reader: Reader, tensor: TensorEntry) -> None:
+    def __init__(self, reader: Reader, tensor: TensorEntry, checks: ReadChecks) -> None:
         import torch
 
         self.reader = reader
         self.tensor = tensor
+        self.checks = checks
         self.torch_dtype = getattr(torch, tensor.dtype)
         self.itemsize = tensor.itemsize
         seen: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
@@ -238,6 +245,7 @@ class _SlabReader:
         row_elems = math.prod(c.sizes[1:])
         start = c.offset + row0 * row_elems * self.itemsize
         data = bytearray(self.reader.read(c.file, start, (row1 - row0) * row_elems * self.itemsize))
+        self.checks.add(c, start - c.offset, data)
         flat = torch.frombuffer(data, dtype=self.torch_dtype) if data else torch.empty(0)
         return flat.view((row1 - row0, *c.sizes[1:]) if c.sizes else ())
 
@@ -246,8 +254,20 @@ class _SlabReader:
 
         assert c.strides is not None
         data = bytearray(self.reader.read(c.file, c.offset, c.length))
+        self.checks.add(c, 0, data)
         flat = torch.frombuffer(data, dtype=self.torch_dtype)
         return flat.as_strided(c.sizes, c.strides).contiguous()
+
+
+#: What a diff's CRC mismatch says after "the file is damaged".
+_DAMAGED_THEN = "(`ckpt verify` on it lists every damaged record); the comparison stopped there"
+
+
+def _checks(reader: Reader, tensor: TensorEntry) -> ReadChecks:
+    """The stored CRC-32 of each record of ``tensor`` checked as its bytes are read, as
+    ``consolidate`` and ``verify`` check them: a damaged record is an error naming its file
+    and tensor, not a difference of a few elements."""
+    return ReadChecks(reader, tensor.fqn, _DAMAGED_THEN)
 
 
 def _bytes_equal(
@@ -256,7 +276,7 @@ def _bytes_equal(
     """``base`` as bit-exact and the bytes compared when two tensors of one dtype and shape
     are bit-identical, read in slabs of whole rows without torch; None when they differ (or a
     side stores a strided chunk): torch then finds which elements differ and by how much."""
-    sa, sb = RowBytes(ra, ta), RowBytes(rb, tb)
+    sa, sb = RowBytes(ra, ta, _checks(ra, ta)), RowBytes(rb, tb, _checks(rb, tb))
     if not (sa.contiguous and sb.contiguous):
         return None
     rows_total = ta.shape[0] if ta.shape else 1
@@ -306,7 +326,7 @@ def _compare(
         return equal
     import torch
 
-    sa, sb = _SlabReader(ra, ta), _SlabReader(rb, tb)
+    sa, sb = _SlabReader(ra, ta, _checks(ra, ta)), _SlabReader(rb, tb, _checks(rb, tb))
     shape = ta.shape
     row_elems = math.prod(shape[1:]) if shape else 1
     rows_total = shape[0] if shape else 1
@@ -437,6 +457,29 @@ def _tied_aliases(
     return found
 
 
+def _lora_views(
+    paths: tuple[str, str],
+    manifests: tuple[Manifest, Manifest],
+    names: tuple[Mapping[str, str], Mapping[str, str]],
+    notes: list[str],
+) -> tuple[Mapping[str, str], Mapping[str, str]]:
+    """Each side's names, a PEFT-wrapped model's replaced by its adapter's when the other side
+    is that adapter's export (``consolidate --adapter``, ``PeftModel.save_pretrained``); the
+    note for a PEFT-wrapped side (:func:`ckptools.views.lora.diff_view`) added to ``notes``."""
+    from ckptools.views import lora
+
+    out = list(names)
+    for i, side in enumerate("AB"):
+        view = lora.diff_view(names[i], manifests[i], names[1 - i].keys(), paths[i])
+        if view is None:
+            continue
+        adapter, note = view
+        if adapter is not None:
+            out[i] = adapter
+        notes.append(f"{side}: {note}")
+    return out[0], out[1]
+
+
 def _compare_all(
     ma: Manifest,
     mb: Manifest,
@@ -522,6 +565,7 @@ def diff(
         A :class:`DiffReport`; ``report.identical`` is True when nothing differs.
 
     Raises:
+        CorruptCheckpointError: a record read fails its stored CRC-32 (names file and tensor).
         CkptError: either checkpoint cannot be read (e.g. a missing file); run ``ckpt verify``.
 
     Example:
@@ -537,7 +581,9 @@ def diff(
     t0 = time.perf_counter()
     ma, mb = read_manifest(a, format_a), read_manifest(b, format_b)
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
-    notes = []
+    notes: list[str] = []
+    if names_a.keys() != names_b.keys():
+        names_a, names_b = _lora_views((a, b), (ma, mb), (names_a, names_b), notes)
     if config is not None or keep_in_memory_names or names_a.keys() != names_b.keys():
         from ckptools.verbs.consolidate import find_model_files, model_config
 

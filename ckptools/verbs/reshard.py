@@ -51,7 +51,7 @@ from ckptools.verbs import dcp_output
 from ckptools.verbs.consolidate import model_config
 from ckptools.verbs.dcp_output import Share
 from ckptools.verify.checksums import CHECKSUM_FILE
-from ckptools.views.export import suggested_optimizer_order
+from ckptools.views.export import suggested_optimizer_order, untied_head
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
@@ -446,10 +446,14 @@ def _planned_shard(
     tensors = {f: f for f in manifest.tensors} if model is None else dict(model)
     left = len(manifest.tensors) - len(tensors)
     source, keymap = manifest, None
+    cfg = _shard_config(src, config)
     if not keep_stored_names:
-        source, tensors, keymap = to_memory_names(
-            manifest, tensors, _shard_config(src, config), quiet=options.quiet
-        )
+        source, tensors, keymap = to_memory_names(manifest, tensors, cfg, quiet=options.quiet)
+    head = untied_head(tensors, cfg)
+    if head is not None:
+        # the FSDP2 model's get_model_state_dict holds the tied head (one storage, two names):
+        # dcp.load needs it, so it is written as the embedding's bytes under its own name
+        tensors = {**tensors, head[0]: tensors[head[1]]}
     names = {f"{prefix}{name}": fqn for name, fqn in tensors.items()}
     paths = {f"{prefix}{name}": (*path, name) for name in tensors}
     plan = plan_dcp(source, options.world_size, names, paths, objects=[])
@@ -461,6 +465,11 @@ def _planned_shard(
         )
     if keymap is not None:
         notes.append(f"in-memory layout of {keymap.mapping}: " + "; ".join(keymap.rules))
+    if head is not None:
+        notes.append(
+            f"{head[0]}: not stored in {src}, whose config ties it to {head[1]}: written as a "
+            "copy of it, as the model's get_model_state_dict holds it"
+        )
     if manifest.objects:
         notes.append(
             f"{len(manifest.objects)} non-tensor value(s) of the source were not carried over "

@@ -7,10 +7,10 @@ import time
 from typing import TYPE_CHECKING
 
 from ckptools.engine import collective
-from ckptools.errors import UsageError
+from ckptools.errors import CorruptCheckpointError, UsageError
 from ckptools.io import storage, tunables
 from ckptools.verify import checksums, scan
-from ckptools.verify.report import VerifyReport
+from ckptools.verify.report import Finding, VerifyReport
 from ckptools.verify.structure import check_structure, read
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def verify(
     ranks = collective.current(distributed)
     manifest, findings = read(path, format)
     if manifest is None:
-        diff_report = _diff(ranks, path, against, atol, rtol, format)
+        diff_report = _diff(ranks, path, against, atol, rtol, format, findings)
         return VerifyReport(
             path, None, None, quick, check_finite, tuple(findings),
             seconds=time.perf_counter() - t0, diff=diff_report,
@@ -100,7 +100,7 @@ def verify(
         bytes_read = content.bytes_read
         if sums is not None and content.digests is not None:
             findings.extend(checksums.compare_checksums(sums, content.digests, structure.items))
-    diff_report = _diff(ranks, path, against, atol, rtol, format)
+    diff_report = _diff(ranks, path, against, atol, rtol, format, findings)
     return VerifyReport(
         path=path,
         format=manifest.format,
@@ -126,12 +126,22 @@ def _diff(
     atol: float | None,
     rtol: float | None,
     format: str | None,
+    findings: list[Finding],
 ) -> DiffReport | None:
-    """The comparison with ``against`` (rank 0 compares; every rank gets its report)."""
+    """The comparison with ``against`` (rank 0 compares; every rank gets its report). A record
+    the comparison finds damaged (``diff`` checks CRCs as it reads) ends it: no report, and
+    the damage joins ``findings`` unless the scan of ``path`` found it already."""
     if against is None:
         return None
     from ckptools.verbs.diff import diff
 
-    return ranks.from_root(
-        lambda: diff(path, against, atol=atol, rtol=rtol, format_a=format), "verify --against"
-    )
+    def compare() -> tuple[DiffReport | None, Finding | None]:
+        try:
+            return diff(path, against, atol=atol, rtol=rtol, format_a=format), None
+        except CorruptCheckpointError as e:
+            return None, Finding("crc", f"--against: {e}", e.path, e.fqn, e.rank)
+
+    report, damaged = ranks.from_root(compare, "verify --against")
+    if damaged is not None and not any(f.kind == "crc" and f.fqn == damaged.fqn for f in findings):
+        findings.append(damaged)
+    return report

@@ -11,6 +11,7 @@ on-disk format and the files planned (:func:`plan_export`); the index written la
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,8 @@ class ExportOptions:
         max_shard_size: largest output file, e.g. ``"5GB"``, ``"300KB"``, ``"2GiB"`` or bytes.
         dtype: cast floating tensors to this dtype (other tensors are kept as stored).
         select: export this key sub-tree instead of the model (see :func:`select_tensors`).
+        key: the container holding the model's state dict (``model_state_dict``): ``select``
+            under the name ``torch.save`` users know; errors about it name ``--key``.
         strip_prefix: remove this prefix from output names.
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing output directory.
@@ -71,12 +74,14 @@ class ExportOptions:
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
-        UsageError: a bad size or dtype.
+        UsageError: a bad size or dtype, both ``key`` and ``select``, or a ``lora_alpha`` that
+            is not a positive number (alpha 0 would merge nothing; a negative one subtracts).
     """
 
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
     dtype: CastDType | None = None
     select: str | None = None
+    key: str | None = None
     strip_prefix: str | None = None
     config: str | None = None
     overwrite: bool = False
@@ -101,8 +106,17 @@ class ExportOptions:
         "--lora-alpha, --adapter-config, --adapter-name: need --adapter or --merge-lora"
     )
 
+    @property
+    def select_flag(self) -> str:
+        """The option that chose ``select``, as errors about the selection name it."""
+        return "--key" if self.key is not None else "--select"
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
+        if self.key is not None:
+            if self.select is not None:
+                raise UsageError("--key and --select both choose what to export; give one")
+            object.__setattr__(self, "select", self.key)
         if self.dtype is not None and (
             not dtypes.is_dtype_name(self.dtype) or not dtypes.dtype(self.dtype).is_floating
         ):
@@ -112,6 +126,13 @@ class ExportOptions:
         lora_option = self.lora_alpha is not None or self.adapter_config or self.adapter_name
         if lora_option and not (self.adapter or self.merge_lora):
             raise UsageError(self.LORA_NEEDS)
+        if self.lora_alpha is not None and not (
+            math.isfinite(self.lora_alpha) and self.lora_alpha > 0
+        ):
+            raise UsageError(
+                f"--lora-alpha {self.lora_alpha:g}: expected a positive number (the adapter's "
+                "lora_alpha from its LoraConfig or adapter_config.json)"
+            )
         if self.merge_lora and self.dtype is not None:
             raise UsageError("--merge-lora merges in the weights' dtype: drop --dtype")
         if self.masters and (self.adapter or self.merge_lora or self.select is not None):
@@ -120,7 +141,11 @@ class ExportOptions:
 
 
 def select_tensors(
-    manifest: Manifest, select: str | None = None, strip_prefix: str | None = None
+    manifest: Manifest,
+    select: str | None = None,
+    strip_prefix: str | None = None,
+    *,
+    flag: str = "--select",
 ) -> dict[str, str]:
     """Output name → stored FQN of the tensors to export.
 
@@ -132,6 +157,7 @@ def select_tensors(
             (:func:`ckptools.core.keys.find_model_part`). Either way wrapper segments are removed
             as :func:`ckptools.core.keys.own_names` says.
         strip_prefix: removed from the start of every output name that has it.
+        flag: the option that gave ``select``, as errors name it (``--key`` or ``--select``).
 
     Raises:
         UsageError: nothing matches, or two stored tensors would get the same name.
@@ -151,7 +177,7 @@ def select_tensors(
         for name, fqn in zip(keys.own_names(list(chosen.values())), chosen, strict=True):
             if name in out:
                 raise UsageError(
-                    f"--select {select!r}: {out[name]!r} and {fqn!r} would both be written as "
+                    f"{flag} {select!r}: {out[name]!r} and {fqn!r} would both be written as "
                     f"{name!r}; select a narrower sub-tree"
                 )
             out[name] = fqn
@@ -172,7 +198,7 @@ def select_tensors(
         tops = sorted({keys.key_path(manifest, f)[0] for f in manifest.tensors})
         raise UsageError(
             f"{manifest.root}: no tensors selected"
-            + (f" by --select {select!r}" if select is not None else "")
+            + (f" by {flag} {select!r}" if select is not None else "")
             + f"; top-level keys with tensors: {', '.join(tops) or '(none)'}"
         )
     return out
@@ -337,13 +363,40 @@ def suggested_optimizer_order(manifest: Manifest, config: str | None = None) -> 
 
 
 def tie_setting(files: list[tuple[str, str]]) -> bool | None:
-    cfg = model_config(files)
+    return config_ties(model_config(files))
+
+
+def config_ties(cfg: Mapping[str, Any] | None) -> bool | None:
+    """The model config's ``tie_word_embeddings`` (or its ``text_config``'s), None if unset."""
     if cfg is None:
         return None
     value = cfg.get("tie_word_embeddings")
     if value is None and isinstance(cfg.get("text_config"), dict):
         value = cfg["text_config"].get("tie_word_embeddings")
     return None if value is None else bool(value)
+
+
+#: The output embedding a transformers language model ties to its input embedding: every
+#: ``*ForCausalLM`` / ``*LMHeadModel`` / ``*ForConditionalGeneration`` holds it at the top.
+TIED_HEAD = "lm_head.weight"
+_HEADED = ("CausalLM", "LMHead", "ConditionalGeneration")
+
+
+def untied_head(names: Mapping[str, str], cfg: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """``(output embedding, input embedding)`` when ``names`` (a full model) leave out the
+    output embedding that ``cfg`` ties (``save_pretrained`` drops it; ``from_pretrained`` and
+    the live model, whose ``state_dict`` has it, share the input embedding's storage): the one
+    input embedding stored, no output embedding, a config that ties and a language-model
+    head among its ``architectures`` (if it names them). Else None."""
+    if not config_ties(cfg):
+        return None
+    arch = (cfg or {}).get("architectures") or []
+    if arch and not any(h in str(a) for a in arch for h in _HEADED):
+        return None
+    if any(n.endswith(_OUTPUT_EMBEDDINGS) for n in names):
+        return None
+    ins = [n for n in names if n.endswith(_INPUT_EMBEDDINGS)]
+    return (TIED_HEAD, ins[0]) if len(ins) == 1 else None
 
 
 def tied_candidates(names: Mapping[str, str], manifest: Manifest) -> list[tuple[str, str]]:
@@ -460,7 +513,7 @@ def plan_export(
             ``options.keep_in_memory_names``; ``boxes_only`` for a manifest without bytes.
         check: CRC-check the records a conversion splits now (false for a dry run).
     """
-    names = select_tensors(manifest, options.select, options.strip_prefix)
+    names = select_tensors(manifest, options.select, options.strip_prefix, flag=options.select_flag)
     if options.adapter:
         return _plan_adapter(manifest, names, options, config)
     if options.select is None and not options.merge_lora:

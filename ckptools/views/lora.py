@@ -23,7 +23,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,10 @@ class LoraScan:
     def target_modules(self, adapter: str) -> list[str]:
         """The last name segments of the adapter's modules (peft's ``target_modules``)."""
         return sorted({m.module.rsplit(".", 1)[-1] for m in self.of(adapter)})
+
+    def summary(self) -> str:
+        """``'default' on q_proj, v_proj`` for each adapter."""
+        return ", ".join(f"{a!r} on {', '.join(self.target_modules(a))}" for a in self.adapters)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -176,10 +180,46 @@ def refuse_peft_names(names: Mapping[str, str], manifest: Manifest, ways: str) -
     found = scan(names, {n: manifest.tensors[f].shape for n, f in names.items()})
     if found is None:
         return
-    adapters = ", ".join(f"{a!r} on {', '.join(found.target_modules(a))}" for a in found.adapters)
     raise UsageError(
-        f"{manifest.root}: a PEFT-wrapped model (LoRA {adapters}) whose names from_pretrained "
-        f"cannot load: {ways}"
+        f"{manifest.root}: a PEFT-wrapped model (LoRA {found.summary()}) whose names "
+        f"from_pretrained cannot load: {ways}"
+    )
+
+
+def diff_view(
+    names: Mapping[str, str], manifest: Manifest, other: Collection[str], path: str
+) -> tuple[dict[str, str] | None, str] | None:
+    """How ``ckpt diff`` meets a PEFT-wrapped model (``names``: its model part) whose names
+    ``other`` (the other side's) do not share, or None when ``names`` hold no LoRA adapter.
+
+    When ``other`` are exactly one adapter's names as ``PeftModel.save_pretrained`` and
+    ``consolidate --adapter`` write them, the first item is that adapter under those names
+    (:func:`adapter_names`), so it is compared with the export; else None. The second is the
+    note to show, for the side ``names`` are (the checkpoint ``path``), in either case.
+    """
+    shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
+    try:
+        found = scan(names, shapes)
+    except UsageError:  # a half adapter: the names are compared as they are
+        return None
+    if found is None:
+        return None
+    for adapter in found.adapters:
+        try:
+            out, _, _ = adapter_names(names, manifest, adapter)
+        except UsageError:
+            break
+        if set(out) == set(other):
+            rest = len(names) - len(out)
+            return out, (
+                f"a PEFT-wrapped model (LoRA {found.summary()}): its adapter {adapter!r} "
+                f"compared under peft's names, as `ckpt consolidate --adapter` writes it; its "
+                f"{rest} other tensors (the base model) are not compared"
+            )
+    return None, (
+        f"a PEFT-wrapped model (LoRA {found.summary()}) under peft's names, which the other "
+        f"side does not use: compare its merged model (`ckpt consolidate {path} OUT "
+        "--merge-lora --lora-alpha ALPHA`) or its adapter (`--adapter`) with it instead"
     )
 
 
@@ -298,7 +338,7 @@ def adapter_config(
 
     Raises:
         UsageError: no alpha (names ``source`` and ``--lora-alpha``), an unreadable config file,
-            or one whose ``r`` disagrees with the checkpoint.
+            one whose ``r`` disagrees with the checkpoint, or an alpha that is not positive.
     """
     modules = found.of(adapter)
     ranks = [m.rank for m in modules]
@@ -326,6 +366,11 @@ def adapter_config(
         cfg = {"r": r, "lora_alpha": lora_alpha}
     if "lora_alpha" not in cfg:
         raise UsageError(f"--adapter-config {config_file}: no lora_alpha; give --lora-alpha A")
+    alpha = cfg["lora_alpha"]
+    if not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
+        raise UsageError(
+            f"--adapter-config {config_file}: lora_alpha {alpha!r}: expected a positive number"
+        )
     cfg["r"] = cfg.get("r") or r
     cfg.setdefault("target_modules", found.target_modules(adapter))
     if not cfg.get("rank_pattern"):

@@ -19,6 +19,7 @@ import ckptools
 from ckptools.cli.exit_codes import EXIT_DIFFERENCES
 from ckptools.cli.main import cli
 from ckptools.engine.reader import resolve_chunk
+from ckptools.errors import CorruptCheckpointError
 from ckptools.io.storage import LocalReader
 from ckptools.layouts import read_manifest
 from ckptools.verbs.diff import BLOCK_BYTES_ENV
@@ -111,9 +112,11 @@ def test_single_changed_element_is_named(
 
 
 @pytest.mark.distributed
-def test_flipped_bit_in_a_sharded_chunk_is_located_globally(
+def test_flipped_bit_in_a_sharded_chunk_is_named_as_damage(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
+    """A flipped bit in a DCP item fails its record's CRC-32: diff names the file, tensor and
+    rank, as consolidate and verify do (it once reported the element as a difference)."""
     p = produced("fsdp2")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(p.path, ckpt)
@@ -125,11 +128,10 @@ def test_flipped_bit_in_a_sharded_chunk_is_located_globally(
         raw = resolve_chunk(reader, tensor, chunk)
     local = 7  # element index inside the chunk
     producers.flip_bit(ckpt / raw.file, raw.offset + local * 4 + 3, 6)
-    report = ckptools.diff(str(p.path), str(ckpt))
-    [d] = report.differences
-    cols = tensor.shape[1]
-    assert d.name == "model.layers.1.mlp.up_proj.weight" and d.mismatched == 1
-    assert d.first_index == (chunk.offsets[0] + local // cols, local % cols)
+    with pytest.raises(CorruptCheckpointError, match="CRC-32") as caught:
+        ckptools.diff(str(p.path), str(ckpt))
+    e = caught.value
+    assert (e.path, e.fqn, e.rank) == (f"{ckpt}/{raw.file}", fqn, 1)
 
 
 _DIFF_IN_A_FRESH_PROCESS = (
