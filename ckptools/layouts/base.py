@@ -48,6 +48,12 @@ class Layout(ABC):
     def read_manifest(self, path: str) -> Manifest:
         """Describe the checkpoint at ``path`` (metadata only)."""
 
+    def lacks(self, path: str) -> str | None:
+        """What the save ``path`` lacks to be read whole, or None when it is whole (or this
+        layout cannot tell cheaply): file presence per the save's own metadata, no tensor data
+        read. A run directory's newest save is its newest whole one."""
+        return None
+
 
 #: Every layout's name, in detection order (their ``priority``; equal ones in this order), and
 #: the module of ``ckptools.layouts`` that defines and registers it. Detection imports a module
@@ -182,18 +188,16 @@ def step_lacks(path: str, *, managed: bool) -> str | None:
     """What the ``step-N`` save ``path`` lacks, or None when whole: in a CheckpointManager root
     (``managed``) its commit marker and every file it records, else a whole DCP directory."""
     if managed:
-        from ckptools.training.store import read_marker as commit_marker
+        from ckptools.layouts.manager_saves import read_marker as commit_marker
 
         return commit_marker(path)[1] or None
-    from ckptools.layouts.wrappers import dcp_lacks
-
-    return dcp_lacks(path)
+    return _layout("dcp").lacks(path)
 
 
 def is_managed(path: str, names: Sequence[str]) -> bool:
     """Whether the run directory ``path`` is a CheckpointManager root: one of its ``step-N``
     saves holds the manager's commit marker."""
-    from ckptools.training.store import MARKER_NAME
+    from ckptools.layouts.manager_saves import MARKER_NAME
 
     return any(
         STEP_SAVE.match(n) and storage.isfile(storage.join(path, n, MARKER_NAME)) for n in names

@@ -509,6 +509,35 @@ def sharding_summary(manifest: Manifest) -> dict[str, int]:
     return out
 
 
+def dcp_lacks(path: str) -> str | None:
+    """What the DCP directory ``path`` lacks to be read, or None when it is whole: its
+    ``.metadata``, and every data file that metadata names (present: sizes are the reader's to
+    check). Parses the metadata (kept for the reader's own read), reads no tensor data."""
+    meta = storage.join(path, METADATA_FILE)
+    if storage.outside_reason(path, METADATA_FILE) is not None:
+        return f"its {METADATA_FILE} leads outside it"
+    try:
+        md = parse_metadata(read_marker(meta, peek=True), meta)
+    except (FileNotFoundError, NotADirectoryError):
+        return f"no DCP {METADATA_FILE}"
+    except CorruptCheckpointError as e:
+        return f"unreadable {METADATA_FILE}: {e}"
+    named = sorted(
+        {
+            info.relative_path
+            for info in (getattr(md, "storage_data", None) or {}).values()
+            if isinstance(getattr(info, "relative_path", None), str)
+        }
+    )
+    inside = [n for n in named if storage.outside_reason(path, n) is None]
+    present = storage.file_sizes(path, inside) if inside else {}
+    missing = [n for n in inside if n not in present]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"{missing[0]}{more} missing ({METADATA_FILE} names it)"
+    return None
+
+
 class DcpLayout(Layout):
     priority = 20
     name = "dcp"
@@ -528,6 +557,9 @@ class DcpLayout(Layout):
         if any(n.endswith(".distcp") for n in names):
             return None  # read_manifest reports the missing marker precisely
         return "no .metadata file"
+
+    def lacks(self, path: str) -> str | None:
+        return dcp_lacks(path)
 
     def read_manifest(self, path: str) -> Manifest:
         return read_dcp_tree(path)

@@ -119,7 +119,7 @@ PRODUCERS = (
              deepspeed.save_ranks),
     Producer("verl", numbered.VERL, _verl_lacks, _verl_latest, _verl_ranks),
     # labelled by _steps_label: torchtitan, or whoever reads the newest whole save
-    Producer("step", numbered.TORCHTITAN, wrappers.dcp_lacks, _no_record, _dcp_ranks),
+    Producer("step", numbered.TORCHTITAN, dcp.dcp_lacks, _no_record, _dcp_ranks),
     Producer("megatron", numbered.MEGATRON, _megatron_lacks, _megatron_latest, _dcp_ranks),
 )  # fmt: skip
 

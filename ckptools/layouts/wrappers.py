@@ -18,11 +18,10 @@ import re
 from dataclasses import replace
 
 from ckptools.core.manifest import Manifest
-from ckptools.errors import CorruptCheckpointError
 from ckptools.io import storage
 from ckptools.layouts import numbered
 from ckptools.layouts.base import Layout, newest_numbered, read_marker, register
-from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
+from ckptools.layouts.dcp import METADATA_FILE, dcp_lacks, read_dcp_tree
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")
@@ -62,37 +61,6 @@ def _accelerate_parts(path: str) -> list[str]:
         for n in _listdir(path)
         if (_ACCEL_MODEL.match(n) or _ACCEL_OPTIM.match(n)) and storage.isdir(storage.join(path, n))
     ]
-
-
-def dcp_lacks(path: str) -> str | None:
-    """What the DCP directory ``path`` lacks to be read, or None when it is whole: its
-    ``.metadata``, and every data file that metadata names (present: sizes are the reader's to
-    check). Parses the metadata (kept for the reader's own read), reads no tensor data."""
-    from ckptools.layouts.dcp import parse_metadata
-
-    meta = storage.join(path, METADATA_FILE)
-    if storage.outside_reason(path, METADATA_FILE) is not None:
-        return f"its {METADATA_FILE} leads outside it"
-    try:
-        md = parse_metadata(read_marker(meta, peek=True), meta)
-    except (FileNotFoundError, NotADirectoryError):
-        return f"no DCP {METADATA_FILE}"
-    except CorruptCheckpointError as e:
-        return f"unreadable {METADATA_FILE}: {e}"
-    named = sorted(
-        {
-            info.relative_path
-            for info in (getattr(md, "storage_data", None) or {}).values()
-            if isinstance(getattr(info, "relative_path", None), str)
-        }
-    )
-    inside = [n for n in named if storage.outside_reason(path, n) is None]
-    present = storage.file_sizes(path, inside) if inside else {}
-    missing = [n for n in inside if n not in present]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        return f"{missing[0]}{more} missing ({METADATA_FILE} names it)"
-    return None
 
 
 def _is_whole_dcp(path: str) -> bool:

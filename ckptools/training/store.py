@@ -46,6 +46,7 @@ from typing import Any
 from ckptools.errors import CheckpointNotFoundError, UsageError
 from ckptools.io import storage
 from ckptools.io.staging import IN_PROGRESS, staging_for
+from ckptools.layouts.manager_saves import _MARKER_FORMAT, MARKER_NAME, read_marker
 from ckptools.training.retention import RetentionDecision, RetentionPolicy, plan_retention
 
 __all__ = [
@@ -66,8 +67,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Written last into a checkpoint directory; a directory without it is incomplete.
-MARKER_NAME = ".ckptools-complete"
-_MARKER_FORMAT = "ckptools-checkpoint"
 _MARKER_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_STEP_RE = re.compile(r"^\.tmp-step-(\d+)-[0-9a-f]+$")
@@ -201,38 +200,6 @@ def write_marker(
     text = json.dumps(marker, indent=1, sort_keys=True)
     storage.write_atomic(storage.join(tmp, MARKER_NAME), text.encode())
     return marker
-
-
-def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
-    """The marker of ``directory`` if it is complete, else ``(None, why not)``.
-
-    Complete means: the marker parses, names this format, and every file it records exists with
-    the recorded size (a few ``stat`` calls; byte-level checks are ``ckpt verify``'s job).
-    """
-    path = storage.join(directory, MARKER_NAME)
-    try:
-        marker = json.loads(storage.read_bytes(path))
-    except (FileNotFoundError, NotADirectoryError):
-        return None, f"no {MARKER_NAME} marker (save never committed)"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable {MARKER_NAME}: {e}"
-    if not isinstance(marker, dict) or marker.get("format") != _MARKER_FORMAT:
-        return None, f"{MARKER_NAME} is not a ckptools marker"
-    files = marker.get("files")
-    if not isinstance(files, dict):
-        return None, f"{MARKER_NAME} lists no files"
-    for name in files:  # never stat'ed outside the checkpoint (ckptools.io.containment)
-        reason = storage.outside_reason(directory, name, links=False)
-        if reason is not None:
-            return None, f"{MARKER_NAME} names {storage.shown(name, reason)}, which {reason}"
-    present = storage.file_sizes(directory, list(files))
-    for name, size in files.items():
-        found = present.get(name)
-        if found is None:
-            return None, f"missing file {name}"
-        if found != size:
-            return None, f"{name} is {found} bytes, marker says {size}"
-    return marker, ""
 
 
 @storage.accepts_storage_options
