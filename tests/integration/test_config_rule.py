@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import transformers
 from click.testing import CliRunner
@@ -109,6 +110,52 @@ def _save_hf(path: Path, hidden: int) -> None:
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
 
 
+def test_shard_to_megatron_output_is_read_back_without_config(tmp_path: Path) -> None:
+    """``shard --to megatron`` keeps the HF model's config in the run directory: consolidate
+    and diff of the run find it first, not the config of another model above the run (here the
+    working directory's, hidden 48, against the run's hidden 64)."""
+    work = tmp_path / "work"
+    _save_hf(work, 48)  # another model's config.json in the directory above the run
+    src = tmp_path / "hf"
+    _save_hf(src, 64)
+    run = work / "run"
+    shard = _invoke("shard", str(src), str(run), "--to", "megatron", "-q")
+    assert shard.exit_code == 0, shard.output
+    for source in (run, run / "iter_0000001"):
+        out = tmp_path / f"back-{source.name}"
+        result = _invoke("consolidate", str(source), str(out), "-q")
+        assert result.exit_code == 0, result.output
+        ours, theirs = load_file(out / "model.safetensors"), load_file(src / "model.safetensors")
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[n], t) for n, t in theirs.items())
+    diff = _invoke("diff", str(run), str(src))
+    assert diff.exit_code == 0 and "identical" in diff.output, diff.output
+    kept = json.loads((run / "config.json").read_text())
+    assert kept == json.loads((src / "config.json").read_text())
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_reshard_of_a_megatron_run_finds_the_config_consolidate_finds(
+    tmp_path: Path, inside: bool
+) -> None:
+    """The HF config kept beside the run directory: ``consolidate`` found it; ``reshard``
+    (of the run, or of its save) finds it by the same rule, without --config."""
+    project = tmp_path / "project"
+    shutil.copytree(MEGATRON / "tp2_pp1", project / "run")
+    shutil.copy(MEGATRON / "hf_llama" / "config.json", project / "config.json")
+    src = project / "run" / ("iter_0000010" if inside else "")
+    assert _invoke("consolidate", str(src), str(tmp_path / "hf"), "-q").exit_code == 0
+    result = _invoke("reshard", str(src), str(tmp_path / "dcp"), "--world-size", "2", "-q")
+    assert result.exit_code == 0, result.output
+    back = _invoke("consolidate", str(tmp_path / "dcp"), str(tmp_path / "hf2"), "-q")
+    assert back.exit_code == 0, back.output
+    a, b = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "hf2" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_a_config_above_a_megatron_run_that_does_not_fit_is_refused(tmp_path: Path) -> None:
     """Megatron's mapping needs the config: one found above the run whose model has other
     sizes (hidden 48 against the run's 64, the same heads and vocabulary) is refused in one
@@ -126,6 +173,9 @@ def test_a_config_above_a_megatron_run_that_does_not_fit_is_refused(tmp_path: Pa
     [line] = [n for n in result.output.splitlines() if n.startswith("error:")]
     assert str(work / "config.json") in line and "--config" in line, line
     assert "39 of another shape" in line, line
+    assert not out.exists()
+    resharded = _invoke("reshard", str(run), str(out), "--world-size", "2")
+    assert resharded.exit_code == 2 and "39 of another shape" in resharded.output, resharded.output
     assert not out.exists()
     fixed = _invoke("consolidate", str(run), str(out), "--config", str(src), "-q")
     assert fixed.exit_code == 0, fixed.output
