@@ -128,6 +128,8 @@ def test_shard_to_megatron_output_is_read_back_without_config(tmp_path: Path) ->
         ours, theirs = load_file(out / "model.safetensors"), load_file(src / "model.safetensors")
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[n], t) for n, t in theirs.items())
+        assert json.loads((out / "config.json").read_text())["hidden_size"] == 64
+        transformers.AutoModelForCausalLM.from_pretrained(out)  # the model these weights are
     diff = _invoke("diff", str(run), str(src))
     assert diff.exit_code == 0 and "identical" in diff.output, diff.output
     kept = json.loads((run / "config.json").read_text())
