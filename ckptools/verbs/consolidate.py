@@ -45,7 +45,9 @@ from ckptools.views.export import (
     CastDType,
     Export,
     ExportOptions,
+    config_misfit,
     find_model_files,
+    fitting_model_files,
     model_config,
     plan_export,
     same_storage,
@@ -53,6 +55,7 @@ from ckptools.views.export import (
     select_tensors,
     tie_setting,
     tied_candidates,
+    with_dtype,
     write_index,
 )
 
@@ -282,6 +285,25 @@ def consolidate(
     return run.result(*_write_resumable(run))
 
 
+def _checked_shapes(
+    manifest: Manifest, options: ConsolidateOptions
+) -> dict[str, tuple[int, ...]] | None:
+    """The tensors (output name → shape) a config found for ``manifest`` must fit: the model
+    part as :func:`plan_export` selects it. None where they are not a model's names yet (a
+    Megatron run: its conversion checks the config's sizes; ``--masters``) or not the model
+    alone (a LoRA adapter, merged or not)."""
+    if (
+        manifest.layout == "megatron"
+        or options.adapter
+        or options.merge_lora
+        or options.masters
+        or options.select is not None
+    ):
+        return None
+    names = select_tensors(manifest, None, options.strip_prefix)
+    return {n: manifest.tensors[f].shape for n, f in names.items()}
+
+
 @dataclass(frozen=True)
 class _Run:
     """One consolidation, planned: what every writing step and the result need."""
@@ -301,13 +323,21 @@ class _Run:
         """Read the source once, find the model files, choose the tensors and plan the files."""
         # exporting the model (not a --select'ed sub-tree): per-rank optimizer files unread
         manifest = read_manifest(src, options.format, model_only=options.select is None)
-        model_files = find_model_files(
-            src, options.config, manifest.details.get(MODEL_FILES_DIR), data_dir=manifest.data_dir()
-        )
+        model_files, misfit = fitting_model_files(
+            src, options.config, _checked_shapes(manifest, options),
+            manifest.details.get(MODEL_FILES_DIR), data_dir=manifest.data_dir(),
+            quiet=options.quiet,
+        )  # fmt: skip
         tie = tie_setting(model_files)
         export = plan_export(manifest, options, tie, model_config(model_files),
                              check=not options.dry_run)  # fmt: skip
-        notes = []
+        notes = [] if misfit is None else [f"{misfit} ({out} holds the weights only)"]
+        if manifest.layout == "megatron" and not options.adapter:
+            # the config named the run's tensors: the HF model they became must be its model
+            source = export.manifest or manifest
+            hf = {n: source.tensors[f].shape for n, f in export.names.items()}
+            needed = "Megatron's names and sizes come from it"
+            config_misfit(model_files, src, options.config, hf, needed=needed, quiet=options.quiet)
         if options.adapter:
             model_files = []  # peft's adapter directory holds the adapter and its config only
             notes.append(f"LoRA adapter of {len(export.names) // 2} target module(s)")
@@ -335,6 +365,7 @@ class _Run:
             and options.select is None
             and not has_config
             and export.config is None
+            and misfit is None
         ):
             notes.append(
                 f"no config.json beside {src} or above it: {out} holds the weights only, which "
@@ -418,10 +449,20 @@ class _Run:
                     "tied weights written twice (no config sets tie_word_embeddings): "
                     + ", ".join(f"{a} = {b}" for a, b in tied)
                 )
+        dtype = self.options.dtype
         for path, name in self.model_files:
-            copy_into(path, storage.join(tmp, name))
+            if name == "config.json" and dtype is not None:  # the config states the new dtype
+                cfg = model_config([(path, name)])
+                assert cfg is not None
+                written = (json.dumps(with_dtype(cfg, dtype), indent=2) + "\n").encode()
+                write_file_synced(storage.join(tmp, name), written)
+            else:
+                copy_into(path, storage.join(tmp, name))
         if self.export.config is not None and "config.json" not in self.copied:
-            made = (json.dumps(self.export.config, indent=2) + "\n").encode()
+            made_cfg = (
+                self.export.config if dtype is None else with_dtype(self.export.config, dtype)
+            )
+            made = (json.dumps(made_cfg, indent=2) + "\n").encode()
             write_file_synced(storage.join(tmp, "config.json"), made)
         if self.export.adapter_config is not None:
             write_file_synced(storage.join(tmp, lora.ADAPTER_CONFIG_NAME),

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ckptools.core.keys import model_keys
-from ckptools.core.manifest import Manifest, Part
+from ckptools.core.manifest import MODEL_FILES_DIR, Manifest, Part
 from ckptools.engine import collective
 from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UsageError
@@ -51,7 +51,13 @@ from ckptools.verbs import dcp_output
 from ckptools.verbs.consolidate import model_config
 from ckptools.verbs.dcp_output import Share
 from ckptools.verify.checksums import CHECKSUM_FILE
-from ckptools.views.export import suggested_optimizer_order, untied_head
+from ckptools.views.export import (
+    config_misfit,
+    fitting_model_files,
+    select_tensors,
+    suggested_optimizer_order,
+    untied_head,
+)
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
@@ -231,8 +237,17 @@ def _planned_reshard(src: str, out: str, options: ReshardOptions) -> _Run:
         # the HF model an FSDP2 job trains: masters, AdamW state and groups under HF FQNs
         from ckptools.training.megatron_source import training_manifest
 
-        cfg = _shard_config(src, options.config)
+        # the one rule consolidate finds it by; the HF model the run became must be its model
+        files, _ = fitting_model_files(
+            src, options.config, None, manifest.details.get(MODEL_FILES_DIR),
+            data_dir=manifest.data_dir(), quiet=options.quiet,
+        )  # fmt: skip
+        cfg = model_config(files)
         manifest = training_manifest(manifest, cfg, drop_optimizer=options.drop_optimizer)
+        if cfg is not None:
+            hf = {n: manifest.tensors[f].shape for n, f in select_tensors(manifest).items()}
+            needed = "Megatron's names and sizes come from it"
+            config_misfit(files, src, options.config, hf, needed=needed, quiet=options.quiet)
         return _planned_training_state(src, out, manifest, options)
     if manifest.format != "dcp":
         return _planned_training_state(src, out, manifest, options)
@@ -446,7 +461,10 @@ def _planned_shard(
     tensors = {f: f for f in manifest.tensors} if model is None else dict(model)
     left = len(manifest.tensors) - len(tensors)
     source, keymap = manifest, None
-    cfg = _shard_config(src, config)
+    notes = list(manifest.notes)
+    shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
+    cfg, misfit = _shard_config(src, config, shapes, manifest, quiet=options.quiet)
+    notes += [misfit] if misfit is not None else []
     if not keep_stored_names:
         source, tensors, keymap = to_memory_names(manifest, tensors, cfg, quiet=options.quiet)
     head = untied_head(tensors, cfg)
@@ -457,7 +475,6 @@ def _planned_shard(
     names = {f"{prefix}{name}": fqn for name, fqn in tensors.items()}
     paths = {f"{prefix}{name}": (*path, name) for name in tensors}
     plan = plan_dcp(source, options.world_size, names, paths, objects=[])
-    notes = list(manifest.notes)
     if left:
         notes.append(
             f"{left} tensor(s) outside the model (optimizer state...) were not carried over; "
@@ -499,15 +516,20 @@ def _planned_megatron(
         src, out, options, lambda format: format in PUBLISHED_FORMATS,
         "is already sharded; consolidate it first",
     )  # fmt: skip
-    cfg = _shard_config(src, config)
-    if cfg is None:
-        raise UsageError(
-            f"{src}: no config.json beside it: give the model's config with --config "
-            "(Megatron's sizes and the true vocabulary come from it)"
-        )
     tensors = dict(model_keys(manifest)) if manifest.format == "torch_save" else {
         f: f for f in manifest.tensors}  # fmt: skip
     shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
+    needed = "Megatron's sizes and the true vocabulary come from it"
+    files, _ = fitting_model_files(
+        src, config, shapes, manifest.details.get(MODEL_FILES_DIR),
+        data_dir=manifest.data_dir(), needed=needed, quiet=options.quiet,
+    )  # fmt: skip
+    cfg = model_config(files)
+    if cfg is None:
+        raise UsageError(
+            f"{src}: no config.json beside it or above it: give the model's config with "
+            f"--config ({needed})"
+        )
     keymap, dims = megatron.from_hf(shapes, cfg, divisor, src)
     source, names = merge_source(manifest, tensors, keymap)
     dtype = source.tensors[names["embedding.word_embeddings.weight"]].dtype
@@ -529,21 +551,29 @@ def _planned_megatron(
     return _Run(
         kind="shard", src=src, out=out, options=options, parts={sub: (source, plan)},
         source=manifest, source_root=manifest.data_dir(), notes=notes,
-        made=layout.marker_files(), fingerprint_options={"to": "megatron", "divisor": divisor},
+        # the HF model's config (and tokenizer) in the run directory: what reads the run back
+        # (consolidate, diff, reshard) finds the model it is by the one rule, as from the HF model
+        made={**layout.marker_files(), **{n: storage.read_bytes(p) for p, n in files}},
+        fingerprint_options={"to": "megatron", "divisor": divisor},
     )  # fmt: skip
 
 
-def _shard_config(src: str, config: str | None) -> dict[str, Any] | None:
-    """The model's config.json: ``config`` (the file or its directory), or the one beside
-    ``src``."""
-    if config is not None and storage.isdir(config):
-        config = storage.join(config, "config.json")
-    if config is None:
-        here = src if storage.isdir(src) else storage.dirname(src)
-        config = storage.join(here, "config.json")
-        if not storage.isfile(config):
-            return None
-    return model_config([(config, "config.json")])
+def _shard_config(
+    src: str,
+    config: str | None,
+    shapes: Mapping[str, tuple[int, ...]] | None,
+    manifest: Manifest,
+    *,
+    quiet: bool = False,
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The model's config.json by the one rule every verb uses
+    (:func:`ckptools.views.export.fitting_model_files`: ``config``, else beside ``src`` then up to
+    its run directory; used only where it fits ``shapes``), and the note of one that does not."""
+    files, misfit = fitting_model_files(
+        src, config, shapes, manifest.details.get(MODEL_FILES_DIR),
+        data_dir=manifest.data_dir(), quiet=quiet,
+    )  # fmt: skip
+    return model_config(files), misfit
 
 
 def _carry_out(

@@ -308,6 +308,80 @@ def find_model_files(
     return []
 
 
+def fitting_model_files(
+    src: str,
+    config: str | None,
+    shapes: Mapping[str, tuple[int, ...]] | None,
+    inside: str | None = None,
+    *,
+    data_dir: str | None = None,
+    needed: str | None = None,
+    quiet: bool = False,
+) -> tuple[list[tuple[str, str]], str | None]:
+    """The one rule every verb finds the model's ``config.json`` (and the files beside it) by:
+    ``config`` when given, else beside the checkpoint, then up to its run directory
+    (:func:`find_model_files`); and a config is used only when the model it names fits the
+    tensors ``shapes`` (output name → shape, as the model would hold them;
+    :func:`ckptools.views.model_fit.misfit`; None: not checked, the caller's conversion checks it).
+
+    Returns the files to use and a note when a config found by itself does not fit: then no
+    file of its directory is used (they are another model's), and the note names it and
+    ``--config``.
+
+    Raises:
+        UsageError: ``config`` is given and does not fit; or a config found does not fit and
+            ``needed`` (what needs it: "Megatron's sizes come from it") says the conversion
+            cannot go on without one; and as :func:`find_model_files` raises.
+    """
+    files = find_model_files(src, config, inside, data_dir=data_dir)
+    if shapes is None:
+        return files, None
+    note = config_misfit(files, src, config, shapes, needed=needed, quiet=quiet)
+    return (files, None) if note is None else ([], note)
+
+
+def config_misfit(
+    files: list[tuple[str, str]],
+    src: str,
+    config: str | None,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    needed: str | None = None,
+    quiet: bool = False,
+) -> str | None:
+    """The note that the ``config.json`` among ``files`` (:func:`find_model_files`) does not
+    fit the tensors ``shapes`` of ``src``, or None (it fits, there is none, or its model
+    cannot be built to tell: :func:`ckptools.views.model_fit.misfit`).
+
+    Raises:
+        UsageError: it does not fit and was given (``config``), or ``needed`` says what cannot
+            go on without it.
+    """
+    cfg = model_config(files)
+    if cfg is None or not shapes:
+        return None
+    from ckptools.views.model_fit import misfit
+
+    found = misfit(cfg, shapes, quiet=quiet)
+    if found is None:
+        return None
+    (path,) = [p for p, n in files if n == "config.json"]
+    if config is not None:
+        raise UsageError(
+            f"--config {config}: its model does not fit the tensors of {src} "
+            f"({found.describe()}); give the config of the model these weights are"
+        )
+    if needed is not None:
+        raise UsageError(
+            f"{path} (found for {src}) does not fit its tensors ({found.describe()}); "
+            f"give the model's own config with --config ({needed})"
+        )
+    return (
+        f"{path} (found for {src}) does not fit its tensors ({found.describe()}): not used, "
+        "nor the files beside it; give the model's own config with --config"
+    )
+
+
 def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
     """The ``config.json`` among ``files`` (:func:`find_model_files`), read, or None."""
     for path, name in files:
@@ -320,6 +394,41 @@ def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
                 raise UsageError(f"{path}: the model config is not a JSON object")
             return cfg
     return None
+
+
+def _dtype_keys() -> tuple[str, ...]:
+    """The key the installed transformers' ``save_pretrained`` writes a model's dtype under:
+    ``dtype`` since 4.56, ``torch_dtype`` before."""
+    from importlib import metadata
+
+    try:
+        major, minor = (int(p) for p in metadata.version("transformers").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return ("dtype",)
+    return ("dtype",) if (major, minor) >= (4, 56) else ("torch_dtype",)
+
+
+def with_dtype(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """``config`` stating ``dtype`` (``--dtype``'s) as ``save_pretrained`` after
+    ``model.to(dtype)`` does: ``from_pretrained(dtype="auto")`` then loads that dtype. Every
+    dtype key the config (or a sub-config) has is set; without one, the installed
+    transformers' key (:func:`_dtype_keys`) is added."""
+
+    def set_in(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        out, found = dict(cfg), False
+        for key, value in cfg.items():
+            if key in ("dtype", "torch_dtype") and (value is None or isinstance(value, str)):
+                out[key], found = dtype, True
+            elif isinstance(value, Mapping) and key.endswith("_config"):
+                sub, sub_found = set_in(value)
+                if sub_found:
+                    out[key] = sub
+        return out, found
+
+    out, found = set_in(config)
+    if not found:
+        out.update(dict.fromkeys(_dtype_keys(), dtype))
+    return out
 
 
 def suggested_optimizer_order(manifest: Manifest, config: str | None = None) -> list[str] | None:

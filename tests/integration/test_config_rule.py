@@ -1,0 +1,183 @@
+"""One rule for the model's ``config.json``, every verb: ``--config``, else beside the
+checkpoint, then up to its run directory; used only where the model it names fits the tensors.
+
+Producers: the tiny Llama FSDP2 job (``produced("fsdp2")``) and its config
+(``hf_config_dict``), the every-dtype DCP (``produced("single")``), Megatron-core's own saves
+(``fixtures/megatron/``) and transformers' ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ckptools.cli.main import cli
+from tests.conftest import Produced
+from tests.support.producers import hf_config_dict
+
+MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+
+
+def _invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_a_config_beside_that_does_not_fit_is_named_and_not_copied(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """A Llama config beside a checkpoint of other names would make ``from_pretrained`` build a
+    random Llama (every weight missing): named in a note with the counts, not copied; the same
+    config given with --config is refused in one line."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(produced("single").path, src)
+    (src / "config.json").write_text(json.dumps(hf_config_dict()))
+    (src / "tokenizer.json").write_text("{}")
+    out = tmp_path / "out"
+    result = _invoke("consolidate", str(src), str(out))
+    assert result.exit_code == 0, result.output
+    [note] = [line for line in result.output.splitlines() if "does not fit" in line]
+    assert str(src / "config.json") in note and "--config" in note, note
+    assert "21 missing" in note and "weights only" in note, note
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+    given = _invoke("consolidate", str(src), str(tmp_path / "o2"), "--config",
+                    str(src / "config.json"))  # fmt: skip
+    assert given.exit_code == 2, given.output
+    assert len(given.output.strip().splitlines()) == 1 and "does not fit" in given.output
+    assert not (tmp_path / "o2").exists()
+
+
+def test_a_config_that_fits_is_copied_and_loads(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    src = tmp_path / "ckpt"
+    shutil.copytree(produced("fsdp2", world_size=2).path, src)
+    (src / "config.json").write_text(json.dumps(hf_config_dict()))
+    out = tmp_path / "out"
+    result = _invoke("consolidate", str(src), str(out), "-q")
+    assert result.exit_code == 0, result.output
+    assert (out / "config.json").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(model.lm_head.weight, load_file(out / "model.safetensors")["lm_head.weight"])
+
+
+def test_dtype_cast_is_stated_in_the_written_config(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """``--dtype bfloat16``: the config says bfloat16 (as ``save_pretrained`` writes after
+    ``model.to(torch.bfloat16)``), so ``from_pretrained(dtype="auto")`` loads bfloat16."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(produced("fsdp2", world_size=2).path, src)
+    (src / "config.json").write_text(json.dumps(hf_config_dict()))  # "torch_dtype": "float32"
+    out = tmp_path / "out"
+    result = _invoke("consolidate", str(src), str(out), "--dtype", "bfloat16", "-q")
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "config.json").read_text())
+    assert written["torch_dtype"] == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+    # transformers' own save of the model, cast: the key it writes says bfloat16 here too
+    theirs = tmp_path / "theirs"
+    model.save_pretrained(theirs)
+    key = next(
+        k for k in ("dtype", "torch_dtype") if k in json.loads((theirs / "config.json").read_text())
+    )
+    (src / "config.json").write_text(
+        (theirs / "config.json").read_text().replace("bfloat16", "float32")
+    )
+    again = tmp_path / "again"
+    assert _invoke("consolidate", str(src), str(again), "--dtype", "bfloat16", "-q").exit_code == 0
+    assert json.loads((again / "config.json").read_text())[key] == "bfloat16"
+
+
+def _save_hf(path: Path, hidden: int) -> None:
+    cfg = transformers.Qwen3Config(
+        hidden_size=hidden, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=16,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+
+
+def test_shard_to_megatron_output_is_read_back_without_config(tmp_path: Path) -> None:
+    """``shard --to megatron`` keeps the HF model's config in the run directory: consolidate
+    and diff of the run find it first, not the config of another model above the run (here the
+    working directory's, hidden 48, against the run's hidden 64)."""
+    work = tmp_path / "work"
+    _save_hf(work, 48)  # another model's config.json in the directory above the run
+    src = tmp_path / "hf"
+    _save_hf(src, 64)
+    run = work / "run"
+    shard = _invoke("shard", str(src), str(run), "--to", "megatron", "-q")
+    assert shard.exit_code == 0, shard.output
+    for source in (run, run / "iter_0000001"):
+        out = tmp_path / f"back-{source.name}"
+        result = _invoke("consolidate", str(source), str(out), "-q")
+        assert result.exit_code == 0, result.output
+        ours, theirs = load_file(out / "model.safetensors"), load_file(src / "model.safetensors")
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[n], t) for n, t in theirs.items())
+        assert json.loads((out / "config.json").read_text())["hidden_size"] == 64
+        transformers.AutoModelForCausalLM.from_pretrained(out)  # the model these weights are
+    diff = _invoke("diff", str(run), str(src))
+    assert diff.exit_code == 0 and "identical" in diff.output, diff.output
+    kept = json.loads((run / "config.json").read_text())
+    assert kept == json.loads((src / "config.json").read_text())
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_reshard_of_a_megatron_run_finds_the_config_consolidate_finds(
+    tmp_path: Path, inside: bool
+) -> None:
+    """The HF config kept beside the run directory: ``consolidate`` found it; ``reshard``
+    (of the run, or of its save) finds it by the same rule, without --config."""
+    project = tmp_path / "project"
+    shutil.copytree(MEGATRON / "tp2_pp1", project / "run")
+    shutil.copy(MEGATRON / "hf_llama" / "config.json", project / "config.json")
+    src = project / "run" / ("iter_0000010" if inside else "")
+    assert _invoke("consolidate", str(src), str(tmp_path / "hf"), "-q").exit_code == 0
+    result = _invoke("reshard", str(src), str(tmp_path / "dcp"), "--world-size", "2", "-q")
+    assert result.exit_code == 0, result.output
+    back = _invoke("consolidate", str(tmp_path / "dcp"), str(tmp_path / "hf2"), "-q")
+    assert back.exit_code == 0, back.output
+    a, b = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "hf2" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_config_above_a_megatron_run_that_does_not_fit_is_refused(tmp_path: Path) -> None:
+    """Megatron's mapping needs the config: one found above the run whose model has other
+    sizes (hidden 48 against the run's 64, the same heads and vocabulary) is refused in one
+    line naming it and --config, rather than copied beside weights it cannot load."""
+    work = tmp_path / "work"
+    _save_hf(work, 48)
+    src = tmp_path / "hf"
+    _save_hf(src, 64)
+    run = work / "run"
+    assert _invoke("shard", str(src), str(run), "--to", "megatron", "-q").exit_code == 0
+    (run / "config.json").unlink(missing_ok=True)  # a run written by Megatron itself keeps none
+    out = tmp_path / "out"
+    result = _invoke("consolidate", str(run), str(out))
+    assert result.exit_code == 2, result.output
+    [line] = [n for n in result.output.splitlines() if n.startswith("error:")]
+    assert str(work / "config.json") in line and "--config" in line, line
+    assert "39 of another shape" in line, line
+    assert not out.exists()
+    resharded = _invoke("reshard", str(run), str(out), "--world-size", "2")
+    assert resharded.exit_code == 2 and "39 of another shape" in resharded.output, resharded.output
+    assert not out.exists()
+    fixed = _invoke("consolidate", str(run), str(out), "--config", str(src), "-q")
+    assert fixed.exit_code == 0, fixed.output
