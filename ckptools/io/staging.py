@@ -162,6 +162,12 @@ class LocalStaging:
         except OSError as e:
             # a place where nothing can be made (/proc, a read-only or vanished directory):
             # what out_rules.check_place could not foresee, said in one line
+            if e.errno == errno.ENAMETOOLONG:
+                raise UsageError(
+                    f"{tmp}: the staging directory's name is too long ({e.strerror}); choose "
+                    "a shorter OUT",
+                    path=tmp,
+                ) from e
             if e.errno not in _CANNOT_CREATE:
                 raise
             raise UsageError(

@@ -291,7 +291,7 @@ def _checked_shapes(
     """The tensors (output name → shape) a config found for ``manifest`` must fit: the model
     part as :func:`plan_export` selects it. None where they are not a model's names yet (a
     Megatron run: its conversion checks the config's sizes; ``--masters``) or not the model
-    alone (a LoRA adapter, merged or not)."""
+    alone (a LoRA adapter, merged or not, or a PEFT model given without either)."""
     if (
         manifest.layout == "megatron"
         or options.adapter
@@ -301,7 +301,9 @@ def _checked_shapes(
     ):
         return None
     names = select_tensors(manifest, None, options.strip_prefix)
-    return {n: manifest.tensors[f].shape for n, f in names.items()}
+    shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
+    # a PEFT model's names are no config's: the export refuses it first, naming the ways out
+    return None if lora.scan(shapes, shapes) is not None else shapes
 
 
 @dataclass(frozen=True)

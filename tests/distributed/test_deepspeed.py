@@ -10,6 +10,7 @@ buffer and sizes that split partitions mid-row. The truths are DeepSpeed's own: 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -152,8 +153,10 @@ def test_bfloat16_export_and_tag_directory(
     out = tmp_path / "bf16"
     # the tag directory itself is a checkpoint too: how a tag other than ``latest`` is chosen
     result = ckptools.consolidate(os.path.join(path, TAG), str(out), dtype="bfloat16", quiet=True)
-    # the model's config is found beside the tag directory (the run directory)
-    assert (out / "config.json").read_bytes() == config.read_bytes()
+    # the model's config is found beside the tag directory (the run directory), and states
+    # the dtype written, as save_pretrained's does
+    written = json.loads((out / "config.json").read_text())
+    assert written == {**json.loads(config.read_text()), "dtype": "bfloat16"}
     assert result.config_files == ("config.json",)
     ours = _load_dir(out)
     for name, want in _zero_to_fp32(path).items():

@@ -397,19 +397,20 @@ def test_unwritable_destination_fails_every_rank(
 ) -> None:
     source = produced("hf_sharded") if command == "shard" else produced("fsdp2", world_size=2,
                                                                         optimizer=True)  # fmt: skip
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    out = blocker / "out"  # rank 0 cannot create the temporary directory beside it
+    # OUT's own name fits (255 bytes), the staging directory's `<out>.tmp-<id>` does not: only
+    # rank 0, which makes it, finds out (every rank checks OUT itself before any work)
+    out = tmp_path / ("o" * 250)
     extra = ["--world-size", "3"] if command != "consolidate" else []
     launch = torchrun(
         [command, str(source.path), str(out), *extra, "-q"], tmp_path, nproc=2, failing=True
     )
-    _assert_all_failed(launch)
+    _assert_all_failed(launch, code=2)
     # Rank 1 did nothing wrong: it learnt of rank 0's error and left with it, named by the
     # command that was run (a shard once reported itself as a failed reshard)
     told = f"error: {command} failed on another rank (rank 0)"
     assert any(line.startswith(told) for s in launch.stderr for line in s.splitlines())
-    assert blocker.read_text() == "not a directory"
+    assert any("name is too long" in s for s in launch.stderr)
+    assert list(tmp_path.glob("o*")) == []
 
 
 def _break_archive(path: Path, offset: int, length: int) -> None:
