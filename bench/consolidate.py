@@ -217,8 +217,8 @@ def plan_timing(workdir: str, n_tensors: int, ranks: int) -> str:
     Uses the test suite's generator of valid DCP ``.metadata`` (run from the repository root).
     """
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from ckptools.layouts import read_manifest
     from ckptools.plan.safetensors import plan_consolidation
+    from ckptools.producers import read_manifest
     from ckptools.verbs.consolidate import select_tensors
     from tests.support.producers import big_many_tensors_metadata
 

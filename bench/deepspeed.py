@@ -207,7 +207,7 @@ def master_ranges(src: str) -> list[tuple[str, int, int]]:
     where one ends where the next begins (a rank's partition holds its parameters back to back).
     """
     sys.path.insert(0, REPO)
-    from ckptools.layouts import read_manifest
+    from ckptools.producers import read_manifest
     from ckptools.verbs.consolidate import select_tensors
 
     manifest = read_manifest(src)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ckptools.engine.reader import read_object, read_tensor
     from ckptools.errors import CkptError
     from ckptools.hub import PushResult, push_to_hub
-    from ckptools.layouts import read_manifest
+    from ckptools.producers import read_manifest
     from ckptools.training.load_pretrained import load_pretrained
     from ckptools.training.manager import CheckpointManager
     from ckptools.training.pretrained import save_pretrained

@@ -173,7 +173,7 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
 
 
 def _megatron_lines(mg: dict[str, Any]) -> list[str]:
-    """``inspect``'s lines for a Megatron-core run (:mod:`ckptools.layouts.megatron`)."""
+    """``inspect``'s lines for a Megatron-core run (:mod:`ckptools.producers.megatron.layout`)."""
 
     def shown(key: str) -> str:
         return "?" if mg.get(key) is None else str(mg[key])

@@ -133,11 +133,11 @@ def at_tag(path: str, tag: str | None) -> str:
     if iteration is not None:
         if tag is not None:
             raise click.UsageError("--tag and --iteration both name a save: give one")
-        from ckptools.layouts.megatron import iteration_dir
+        from ckptools.producers.megatron.layout import iteration_dir
 
         return iteration_dir(path, iteration)
     if tag is None:
         return path
-    from ckptools.layouts.deepspeed_files import choose_tag
+    from ckptools.producers.deepspeed.files import choose_tag
 
     return choose_tag(path, tag)

@@ -18,9 +18,9 @@ from ckptools.engine.reader import SourceCache
 from ckptools.engine.runtime import BLOCK_BYTES
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
-from ckptools.plan import megatron
 from ckptools.plan.conversion_cache import keymap_for
 from ckptools.plan.conversions import KeyMap, merge_entries, split_entries
+from ckptools.producers.megatron import plan as megatron
 
 
 def split_source(
@@ -100,8 +100,8 @@ def megatron_to_disk(
     check: bool = True,
 ) -> tuple[Manifest, dict[str, str], KeyMap, dict[str, Any]]:
     """A Megatron run's model tensors ``names`` (stored name -> FQN) as the Hugging Face model's
-    (:func:`ckptools.plan.megatron.to_hf`): the manifest with the HF tensors' entries, HF name
-    -> FQN in it, the pieces, and the HF config (``config``, or made from the run's args).
+    (:func:`ckptools.producers.megatron.plan.to_hf`): the manifest with the HF tensors' entries,
+    HF name -> FQN in it, the pieces, and the HF config (``config``, or made from the run's args).
     ``check``: see :func:`split_source`.
 
     ``names`` maps each Megatron model name to the entry that holds its values, so another
@@ -109,7 +109,7 @@ def megatron_to_disk(
     optimizer's fp32 masters) passes the model names mapped to entries of the masters added
     to ``manifest``, and gets the HF model in fp32.
     """
-    from ckptools.layouts.megatron import DETAILS_KEY
+    from ckptools.producers.megatron.layout import DETAILS_KEY
 
     shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
     args = manifest.details.get(DETAILS_KEY) or {}

@@ -96,7 +96,7 @@ def provenance(
 
     out: dict[str, Any] = {"version": __version__}
     if source is not None:
-        from ckptools.layouts import read_manifest
+        from ckptools.producers import read_manifest
 
         src = read_manifest(source)
         parts = os.path.normpath(os.path.abspath(source)).split(os.sep)

@@ -83,7 +83,7 @@ def check_model_directory(directory: str) -> Manifest:
             (the message names it).
         UsageError: ``directory`` is a distributed checkpoint, not a model directory.
     """
-    from ckptools.layouts import detect, read_manifest
+    from ckptools.producers import detect, read_manifest
     from ckptools.verify import verify
 
     if not os.path.isdir(directory):

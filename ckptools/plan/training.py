@@ -35,7 +35,7 @@ from typing import Any
 from ckptools.core.keys import find_model_part, key_path, model_keys, own_names
 from ckptools.core.manifest import MODEL_ORDER_UNKNOWN, OPTIMIZER_UNREADABLE, Manifest
 from ckptools.errors import UnsupportedCheckpointError, UsageError
-from ckptools.layouts.optimizer_state import optimizer_alone, optimizer_states
+from ckptools.producers.optimizer_state import optimizer_alone, optimizer_states
 
 MODEL = "model"
 OPTIM = "optim"
@@ -75,7 +75,7 @@ class TrainingLayout:
 
 def find_optimizers(manifest: Manifest) -> list[tuple[str, ...]]:
     """Key paths of the optimizer state dicts in ``manifest``
-    (:func:`ckptools.layouts.optimizer_state.optimizer_states` finds them)."""
+    (:func:`ckptools.producers.optimizer_state.optimizer_states` finds them)."""
     return [tuple(o.key.split(".")) if o.key else () for o in optimizer_states(manifest)]
 
 

@@ -9,7 +9,7 @@ memory per rank) or on rank 0 plus a broadcast. Every rank:
    local tensor holds: a DTensor's chunk (what ``dcp.save`` records, e.g. FSDP2's dim-0 rows,
    :func:`ckptools.core.geometry.fsdp2_rows`), an FSDP1 ``ShardedTensor``'s local shards, or
    the whole tensor of an unsharded module;
-2. reads the safetensors headers (:func:`ckptools.layouts.safetensors.read_safetensors`; the
+2. reads the safetensors headers (:func:`ckptools.producers.hf.safetensors.read_safetensors`; the
    conversion given, else transformers' own as ``from_pretrained`` applies it
    (:mod:`ckptools.training.pretrained_keys`), maps the published names and byte runs to the
    in-memory ones), checks names, shapes and dtypes against the model before any tensor byte is
@@ -51,7 +51,7 @@ from ckptools.errors import (
 )
 from ckptools.io import storage
 from ckptools.io.tunables import env_size
-from ckptools.layouts.safetensors import read_safetensors
+from ckptools.producers.hf.safetensors import read_safetensors
 from ckptools.training.fill import (
     Copy,
     Filler,

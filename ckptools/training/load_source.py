@@ -4,7 +4,7 @@ Every source ``ckpt reshard`` accepts (verl's per-rank files, a DCP saved withou
 metadata, a ``torch.save`` training checkpoint, DeepSpeed ZeRO, another producer's files) loads
 straight into a job, without writing a DCP first. Every rank:
 
-1. reads the source's torch-free manifest (:func:`ckptools.layouts.read_manifest`) and names its
+1. reads the source's torch-free manifest (:func:`ckptools.producers.read_manifest`) and names its
    entries as ``get_state_dict`` + ``dcp.save`` name them
    (:func:`ckptools.plan.training.training_layout`: ``model.<fqn>``,
    ``optim.state.<fqn>.<name>``, ``optim.param_groups.<i>.<key>``; a DCP's entries already are).
@@ -41,7 +41,6 @@ from ckptools.engine.reader import SourceCache, read_object
 from ckptools.errors import IncompleteCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptools.io import storage
 from ckptools.io.tunables import env_size
-from ckptools.layouts import read_manifest
 from ckptools.plan.training import (
     MODEL,
     OPTIM,
@@ -49,6 +48,8 @@ from ckptools.plan.training import (
     read_optimizer,
     training_layout,
 )
+from ckptools.producers import read_manifest
+from ckptools.producers.megatron.training import training_manifest
 from ckptools.training.fill import (
     Box,
     Copy,
@@ -63,7 +64,6 @@ from ckptools.training.fill import (
     torch_dtype,
 )
 from ckptools.training.load_pretrained import DEFAULT_READ_BUFFER_BYTES, READ_BUFFER_ENV
-from ckptools.training.megatron_source import training_manifest
 from ckptools.views.export import suggested_optimizer_order
 
 if TYPE_CHECKING:

@@ -66,8 +66,8 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
-from ckptools.layouts.dcp import RANK_METADATA_FILE
-from ckptools.layouts.megatron import MEGATRON
+from ckptools.producers.dcp.layout import RANK_METADATA_FILE
+from ckptools.producers.megatron.layout import MEGATRON
 from ckptools.training.load_source import load_source
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ def check_saved(path: str) -> None:
         IncompleteCheckpointError: a file is missing or shorter than the metadata says.
     """
     from ckptools.errors import CkptError
-    from ckptools.layouts.dcp import read_dcp
+    from ckptools.producers.dcp.layout import read_dcp
 
     try:
         read_dcp(path, check_files=True)

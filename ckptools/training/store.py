@@ -46,7 +46,7 @@ from typing import Any
 from ckptools.errors import CheckpointNotFoundError, UsageError
 from ckptools.io import storage
 from ckptools.io.staging import IN_PROGRESS, staging_for
-from ckptools.layouts.manager_saves import _MARKER_FORMAT, MARKER_NAME, read_marker
+from ckptools.producers.dcp.manager import _MARKER_FORMAT, MARKER_NAME, read_marker
 from ckptools.training.retention import RetentionDecision, RetentionPolicy, plan_retention
 
 __all__ = [
@@ -270,13 +270,13 @@ def list_run(
     """The saves under ``root``: the checkpoint manager's (:func:`list_checkpoints`), or, in a
     producer's run directory (a Trainer's ``output_dir``, a DeepSpeed or verl run, torchtitan's
     checkpoint folder), that producer's numbered saves
-    (:func:`ckptools.layouts.saves.list_saves`). Reads listings, markers and sizes only.
+    (:func:`ckptools.producers.saves.list_saves`). Reads listings, markers and sizes only.
 
     Raises:
         CheckpointNotFoundError: ``root`` does not exist.
     """
-    from ckptools.layouts.base import directory_names, is_managed
-    from ckptools.layouts.saves import list_saves
+    from ckptools.producers.base import directory_names, is_managed
+    from ckptools.producers.saves import list_saves
 
     managed = list_checkpoints(root)
     # torchtitan's step-N look like the manager's: the manager's have its marker (a root where

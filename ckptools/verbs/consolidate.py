@@ -36,8 +36,8 @@ from ckptools.io.staging import (
     resumable_staging,
     write_file_synced,
 )
-from ckptools.layouts import read_manifest
 from ckptools.plan.safetensors import ConsolidationPlan
+from ckptools.producers import read_manifest
 from ckptools.views import lora
 from ckptools.views.export import (
     DEFAULT_MAX_SHARD_SIZE,

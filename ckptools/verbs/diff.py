@@ -573,7 +573,7 @@ def diff(
         >>> [t.describe() for t in report.differences]  # doctest: +SKIP
         ["model.norm.weight: 1 element(s) differ, first at [3]: 1.0 vs 1.5; ..."]
     """
-    from ckptools.layouts import read_manifest
+    from ckptools.producers import read_manifest
 
     for name, tol in (("atol", atol), ("rtol", rtol)):
         if tol is not None and (tol < 0 or not math.isfinite(tol)):

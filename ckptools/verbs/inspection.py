@@ -12,9 +12,9 @@ from ckptools.engine.reader import read_object
 from ckptools.errors import CkptError, UsageError
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
-from ckptools.layouts import read_manifest
-from ckptools.layouts.dcp import sharding_summary
-from ckptools.layouts.optimizer_state import flat_shard_note, optimizer_alone, optimizer_states
+from ckptools.producers import read_manifest
+from ckptools.producers.dcp.layout import sharding_summary
+from ckptools.producers.optimizer_state import flat_shard_note, optimizer_alone, optimizer_states
 from ckptools.views import lora
 
 

@@ -41,12 +41,12 @@ from ckptools.io import storage, tunables
 from ckptools.io.out_rules import check_out
 from ckptools.io.resume import fingerprint
 from ckptools.io.staging import IN_PROGRESS
-from ckptools.layouts import read_manifest
-from ckptools.layouts.dcp import require_plain
-from ckptools.layouts.optimizer_state import optimizer_alone
 from ckptools.plan.dcp import DcpPlan, plan_dcp
-from ckptools.plan.megatron import VOCAB_DIVISOR
 from ckptools.plan.training import training_layout
+from ckptools.producers import read_manifest
+from ckptools.producers.dcp.layout import require_plain
+from ckptools.producers.megatron.plan import VOCAB_DIVISOR
+from ckptools.producers.optimizer_state import optimizer_alone
 from ckptools.verbs import dcp_output
 from ckptools.verbs.consolidate import model_config
 from ckptools.verbs.dcp_output import Share
@@ -191,7 +191,7 @@ def reshard(
             torchtitan layouts (each DCP directory inside is resharded, other files copied); or
             a Megatron-core ``torch_dist`` run or save (the Hugging Face model's FQNs, the
             distributed optimizer's fp32 masters as the model, AdamW's state and Megatron's two
-            param groups: :mod:`ckptools.training.megatron_source`; ``config`` gives the HF
+            param groups: :mod:`ckptools.producers.megatron.training`; ``config`` gives the HF
             ``config.json``); a training checkpoint saved with ``torch.save`` (model and
             optimizer state dicts) or a DeepSpeed ZeRO checkpoint (fp32 masters and Adam
             moments; what FSDP2 has no place for, its loss scaler and LR scheduler, is named in
@@ -235,7 +235,7 @@ def _planned_reshard(src: str, out: str, options: ReshardOptions) -> _Run:
     )  # fmt: skip
     if manifest.layout == "megatron":
         # the HF model an FSDP2 job trains: masters, AdamW state and groups under HF FQNs
-        from ckptools.training.megatron_source import training_manifest
+        from ckptools.producers.megatron.training import training_manifest
 
         # the one rule consolidate finds it by; the HF model the run became must be its model
         files, _ = fitting_model_files(
@@ -508,9 +508,9 @@ def _planned_megatron(
     stacked layers, fused QKV and fc1, padded vocabulary, ``common_state``, and
     ``metadata.json``), committed as one rename."""
     from ckptools.engine.converted import merge_source
-    from ckptools.layouts import megatron as layout
-    from ckptools.plan import megatron
     from ckptools.plan.dcp import Archived
+    from ckptools.producers.megatron import layout
+    from ckptools.producers.megatron import plan as megatron
 
     manifest = _read_source(
         src, out, options, lambda format: format in PUBLISHED_FORMATS,

@@ -22,7 +22,7 @@ from ckptools.errors import (
     UnsupportedCheckpointError,
 )
 from ckptools.io import storage
-from ckptools.layouts.safetensors import parse_index
+from ckptools.producers.hf.safetensors import parse_index
 from ckptools.verify.digests import ItemKey
 from ckptools.verify.report import Finding, FindingKind
 
@@ -106,11 +106,11 @@ def _finding_from_error(e: CkptError) -> Finding:
 
 def read(path: str, format: str | None) -> tuple[Manifest | None, list[Finding]]:
     """The manifest of ``path``, or None and the finding that says why it cannot be read."""
-    from ckptools.layouts import detect
-    from ckptools.layouts.base import RunSave
-    from ckptools.layouts.dcp import read_dcp_tree
-    from ckptools.layouts.dcp_rank_local import LAYOUT as RANK_LOCAL
-    from ckptools.layouts.dcp_rank_local import read_rank_local
+    from ckptools.producers import detect
+    from ckptools.producers.base import RunSave
+    from ckptools.producers.dcp.layout import read_dcp_tree
+    from ckptools.producers.dcp.rank_local import LAYOUT as RANK_LOCAL
+    from ckptools.producers.dcp.rank_local import read_rank_local
 
     layout = detect(path, format)  # a missing path or unknown format is an error, not a finding
     try:

@@ -24,8 +24,8 @@ from ckptools.core.sizes import parse_size
 from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
-from ckptools.layouts.numbered import is_numbered_save
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+from ckptools.producers.numbered import is_numbered_save
 from ckptools.views import lora
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class ExportOptions:
         adapter_config: an ``adapter_config.json`` giving alpha and the rest of the LoraConfig.
         adapter_name: the adapter to export or merge, when the model holds several.
         masters: a Megatron save: the distributed optimizer's fp32 masters instead of the
-            stored model weights (:mod:`ckptools.layouts.megatron_masters`).
+            stored model weights (:mod:`ckptools.producers.megatron.masters`).
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
@@ -190,7 +190,7 @@ def select_tensors(
             renamed[new] = fqn
         out = renamed
     if not out:
-        from ckptools.layouts.optimizer_state import optimizer_alone
+        from ckptools.producers.optimizer_state import optimizer_alone
 
         alone = optimizer_alone(manifest, out) if select is None else None
         if alone is not None:
@@ -449,7 +449,7 @@ def suggested_optimizer_order(manifest: Manifest, config: str | None = None) -> 
         UsageError: ``config`` is given and names nothing usable.
     """
     from ckptools.core.manifest import MODEL_FILES_DIR, MODEL_ORDER_UNKNOWN
-    from ckptools.layouts.optimizer_state import optimizer_states
+    from ckptools.producers.optimizer_state import optimizer_states
 
     unnamed = [o for o in optimizer_states(manifest) if o.keyed == "integer" and not o.param_names]
     trainer = manifest.layout == "trainer" and any(o.param_groups > 1 for o in unnamed)
@@ -595,7 +595,7 @@ def _with_masters(manifest: Manifest) -> Manifest:
             f"{manifest.root}: --masters takes a Megatron distributed optimizer's fp32 masters; "
             f"this is a {manifest.layout} checkpoint: drop --masters"
         )
-    from ckptools.layouts import megatron_masters
+    from ckptools.producers.megatron import masters as megatron_masters
 
     return megatron_masters.with_masters(manifest, megatron_masters.read_optimizer(manifest))
 

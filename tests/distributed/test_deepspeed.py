@@ -185,7 +185,7 @@ def test_read_without_deepspeed_or_torch(zero: Callable[[int, int, str], str]) -
 
 def test_inspect_says_what_each_rank_file_holds(zero: Callable[[int, int, str], str]) -> None:
     import ckptools
-    from ckptools.layouts import read_manifest
+    from ckptools.producers import read_manifest
 
     path = zero(2, 2, "fp32")
     report = ckptools.inspect(path).to_dict()

@@ -208,7 +208,7 @@ def test_inspect_and_consolidate_keep_to_the_model(
     """The optimizer named in the manifest stays out of what exports the model."""
     import ckptools
     from ckptools.core.keys import model_keys
-    from ckptools.layouts import read_manifest
+    from ckptools.producers import read_manifest
 
     path = zero(2)
     manifest = read_manifest(path)

@@ -193,7 +193,7 @@ def _load_cases(
 
 
 def _tensor_bytes(published: str, skip: tuple[str, ...] = ()) -> int:
-    from ckptools.layouts.safetensors import read_safetensors
+    from ckptools.producers.hf.safetensors import read_safetensors
 
     tensors = read_safetensors(published).tensors
     return sum(t.nbytes for k, t in tensors.items() if k not in skip)

@@ -30,7 +30,7 @@ from click.testing import CliRunner
 import ckptools
 from ckptools.cli.main import cli
 from ckptools.errors import CorruptCheckpointError, IncompleteCheckpointError
-from ckptools.layouts import detect, read_manifest
+from ckptools.producers import detect, read_manifest
 from tests.support.dist import run_ranks
 from tests.support.reference import assert_bitwise_equal
 

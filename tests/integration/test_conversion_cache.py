@@ -40,7 +40,7 @@ def _qwen3_moe(experts: int = 4) -> Any:
 
 def _published(root: Path, experts: int = 4) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """config.json and the tensors' shapes of a Qwen3-MoE as its ``save_pretrained`` writes it."""
-    from ckptools.layouts.safetensors import read_safetensors
+    from ckptools.producers.hf.safetensors import read_safetensors
 
     out = root / f"qwen3-moe-{experts}"
     _qwen3_moe(experts).save_pretrained(str(out))

@@ -60,7 +60,7 @@ def test_truncated_file_found_when_reading_chunks(
 ) -> None:
     # A reader that skipped the size check still names the file instead of a bare EOFError.
     from ckptools.errors import CorruptCheckpointError
-    from ckptools.layouts.dcp import read_dcp
+    from ckptools.producers.dcp.layout import read_dcp
 
     ckpt = _copy(produced("single"), tmp_path)
     producers.truncate(ckpt / "__0_0.distcp", -1)

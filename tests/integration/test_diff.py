@@ -21,7 +21,7 @@ from ckptools.cli.main import cli
 from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import CorruptCheckpointError
 from ckptools.io.storage import LocalReader
-from ckptools.layouts import read_manifest
+from ckptools.producers import read_manifest
 from ckptools.verbs.diff import BLOCK_BYTES_ENV
 from tests.conftest import Produced
 from tests.support import producers

@@ -118,7 +118,7 @@ def _damaged_copy(src: Path, dst: Path, fqn: str) -> tuple[str, int]:
 
     from ckptools.engine.reader import resolve_chunk
     from ckptools.io.storage import LocalReader
-    from ckptools.layouts import read_manifest
+    from ckptools.producers import read_manifest
     from tests.support import producers
 
     shutil.copytree(src, dst)

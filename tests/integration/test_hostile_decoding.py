@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from ckptools.errors import DecodingLimitError
 from ckptools.formats import safe_pickle
 from ckptools.io import tunables
-from ckptools.layouts.dcp import read_dcp
+from ckptools.producers.dcp.layout import read_dcp
 
 TIMEOUT_S = 30
 MAX_RSS_BYTES = 1 << 30
@@ -509,7 +509,7 @@ def test_state_dict_with_shared_tensors_loads(tmp_path: Path) -> None:
 def test_budget_tunables_raise_the_limits(pt_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.save({**_tensors(), "extra": _dag_dict(12)}, pt_file)  # 4k leaves
     monkeypatch.setenv(tunables.MAX_PICKLE_OBJECTS_ENV, "1000")
-    from ckptools.layouts.torch_save import read_torch_save
+    from ckptools.producers.hf.torch_save import read_torch_save
 
     with pytest.raises(DecodingLimitError, match=tunables.MAX_PICKLE_OBJECTS_ENV):
         read_torch_save(str(pt_file))

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from ckptools.core.manifest import TensorEntry
-from ckptools.layouts import megatron_masters, read_manifest
-from ckptools.layouts import megatron_optimizer as mo
+from ckptools.producers import read_manifest
+from ckptools.producers.megatron import masters as megatron_masters
+from ckptools.producers.megatron import optimizer as mo
 
 FIXTURES = Path(
     os.environ.get("CKPTOOLS_MEGATRON_FIXTURES")

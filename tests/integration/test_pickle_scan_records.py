@@ -13,7 +13,7 @@ import pytest
 
 from ckptools.errors import DecodingLimitError
 from ckptools.formats import pickle_scan, safe_pickle
-from ckptools.layouts.dcp import read_dcp
+from ckptools.producers.dcp.layout import read_dcp
 
 
 def _metadata(produced: Callable[..., Any]) -> bytes:

@@ -24,8 +24,8 @@ from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.reader import SourceCache, resolve_chunk
 from ckptools.errors import CkptError, CorruptCheckpointError
 from ckptools.io.storage import LocalReader
-from ckptools.layouts.dcp import read_dcp
 from ckptools.plan.dcp import DcpPlan, plan_dcp
+from ckptools.producers.dcp.layout import read_dcp
 from tests.conftest import Produced
 from tests.support.producers import ModelConfig, flip_bit
 

@@ -23,7 +23,7 @@ from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.engine.reader import resolve_chunk
 from ckptools.errors import CorruptCheckpointError
 from ckptools.io.storage import LocalReader
-from ckptools.layouts import read_manifest
+from ckptools.producers import read_manifest
 from ckptools.verify import Finding, verify
 from ckptools.verify.checksums import CHECKSUM_FILE, write_checksums
 from ckptools.verify.scan import BLOCK_BYTES_ENV

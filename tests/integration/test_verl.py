@@ -26,7 +26,7 @@ from ckptools.errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
-from ckptools.layouts import read_manifest
+from ckptools.producers import read_manifest
 from tests.support.reference import assert_bitwise_equal, load_reference
 
 VERL = Path(__file__).resolve().parents[2] / "fixtures" / "verl"

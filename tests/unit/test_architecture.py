@@ -2,7 +2,7 @@
 layers, no import cycles, few top-level modules, no giant modules or functions.
 
 Layers, lowest first; a module may import its own layer and those below it:
-  base (errors, _compat, _version) <- core <- io (tunables among them) <- formats <- layouts
+  base (errors, _compat, _version) <- core <- io (tunables among them) <- formats <- producers
   <- plan <- engine (collective among them) <- views (export, lora) <- verbs (verbs/, verify/,
   hub/, training/, integrations/) <- cli
 """
@@ -25,7 +25,11 @@ LAYERS: dict[str, int] = {
     "ckptools.core": 1,
     "ckptools.io": 2,
     "ckptools.formats": 3,
-    "ckptools.layouts": 4,
+    "ckptools.producers": 4,
+    # a family's package holds every floor of what it knows: its planning sits with the
+    # planners, its training view with the views
+    "ckptools.producers.megatron.plan": 5,
+    "ckptools.producers.megatron.training": 7,
     "ckptools.plan": 5,
     "ckptools.engine": 6,
     "ckptools.views": 7,  # the checkpoint as the HF model (export) and its LoRA adapter

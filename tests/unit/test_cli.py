@@ -233,8 +233,8 @@ def test_list_of_a_directory_without_saves_says_what_it_looked_for(tmp_path: Pat
 
 def test_format_choices_are_every_registered_layout() -> None:
     """``--format`` lists every layout ckptools detects (a new family is forced by name too)."""
-    import ckptools.layouts  # noqa: F401  (registers the layouts)
+    import ckptools.producers  # noqa: F401  (registers the layouts)
     from ckptools.cli.options import FORMAT_NAMES
-    from ckptools.layouts.base import layouts
+    from ckptools.producers.base import layouts
 
     assert sorted(FORMAT_NAMES) == sorted(layout.name for layout in layouts())

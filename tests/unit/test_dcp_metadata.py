@@ -92,8 +92,8 @@ def _write_dcp(directory: Path, key: str) -> bytes:
 
 
 def test_read_manifest_records_parts_aux_files_and_marker_digests(tmp_path: Path) -> None:
-    from ckptools.layouts import read_manifest
-    from ckptools.layouts.base import digest
+    from ckptools.producers import read_manifest
+    from ckptools.producers.base import digest
 
     model = _write_dcp(tmp_path / "pytorch_model_fsdp_0", "model")
     optim = _write_dcp(tmp_path / "optimizer_0", "optimizer")
@@ -118,7 +118,7 @@ def test_read_manifest_records_parts_aux_files_and_marker_digests(tmp_path: Path
 
 def test_fingerprint_uses_the_recorded_digests(tmp_path: Path) -> None:
     from ckptools.io.resume import fingerprint
-    from ckptools.layouts import read_manifest
+    from ckptools.producers import read_manifest
 
     _write_dcp(tmp_path / "ck", "model")
     m = read_manifest(str(tmp_path / "ck"))

@@ -12,8 +12,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptools.core.geometry import tiling_problems
-from ckptools.layouts.deepspeed_partitions import (
+from ckptools.core.flat_ranges import (
     RankFlat,
     Segment,
     chunks_of,
@@ -21,6 +20,7 @@ from ckptools.layouts.deepspeed_partitions import (
     zero3_segments,
     zero12_segments,
 )
+from ckptools.core.geometry import tiling_problems
 
 
 def _flat_index(shape: tuple[int, ...], pos: tuple[int, ...]) -> int:

@@ -1,4 +1,4 @@
-"""FSDP1 FlatParameter placement (:mod:`ckptools.layouts.fsdp1_flat`), pure.
+"""FSDP1 FlatParameter placement (:mod:`ckptools.producers.fsdp1.flat`), pure.
 
 The real producer's files are tested in tests/integration/test_verl.py (verl's FSDP1 fixtures,
 bit-exact against torch's gather); here the search itself: FSDP's flattening rule simulated
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptools.errors import UnsupportedCheckpointError
-from ckptools.layouts.fsdp1_flat import Param, partition
+from ckptools.producers.fsdp1.flat import Param, partition
 
 
 def _llama(layers: int, hidden: int = 32, vocab: int = 127) -> list[Param]:

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from ckptools.errors import CorruptCheckpointError, IncompleteCheckpointError
-from ckptools.layouts import detect, read_manifest
-from ckptools.layouts.hf_distributed import HfDistributedLayout, shard_name
+from ckptools.producers import detect, read_manifest
+from ckptools.producers.hf.distributed import HfDistributedLayout, shard_name
 
 
 def _write(

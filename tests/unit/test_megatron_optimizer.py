@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ckptools.core import geometry
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptools.layouts import megatron_optimizer as mo
+from ckptools.producers.megatron import optimizer as mo
 
 ITEM = 4  # the test's bucket elements are int32 indices
 
@@ -318,8 +318,8 @@ def test_bucket_fqns_and_model_space_names_are_parsed() -> None:
 
 def test_megatron_groups_keep_decay_on_matrices_and_none_on_norms_and_biases() -> None:
     from ckptools.core.manifest import TensorEntry
-    from ckptools.layouts.megatron_masters import MegatronOptimizer
-    from ckptools.training.megatron_source import param_groups
+    from ckptools.producers.megatron.masters import MegatronOptimizer
+    from ckptools.producers.megatron.training import param_groups
 
     model = {
         n: TensorEntry(n, "float32", shape, ())

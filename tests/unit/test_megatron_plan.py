@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from ckptools.core.geometry import tiling_problems
 from ckptools.errors import UnsupportedCheckpointError, UsageError
-from ckptools.plan import megatron
 from ckptools.plan.conversions import KeyMap
+from ckptools.producers.megatron import plan as megatron
 
 
 def _hf_tiles(km: KeyMap) -> None:

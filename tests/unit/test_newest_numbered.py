@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptools.errors import IncompleteCheckpointError
-from ckptools.layouts.base import newest_numbered
+from ckptools.producers.base import newest_numbered
 
 STEP = re.compile(r"^step-(\d+)$")
 
@@ -62,7 +62,7 @@ def test_a_save_the_run_readers_know_is_a_numbered_save_to_the_config_search() -
     """``layouts.numbered`` lists the patterns apart from the readers (finding a config must not
     import them all): every producer whose saves ``layouts.saves`` reads is in that list, so
     ``consolidate`` finds the run's config from any of their saves."""
-    from ckptools.layouts import numbered, saves
+    from ckptools.producers import numbered, saves
 
     assert {p.pattern for p in saves.PRODUCERS} == set(numbered._ALL)
     for name in ("checkpoint-500", "global_step7", "global_step_7", "step-10", "iter_0000010"):

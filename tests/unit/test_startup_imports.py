@@ -17,7 +17,7 @@ import pytest
 
 from ckptools.errors import DecodingLimitError
 from ckptools.formats import pickle_scan, safe_pickle
-from ckptools.layouts import base
+from ckptools.producers import base
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -37,7 +37,12 @@ print(json.dumps({
 }))
 """
 #: the layout modules detecting a DCP directory imports: those tried before "dcp" and theirs
-_DCP_LAYOUTS = {"base", "numbered", "part_files", "wrappers", "megatron", "dcp_rank_local", "dcp"}
+#: the producers' modules a DCP's detection reaches (the packages, and before DCP's own
+#: modules the wrappers' and Megatron's probes)
+_DCP_LAYOUTS = {
+    "base", "numbered", "part_files", "dcp", "dcp.wrappers", "dcp.rank_local", "dcp.layout",
+    "megatron", "megatron.layout",
+}  # fmt: skip
 
 
 def test_a_small_dcp_consolidate_imports_only_what_it_uses(tmp_path: Path) -> None:
@@ -57,7 +62,7 @@ def test_a_small_dcp_consolidate_imports_only_what_it_uses(tmp_path: Path) -> No
     )  # fmt: skip
     found = json.loads(run.stdout.splitlines()[-1])
     modules = set(found["modules"])
-    layouts = {m.rsplit(".", 1)[1] for m in modules if m.startswith("ckptools.layouts.")}
+    layouts = {m.removeprefix("ckptools.producers.") for m in modules if "producers." in m}
     assert layouts <= _DCP_LAYOUTS, sorted(layouts - _DCP_LAYOUTS)  # no verl, deepspeed, saves...
     assert not {"torch", "ckptools.engine.converted", "ckptools.plan.conversions"} & modules
     assert found["patterns"] == 0  # its one small .metadata scanned without them
@@ -68,7 +73,7 @@ def test_detection_order_is_the_layouts_priority() -> None:
     every = base.layouts()  # imports every layout module
     assert [x.name for x in sorted(every, key=lambda x: x.priority)] == list(base._MODULES)
     for layout in every:
-        assert type(layout).__module__ == f"ckptools.layouts.{base._MODULES[layout.name]}"
+        assert type(layout).__module__ == f"ckptools.producers.{base._MODULES[layout.name]}"
 
 
 def _loads(data: bytes) -> Any:

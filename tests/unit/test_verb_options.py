@@ -10,7 +10,7 @@ from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.core.sizes import parse_size
 from ckptools.errors import UsageError
 from ckptools.io import tunables
-from ckptools.layouts.base import read_marker
+from ckptools.producers.base import read_marker
 from ckptools.verbs.consolidate import (
     DEFAULT_MAX_SHARD_SIZE,
     ConsolidateOptions,
@@ -110,7 +110,7 @@ def test_read_marker_reads_peeked_bytes_once(
     with open(marker, "wb") as f:
         f.write(b"abc")
 
-    from ckptools.layouts import base
+    from ckptools.producers import base
 
     with base._markers_read_once():
         assert read_marker(marker, peek=True) == b"abc"

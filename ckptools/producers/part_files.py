@@ -5,7 +5,7 @@ ZeRO rank file, a verl rank file, one rank's shard of transformers' distributed 
 one ``model-00001-of-00004.safetensors`` of a sharded model directory.
 Read alone, each is wrong in its own way (an unnamed tensor, ZeRO-3's zero-element
 placeholders, a pickle whose producer classes belong to the whole), so :func:`part_of` names
-the directory instead, and :func:`ckptools.layouts.base.detect` refuses in one line pointing
+the directory instead, and :func:`ckptools.producers.base.detect` refuses in one line pointing
 at it. Only names that never stand alone are listed, and DeepSpeed's ``mp_rank_00_model_states.pt``
 beside ZeRO optimizer rank files: ZeRO 1/2 keep there the module's low-precision copy, not the
 fp32 masters the directory's reading exports. A ``model_world_size_1_rank_0.pt``, or a

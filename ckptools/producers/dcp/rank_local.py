@@ -8,7 +8,7 @@ torch's ``dcp.load(no_dist=True)`` falls back to ``__0.metadata`` alone and fill
 of every tensor without a word; the global ``.metadata`` users need is what ``ckpt reshard``
 writes (to any world size, the same one included).
 
-This layout reads each rank's pickle with :func:`ckptools.layouts.dcp.read_dcp` (the same
+This layout reads each rank's pickle with :func:`ckptools.producers.dcp.layout.read_dcp` (the same
 allowlist, checks and manifest as any DCP directory) and merges them into one manifest:
 
 * a tensor's chunks are the union of the ranks' chunks; its dtype and global shape must agree
@@ -41,8 +41,8 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, Tenso
 from ckptools.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckptools.formats.torch_archive import read_archive
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, directory_names, register
-from ckptools.layouts.dcp import RANK_METADATA_FILE, rank_of, read_dcp
+from ckptools.producers.base import Layout, directory_names, register
+from ckptools.producers.dcp.layout import RANK_METADATA_FILE, rank_of, read_dcp
 
 LAYOUT = "dcp_rank_local"
 #: Missing ranks named one by one, at most: a name such as ``__999999999.metadata`` must not

@@ -4,7 +4,7 @@
 :mod:`ckptools.plan.training` finds an optimizer in any manifest by its key paths: ``state/<key>/
 <name>`` entries beside a ``param_groups`` value (a list of dicts). DeepSpeed keeps one flat
 state per param group instead; :func:`optimizer_tree` turns the side table (:class:`ZeroState`,
-filled by :mod:`ckptools.layouts.deepspeed`) into that shape under :data:`OPTIMIZER`, so
+filled by :mod:`ckptools.producers.deepspeed.layout`) into that shape under :data:`OPTIMIZER`, so
 resharding needs no DeepSpeed knowledge:
 
 * ``optimizer/state/<fqn>/exp_avg`` and ``exp_avg_sq``: the moments' entries, with the

@@ -31,7 +31,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader
-from ckptools.layouts.base import digest, directory_names, read_marker
+from ckptools.producers.base import digest, directory_names, read_marker
 
 LATEST = "latest"
 #: stages 1/2 keep one model-states file (the whole 16-bit module and the model's facts)
@@ -248,7 +248,7 @@ def find_tag(root: str, names: set[str], *, peek: bool = False) -> tuple[str, st
     ``root`` holding ``latest`` is a run directory: the tag is ``latest``'s text, checked to name
     a directory inside ``root``. Otherwise ``root`` is itself a tag directory (how a tag other
     than the latest is chosen: pass ``DIR/<tag>``). ``peek``: a probe's read, kept for the
-    layout's (:func:`~ckptools.layouts.base.read_marker`).
+    layout's (:func:`~ckptools.producers.base.read_marker`).
     """
     if LATEST not in names:
         return "", None, b""

@@ -7,7 +7,7 @@ verl's ``global_step_N`` and Megatron's ``iter_0000010`` (both recorded in
 ``latest_checkpointed_iteration.txt``) and ``step-N`` (torchtitan's, or a script's
 ``dcp.save`` per step: labelled by the layout that reads the run directory).
 Each is listed with its step, whether it is whole (the very check the layout's own reading of
-the run directory applies, :func:`~ckptools.layouts.base.newest_numbered`: every rank file the
+the run directory applies, :func:`~ckptools.producers.base.newest_numbered`: every rank file the
 save's own metadata names is there), its size, the ranks its file names show, and which one
 reading the run directory picks: the recorded one when it is whole, else the newest whole one.
 The checkpoint manager's own ``step-N`` (with its ``.ckptools-complete`` marker) is listed by
@@ -28,9 +28,14 @@ from typing import Any
 
 from ckptools.errors import CkptError
 from ckptools.io import storage
-from ckptools.layouts import dcp, deepspeed, megatron, numbered, verl, wrappers
-from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts.base import detect, directory_names
+from ckptools.producers import numbered
+from ckptools.producers.base import detect, directory_names
+from ckptools.producers.dcp import layout as dcp
+from ckptools.producers.dcp import wrappers
+from ckptools.producers.deepspeed import files as dsf
+from ckptools.producers.deepspeed import layout as deepspeed
+from ckptools.producers.fsdp1 import verl
+from ckptools.producers.megatron import layout as megatron
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,14 @@ FSDP engine wraps it), DTensors placed ``Shard(0)``, read as FSDP2's are (with
 optimizer read from the first replica group, :func:`_shard_group`). The optimizer file is
 ``optimizer.state_dict()`` of FlatParameters (verl's ``use_orig_params=False``): per wrapped
 module, 1-D shards of its parameters concatenated and padded, without the record of which
-parameter lies where (FSDP keeps it in memory only). :mod:`ckptools.layouts.fsdp1_flat`
+parameter lies where (FSDP keeps it in memory only). :mod:`ckptools.producers.fsdp1.flat`
 recovers it from the model's parameters and the shards' sizes by FSDP's own rule and places
 each moment on its parameter (``optimizer.state.<fqn>.<name>``, the groups' ``params`` as FQNs,
 as ``FSDP.optim_state_dict`` names them); where the sizes fit no wrapping, or several, the
 optimizer is refused with the numbers and ``reshard`` carries it only with
 ``--drop-optimizer``. With ``use_orig_params=True`` the optimizer holds the original parameters
 instead, each rank's state its 1-D slice of the parameter, which the ranks' slices in rank
-order make whole (:mod:`ckptools.layouts.fsdp1_optim`).
+order make whole (:mod:`ckptools.producers.fsdp1.optim`).
 
 verl's trainers save each step as ``<default_local_dir>/global_step_N/actor/`` (and ``critic/``
 for PPO's value model), recording the last completed save's ``N`` in
@@ -65,8 +65,8 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
-from ckptools.layouts import numbered
-from ckptools.layouts.base import (
+from ckptools.producers import numbered
+from ckptools.producers.base import (
     Layout,
     digest,
     directory_names,
@@ -75,8 +75,8 @@ from ckptools.layouts.base import (
     read_marker,
     register,
 )
-from ckptools.layouts.fsdp1_optim import flat_optimizer
-from ckptools.layouts.rank_pickles import OPTIMIZER, Merged
+from ckptools.producers.fsdp1.optim import flat_optimizer
+from ckptools.producers.fsdp1.rank_pickles import OPTIMIZER, Merged
 
 LAYOUT = "verl"
 CONFIG = "fsdp_config.json"

@@ -31,7 +31,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.out_rules import is_model_output
-from ckptools.layouts.base import Layout, digest, read_marker, register
+from ckptools.producers.base import Layout, digest, read_marker, register
 
 METADATA_FILE = ".metadata"
 #: byte sizes must fit int64 for the readers and writers (os offsets, numpy): 2**59 elements of
@@ -131,7 +131,7 @@ def read_dcp(
     recorded in the metadata (one ``stat`` per file). ``listing`` (relative path -> size of the
     files below ``root/subdir``, from a walk the caller already made) spares listing again.
     ``metadata_file`` is the metadata pickle to read: one rank's ``__<rank>.metadata`` of a save
-    without global metadata (:mod:`ckptools.layouts.dcp_rank_local`).
+    without global metadata (:mod:`ckptools.producers.dcp.rank_local`).
     """
     directory = storage.join(root, subdir) if subdir else root
     meta_path = storage.join(directory, metadata_file)

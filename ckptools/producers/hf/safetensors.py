@@ -19,7 +19,7 @@ from ckptools.errors import (
 )
 from ckptools.formats import safetensors_header
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, digest, index_files, read_marker, register
+from ckptools.producers.base import Layout, digest, index_files, read_marker, register
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: transformers' shard names, ``model-00001-of-00003.safetensors``

@@ -19,9 +19,9 @@ from dataclasses import replace
 
 from ckptools.core.manifest import Manifest
 from ckptools.io import storage
-from ckptools.layouts import numbered
-from ckptools.layouts.base import Layout, newest_numbered, read_marker, register
-from ckptools.layouts.dcp import METADATA_FILE, dcp_lacks, read_dcp_tree
+from ckptools.producers import numbered
+from ckptools.producers.base import Layout, newest_numbered, read_marker, register
+from ckptools.producers.dcp.layout import METADATA_FILE, dcp_lacks, read_dcp_tree
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")
@@ -78,7 +78,7 @@ def trainer_lacks(path: str) -> str | None:
     if parts:
         return None
     # a full-state checkpoint (model.safetensors or pytorch_model*.bin, optimizer.pt)
-    from ckptools.layouts.torch_save import directory_reason  # see TrainerLayout.read_manifest
+    from ckptools.producers.hf.torch_save import directory_reason  # see TrainerLayout.read_manifest
 
     if directory_reason(set(_listdir(path))) is None:
         return None
@@ -113,7 +113,7 @@ class TrainerLayout(Layout):
         parts = _accelerate_parts(inner)
         # imported here: the probes (run on every DCP directory detected) need no torch.save
         # reader, nor does a sharded save
-        from ckptools.layouts.torch_save import read_torch_save
+        from ckptools.producers.hf.torch_save import read_torch_save
 
         return found.noted(
             read_dcp_tree(inner, parts, layout=self.name) if parts else read_torch_save(inner)
@@ -150,7 +150,7 @@ class LightningLayout(Layout):
         # the DCP part alone is what a conversion rewrites; meta.pt is copied (an aux file)
         manifest = read_dcp_tree(path, layout=self.name)
         # meta.pt is among the aux files, which read_dcp_tree checked to lie inside
-        from ckptools.layouts.torch_save import read_torch_save_file  # see TrainerLayout
+        from ckptools.producers.hf.torch_save import read_torch_save_file  # see TrainerLayout
 
         with storage.open_reader(path) as reader:
             tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)

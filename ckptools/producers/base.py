@@ -56,22 +56,22 @@ class Layout(ABC):
 
 
 #: Every layout's name, in detection order (their ``priority``; equal ones in this order), and
-#: the module of ``ckptools.layouts`` that defines and registers it. Detection imports a module
+#: the module of ``ckptools.producers`` that defines and registers it. Detection imports a module
 #: when it first reaches one of its layouts: a DCP directory is recognised having imported 4 of
 #: the 9, not every other family's reader (issue 27: start-up).
 _MODULES: dict[str, str] = {
-    "trainer": "wrappers",
-    "accelerate": "wrappers",
-    "lightning": "wrappers",
-    "torchtitan": "wrappers",
-    "megatron": "megatron",
-    "dcp_rank_local": "dcp_rank_local",
-    "dcp": "dcp",
-    "verl": "verl",
-    "deepspeed": "deepspeed",
-    "transformers_distributed": "hf_distributed",
-    "torch_save": "torch_save",
-    "safetensors": "safetensors",
+    "trainer": "dcp.wrappers",
+    "accelerate": "dcp.wrappers",
+    "lightning": "dcp.wrappers",
+    "torchtitan": "dcp.wrappers",
+    "megatron": "megatron.layout",
+    "dcp_rank_local": "dcp.rank_local",
+    "dcp": "dcp.layout",
+    "verl": "fsdp1.verl",
+    "deepspeed": "deepspeed.layout",
+    "transformers_distributed": "hf.distributed",
+    "torch_save": "hf.torch_save",
+    "safetensors": "hf.safetensors",
 }
 _REGISTRY: dict[str, Layout] = {}
 
@@ -88,7 +88,7 @@ def _layout(name: str) -> Layout:
     found = _REGISTRY.get(name)
     if found is None:
         # by name: each layout module imports this one to register itself
-        importlib.import_module(f"ckptools.layouts.{_MODULES[name]}")
+        importlib.import_module(f"ckptools.producers.{_MODULES[name]}")
         found = _REGISTRY[name]
     return found
 
@@ -188,7 +188,7 @@ def step_lacks(path: str, *, managed: bool) -> str | None:
     """What the ``step-N`` save ``path`` lacks, or None when whole: in a CheckpointManager root
     (``managed``) its commit marker and every file it records, else a whole DCP directory."""
     if managed:
-        from ckptools.layouts.manager_saves import read_marker as commit_marker
+        from ckptools.producers.dcp.manager import read_marker as commit_marker
 
         return commit_marker(path)[1] or None
     return _layout("dcp").lacks(path)
@@ -197,7 +197,7 @@ def step_lacks(path: str, *, managed: bool) -> str | None:
 def is_managed(path: str, names: Sequence[str]) -> bool:
     """Whether the run directory ``path`` is a CheckpointManager root: one of its ``step-N``
     saves holds the manager's commit marker."""
-    from ckptools.layouts.manager_saves import MARKER_NAME
+    from ckptools.producers.dcp.manager import MARKER_NAME
 
     return any(
         STEP_SAVE.match(n) and storage.isfile(storage.join(path, n, MARKER_NAME)) for n in names
@@ -229,16 +229,16 @@ def step_run(path: str) -> RunSave | None:
 def _part_hint(path: str) -> str:
     """For a file of a multi-file checkpoint forced to a layout that cannot read it alone: the
     directory to point at instead."""
-    from ckptools.layouts.part_files import part_of
+    from ckptools.producers.part_files import part_of
 
     part = part_of(path)
     return "" if part is None else f"; it is one file of the checkpoint at {part[1]}: point at it"
 
 
 def _refuse_one_part(path: str) -> None:
-    """A file that is one part of a multi-file checkpoint (:mod:`ckptools.layouts.part_files`)
+    """A file that is one part of a multi-file checkpoint (:mod:`ckptools.producers.part_files`)
     is refused, naming the directory to point at (``--format`` still reads the file alone)."""
-    from ckptools.layouts.part_files import missing_siblings, part_of
+    from ckptools.producers.part_files import missing_siblings, part_of
 
     part = part_of(path)
     if part is None:

@@ -5,7 +5,7 @@ Each rank's file is its ``optimizer.state_dict()`` with integer ids. Two layouts
 
 * ``use_orig_params=False`` (verl's default): one entry per FlatParameter, 1-D padded shards of
   a wrapped module's parameters concatenated, placed by the one wrapping whose FlatParameter
-  sizes, by FSDP's rule, are the saved ones (:mod:`ckptools.layouts.fsdp1_flat`);
+  sizes, by FSDP's rule, are the saved ones (:mod:`ckptools.producers.fsdp1.flat`);
 * ``use_orig_params=True``: one entry per parameter, each rank's state its 1-D slice of the
   parameter; the slices in rank order are the parameter flattened.
 
@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ckptools.core import dtypes
+from ckptools.core.flat_ranges import RankFlat, Segment, chunks_of
 from ckptools.core.manifest import Chunk
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.formats import dtensor, safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader
-from ckptools.layouts import fsdp1_flat
-from ckptools.layouts.deepspeed_partitions import RankFlat, Segment, chunks_of
-from ckptools.layouts.rank_pickles import OPTIMIZER, Merged
+from ckptools.producers.fsdp1 import flat as fsdp1_flat
+from ckptools.producers.fsdp1.rank_pickles import OPTIMIZER, Merged
 
 #: bytes compared to tell a tied copy of the input embedding (random-looking trained values)
 TIE_PROBE_BYTES = 4096
@@ -38,7 +38,7 @@ def flat_optimizer(merged: Merged, reader: Reader, files: dict[int, str], world:
     """FSDP1's per-rank ``optimizer.state_dict()``, placed on the parameters and added to
     ``merged`` under ``optimizer`` keyed by FQN; nothing is added when it raises. One entry
     per parameter is ``use_orig_params=True``'s slices (:func:`_orig_params_optimizer`),
-    else FlatParameter shards (:func:`_place_flat`, :mod:`ckptools.layouts.fsdp1_flat`).
+    else FlatParameter shards (:func:`_place_flat`, :mod:`ckptools.producers.fsdp1.flat`).
 
     Raises:
         UnsupportedCheckpointError: the files are not such state dicts, or the shards fit no

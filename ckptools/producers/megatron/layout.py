@@ -17,7 +17,7 @@ Model tensors have no prefix; the decoder layers are stacked on a leading dim of
 ``num_layers`` (or per layer, ``decoder.layers.<i>.``); the optimizer is under ``optimizer.``.
 This module finds the save, reads it as DCP and decodes ``common_state`` into
 ``Manifest.details["megatron"]`` (:class:`RunArgs`' fields): what ``inspect`` shows and the HF
-mapping (:mod:`ckptools.plan.megatron`) reads.
+mapping (:mod:`ckptools.producers.megatron.plan`) reads.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from ckptools.errors import (
 )
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
-from ckptools.layouts import numbered
-from ckptools.layouts.base import Chosen, Layout, directory_names, register
-from ckptools.layouts.dcp import METADATA_FILE, read_dcp_tree
+from ckptools.producers import numbered
+from ckptools.producers.base import Chosen, Layout, directory_names, register
+from ckptools.producers.dcp.layout import METADATA_FILE, read_dcp_tree
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "metadata.json"
@@ -353,8 +353,8 @@ def run_namespace(args: Mapping[str, Any]) -> bytes:
 
 
 def converted_args(d: Any, params_dtype: str) -> dict[str, Any]:
-    """The Megatron-LM ``args`` of a model of sizes ``d`` (:class:`ckptools.plan.megatron.Dims`)
-    that a converted checkpoint records: what ``--use-checkpoint-args`` would read back."""
+    """The Megatron-LM ``args`` of a model of sizes ``d`` (:class:`.plan.Dims`) that a converted
+    checkpoint records: what ``--use-checkpoint-args`` would read back."""
     return {
         "num_layers": d.layers,
         "hidden_size": d.hidden,

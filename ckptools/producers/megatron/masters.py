@@ -1,7 +1,7 @@
 """The distributed optimizer's state of a Megatron save, read: per kind, an entry per model FQN.
 
-:mod:`ckptools.layouts.megatron_optimizer` places the state (pure); this module gathers what it
-needs from a save's manifest (:mod:`ckptools.layouts.megatron`) and its files:
+:mod:`ckptools.producers.megatron.optimizer` places the state (pure); this module gathers what it
+needs from a save's manifest (:mod:`ckptools.producers.megatron.layout`) and its files:
 
 * ``dp_reshardable``: each bucket tensor's stored chunks resolved to raw byte ranges (a DCP item
   is a ``torch.save`` archive: its directory is read, a few hundred bytes per item, the tensor
@@ -28,8 +28,8 @@ from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError, 
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.readers import Reader
-from ckptools.layouts import megatron_optimizer as mo
-from ckptools.layouts.megatron import DETAILS_KEY, common_state
+from ckptools.producers.megatron import optimizer as mo
+from ckptools.producers.megatron.layout import DETAILS_KEY, common_state
 
 #: what ``consolidate --masters`` and ``reshard`` say when a save holds no distributed optimizer
 NO_OPTIMIZER = "holds no distributed-optimizer state (it was saved without the optimizer)"

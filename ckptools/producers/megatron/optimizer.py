@@ -30,7 +30,7 @@ moments (``exp_avg``, ``exp_avg_sq``) in one of two forms (``distrib_optim_shard
   order against the stored chunks before anything is read.
 
 A parameter's range of a bucket becomes boxes of the model tensor
-(:func:`ckptools.layouts.deepspeed_partitions.flat_boxes`), each a ``raw`` chunk at its byte
+(:func:`ckptools.core.flat_ranges.flat_boxes`), each a ``raw`` chunk at its byte
 offset in the rank file: :func:`bucket_state` returns, per kind, one :class:`TensorEntry` per
 model FQN with the model tensor's shape, tiled exactly once (TP and pipeline replicas of a
 parameter, such as a norm every TP rank keeps, are taken from the lowest model-parallel rank).
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptools.core import geometry
+from ckptools.core.flat_ranges import flat_boxes
 from ckptools.core.manifest import Chunk, TensorEntry
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptools.layouts.deepspeed_partitions import flat_boxes
 
 #: every parameter of a Megatron gradient buffer starts on a multiple of this many elements
 #: (``param_layout.pad_param_start``)

@@ -344,7 +344,7 @@ def dims_from_run(
     shapes: Shapes, args: Mapping[str, Any], config: Mapping[str, Any] | None, where: str
 ) -> tuple[Dims, dict[str, str]]:
     """:class:`Dims` of a Megatron run's model tensors ``shapes`` (name -> shape), its ``args``
-    (:class:`~ckptools.layouts.megatron.RunArgs` as a dict) and the HF ``config`` when given
+    (:class:`~.layout.RunArgs` as a dict) and the HF ``config`` when given
     (it wins where both say), and the layer norms' Megatron names.
 
     Raises:

@@ -46,8 +46,8 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
-from ckptools.layouts.base import Layout, digest, index_files, read_marker, register
-from ckptools.layouts.safetensors import INDEX_SUFFIX, read_safetensors
+from ckptools.producers.base import Layout, digest, index_files, read_marker, register
+from ckptools.producers.hf.safetensors import INDEX_SUFFIX, read_safetensors
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -116,7 +116,7 @@ def _one_rank(path: str, global_name: str) -> UsageError:
     """The error for a ``torch.save`` file of DTensors / ShardedTensors read as a whole model:
     it is one rank's file of a checkpoint every rank saved (FSDP2's or FSDP1's sharded state
     dict, verl's ``*_world_size_W_rank_r.pt``), readable only with the others."""
-    from ckptools.layouts.part_files import missing_siblings, part_of
+    from ckptools.producers.part_files import missing_siblings, part_of
 
     cls = global_name.rsplit(".", 1)[-1]
     part = part_of(path)

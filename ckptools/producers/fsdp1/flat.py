@@ -23,7 +23,7 @@ each rank's slice of a parameter: no FlatParameters to place; the verl layout re
 
 :func:`state_chunks` then turns one moment's per-rank flat tensors into a parameter's chunks:
 the parameter's range of the FlatParameter met with each rank's range, each piece a few boxes
-(:func:`~ckptools.layouts.deepspeed_partitions.flat_boxes`), each a ``raw`` chunk at its byte
+(:func:`~ckptools.core.flat_ranges.flat_boxes`), each a ``raw`` chunk at its byte
 offset in that rank's file.
 """
 
@@ -34,9 +34,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ckptools.core.flat_ranges import RankFlat, Segment, chunks_of
 from ckptools.core.manifest import Chunk
 from ckptools.errors import UnsupportedCheckpointError
-from ckptools.layouts.deepspeed_partitions import RankFlat, Segment, chunks_of
 
 #: candidate extensions the search may try before it gives up (a few per FlatParameter in a
 #: real model; a hostile one cannot make it walk more)

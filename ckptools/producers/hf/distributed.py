@@ -39,7 +39,7 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import CkptError, CorruptCheckpointError, IncompleteCheckpointError
 from ckptools.formats import safetensors_header
 from ckptools.io import storage
-from ckptools.layouts.base import Layout, digest, directory_names, register
+from ckptools.producers.base import Layout, digest, directory_names, register
 
 LAYOUT = "transformers_distributed"
 #: the header metadata key torch's writer puts the slices' offsets under

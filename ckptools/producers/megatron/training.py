@@ -5,8 +5,8 @@ would have written for the HF model (``LlamaForCausalLM`` and kin) trained by ``
 
 * the model: the distributed optimizer's fp32 masters where it holds them (the model weights as
   stored otherwise), under HF FQNs, through the same Megatron → HF mapping that
-  ``consolidate`` uses (:mod:`ckptools.plan.megatron`: layers unstacked, QKV split per query
-  group, fc1 split into gate and up, vocabulary padding dropped);
+  ``consolidate`` uses (:mod:`.plan`: layers unstacked, QKV split per query group, fc1 split
+  into gate and up, vocabulary padding dropped);
 * per parameter, AdamW's ``exp_avg`` and ``exp_avg_sq`` mapped by the same rules (so the QKV
   and fc1 moments are split exactly as the weights), and ``step``, the optimizer's counter;
 * Megatron's parameter groups kept as groups: Megatron-LM gives weight decay to matrices and none
@@ -14,7 +14,7 @@ would have written for the HF model (``LlamaForCausalLM`` and kin) trained by ``
   (lr, betas, eps, weight_decay...) are kept, their ``params`` the HF FQNs of that kind.
 
 The result is a torch-free :class:`Manifest` shaped as DeepSpeed's is
-(:mod:`ckptools.layouts.deepspeed_optimizer`): the model at the top, the optimizer under
+(:mod:`ckptools.producers.deepspeed.optimizer`): the model at the top, the optimizer under
 ``optimizer/state/<fqn>/<name>`` and ``optimizer/param_groups``, so that
 :func:`ckptools.plan.training.training_layout` names it and the DCP writer copies its byte runs.
 What an FSDP2 job has no place for (Megatron's RNG state, ``common_state``, the scheduler, the
@@ -32,8 +32,8 @@ from ckptools.core.manifest import Manifest, ObjectEntry, TensorEntry
 from ckptools.core.tensor_value import TensorValue
 from ckptools.engine.converted import megatron_to_disk
 from ckptools.errors import UnsupportedCheckpointError
-from ckptools.layouts.megatron import CONFIG_FILE
-from ckptools.layouts.megatron_masters import MegatronOptimizer, read_optimizer
+from ckptools.producers.megatron.layout import CONFIG_FILE
+from ckptools.producers.megatron.masters import MegatronOptimizer, read_optimizer
 
 OPTIMIZER = "optimizer"
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -22,7 +22,7 @@ from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptools.formats import dtensor, safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader
-from ckptools.layouts.torch_save import flatten
+from ckptools.producers.hf.torch_save import flatten
 
 #: the key path an optimizer's entries go under (as a torch.save directory names its file)
 OPTIMIZER = "optimizer"

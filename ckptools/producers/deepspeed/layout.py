@@ -2,9 +2,9 @@
 
 The fp32 master weights are the training truth (the 16-bit ``module`` in the model states is a
 cast of them), so every trainable parameter's chunks point into the rank optimizer files' master
-partitions; the files themselves are decoded by :mod:`ckptools.layouts.deepspeed_files`.
+partitions; the files themselves are decoded by :mod:`ckptools.producers.deepspeed.files`.
 
-**Where a parameter lies** is computed in :mod:`ckptools.layouts.deepspeed_partitions`
+**Where a parameter lies** is computed in :mod:`ckptools.core.flat_ranges`
 (ZeRO's flattening and padding, and a flat range of a parameter as boxes of its shape), so
 every chunk is a box of the global shape as for DCP, pointing at a byte range of a rank file.
 
@@ -20,7 +20,7 @@ from the 16-bit module, which holds them whole; ``zero_to_fp32`` leaves them out
 partitioned exactly as the masters), each group's ``step`` counter, torch's ``param_groups``
 and what does not carry over (the loss scaler, a DeepSpeed LR scheduler); and named in the
 manifest as a torch optimizer ``state_dict()`` keyed by FQN under ``optimizer``
-(:mod:`ckptools.layouts.deepspeed_optimizer`), which is how ``reshard`` finds it.
+(:mod:`ckptools.producers.deepspeed.optimizer`), which is how ``reshard`` finds it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ from dataclasses import replace
 from typing import Any
 
 from ckptools.core import dtypes
+from ckptools.core.flat_ranges import (
+    RankFlat,
+    Segment,
+    chunks_of,
+    zero3_segments,
+    zero12_segments,
+)
 from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import (
     CheckpointNotFoundError,
@@ -42,17 +49,10 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
-from ckptools.layouts import deepspeed_files as dsf
-from ckptools.layouts import numbered
-from ckptools.layouts.base import Layout, directory_names, newest_numbered, register
-from ckptools.layouts.deepspeed_optimizer import ZeroState, optimizer_tree
-from ckptools.layouts.deepspeed_partitions import (
-    RankFlat,
-    Segment,
-    chunks_of,
-    zero3_segments,
-    zero12_segments,
-)
+from ckptools.producers import numbered
+from ckptools.producers.base import Layout, directory_names, newest_numbered, register
+from ckptools.producers.deepspeed import files as dsf
+from ckptools.producers.deepspeed.optimizer import ZeroState, optimizer_tree
 
 #: at most this many ranks are described one by one in the manifest's notes
 _NOTED_RANKS = 16
