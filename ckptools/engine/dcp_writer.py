@@ -18,7 +18,6 @@ with each rank reading only its own file.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -419,24 +418,24 @@ def _write_dcp_to_store(
     ``.metadata`` is one PUT after every upload has finished. Local disk use stays within a few
     rank files (:data:`ckptools.io.staging.MAX_PENDING_UPLOADS` plus those being written).
     """
-    from ckptools.io.staging import Uploader, spool_dir
+    from ckptools.io.staging import spool_uploads
 
     mine = list(range(plan.world_size)) if only_files is None else sorted(set(only_files))
     step = max(1, workers)
+    rank_of = {file_name(rank): rank for rank in mine}
     written = 0
-    with spool_dir() as spool, Uploader() as uploader:
-        for i in range(0, len(mine), step):
-            group = mine[i : i + step]
-            written += write_dcp(
-                manifest, plan, spool, source_root=source_root, workers=workers, quiet=quiet,
-                only_files=group,
-            )  # fmt: skip
-            for rank in group:
-                done = None if on_file_done is None else functools.partial(on_file_done, rank)
-                uploader.put(
-                    os.path.join(spool, file_name(rank)), f"{out_url}/{file_name(rank)}", done
-                )
-        uploader.wait()
+
+    def write(spool: str, names: Sequence[str]) -> None:
+        nonlocal written
+        written += write_dcp(
+            manifest, plan, spool, source_root=source_root, workers=workers, quiet=quiet,
+            only_files=[rank_of[n] for n in names],
+        )  # fmt: skip
+
+    groups = [[file_name(r) for r in mine[i : i + step]] for i in range(0, len(mine), step)]
+    report = on_file_done
+    done = None if report is None else (lambda name: report(rank_of[name]))
+    spool_uploads(out_url, groups, write, done)
     if only_files is None:
         write_metadata(out_url, plan)
     return written

@@ -32,7 +32,6 @@ file position. The threads, the syncing thread and the kernel and positional cop
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -557,28 +556,29 @@ def _execute_to_store(
     from dataclasses import replace
 
     from ckptools.errors import UsageError
-    from ckptools.io.staging import Uploader, spool_dir
+    from ckptools.io.staging import spool_uploads
 
     if share is not None:
         raise UsageError(
             f"{out_url}: ranks cannot share output files on an object store; consolidate "
             "into a local or shared directory under torchrun, or run one process"
         )
-    written = chunks = kernel = 0
-    with spool_dir() as spool, Uploader() as uploader:
-        for f in plan.files:
-            if f.name in skip:
-                continue
-            stats = execute(
-                replace(plan, files=(f,)), manifest, spool, workers=workers,
-                memory_budget=memory_budget, quiet=quiet,
-            )  # fmt: skip
-            done = None if on_file_done is None else functools.partial(on_file_done, f.name)
-            uploader.put(os.path.join(spool, f.name), storage.join(out_url, f.name), done)
-            written += stats.bytes_written
-            chunks += stats.chunks
-            kernel += stats.kernel_copied_bytes
-        uploader.wait()
+    files = {f.name: f for f in plan.files}
+    totals = [0, 0, 0]  # bytes written, chunks, bytes kernel-copied
+
+    def write(spool: str, names: Sequence[str]) -> None:
+        (name,) = names
+        stats = execute(
+            replace(plan, files=(files[name],)), manifest, spool, workers=workers,
+            memory_budget=memory_budget, quiet=quiet,
+        )  # fmt: skip
+        totals[0] += stats.bytes_written
+        totals[1] += stats.chunks
+        totals[2] += stats.kernel_copied_bytes
+
+    todo = [[f.name] for f in plan.files if f.name not in skip]
+    spool_uploads(out_url, todo, write, on_file_done)
+    written, chunks, kernel = totals
     return ExecuteStats(written, chunks, kernel)
 
 

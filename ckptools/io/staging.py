@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Protocol
@@ -592,21 +593,45 @@ class Uploader:
         self.close()
 
 
+def spool_uploads(
+    out_url: str,
+    groups: Iterable[Sequence[str]],
+    write: Callable[[str, Sequence[str]], None],
+    on_uploaded: Callable[[str], None] | None = None,
+    *,
+    spool: str | None = None,
+) -> None:
+    """The one spool-and-upload loop of every writer to an object store: positional writes
+    need a local file, so each group of files (names relative to ``out_url``) is written by
+    ``write(spool, names)`` into a local spool, then uploaded (a multipart upload appears only
+    once complete), each deleted locally once up and ``on_uploaded(name)`` called, while the
+    next group is written. Returns once every upload is done; local disk use stays within
+    :data:`MAX_PENDING_UPLOADS` files plus one group. ``spool``: files already written there
+    (``write`` then has nothing to do), else a private :func:`spool_dir`.
+    """
+    with contextlib.ExitStack() as stack:
+        if spool is None:
+            spool = stack.enter_context(spool_dir())
+        uploader = stack.enter_context(Uploader())
+        for names in groups:
+            write(spool, names)
+            for name in names:
+                done = None if on_uploaded is None else functools.partial(on_uploaded, name)
+                uploader.put(os.path.join(spool, name), storage.join(out_url, name), done)
+        uploader.wait()
+
+
 def upload_dir(local_dir: str, out: str, overwrite: bool) -> None:
     """Publish the finished local directory ``local_dir`` at the object-store prefix ``out``:
-    staged as :func:`make_tmp_dir` does, data files uploaded (concurrently, each deleted locally
-    once up), then the commit markers, then :func:`commit`. For writers whose ranks share local
-    files (``save_pretrained``); call :func:`ckptools.io.out_rules.check_out` before the work
-    starts.
+    staged as :func:`make_tmp_dir` does, data files uploaded (:func:`spool_uploads`), then the
+    commit markers, then :func:`commit`. For writers whose ranks share local files
+    (``save_pretrained``); call :func:`ckptools.io.out_rules.check_out` before the work starts.
     """
     staging = make_tmp_dir(out)
     try:
         files = sorted(storage.walk_files(local_dir))
-        with Uploader() as uploader:
-            for rel in files:
-                if not _is_marker(rel):
-                    uploader.put(os.path.join(local_dir, rel), storage.join(out, rel))
-            uploader.wait()
+        data = [[rel] for rel in files if not _is_marker(rel)]
+        spool_uploads(out, data, lambda spool, names: None, spool=local_dir)
         for rel in sorted((r for r in files if _is_marker(r)), key=lambda r: -r.count("/")):
             storage.put_file(os.path.join(local_dir, rel), storage.join(out, rel))
         commit(staging, out, overwrite)

@@ -16,8 +16,8 @@ gathers the whole model. The output is byte-identical to ``ckpt consolidate`` of
    rank ``pwrite``\\s the bytes of its own shards at their planned offsets
    (:func:`ckptools.plan.safetensors.runs` maps a shard's box to runs of output elements); after
    every rank succeeded, rank 0 writes the index last and renames the directory into place
-   (the protocol of :mod:`ckptools.engine.collective`: a failure anywhere removes the directory and
-   raises on every rank).
+   (the protocol of :mod:`ckptools.outputs.protocol`: a failure anywhere removes the directory
+   and raises on every rank).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,9 +43,9 @@ from ckptools.engine.executor import create_files
 from ckptools.engine.runtime import pwrite_all
 from ckptools.errors import CkptError
 from ckptools.io import staging, storage
-from ckptools.io.out_rules import check_out
+from ckptools.outputs.protocol import Output, commit, staged
 from ckptools.plan.conversions import Piece, split_fqn
-from ckptools.plan.safetensors import ConsolidationPlan, runs
+from ckptools.plan.safetensors import runs
 from ckptools.training.state import state_to_save, write_model_config
 from ckptools.verbs.consolidate import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -220,15 +219,6 @@ def _local_bytes(data: torch.Tensor, sizes: tuple[int, ...], dtype: str) -> memo
     return flat.numpy().data.cast("B")
 
 
-def _staging_dir(out: str) -> str:
-    """Where the ranks write: ``<out>.tmp-<id>/`` beside a local ``out``; for an object-store
-    ``out``, a fresh local directory (``CKPTOOLS_SPOOL_DIR`` or the system temporary directory,
-    which every rank of one node shares), uploaded by rank 0 once every rank has written."""
-    if not storage.is_url(out):
-        return staging.make_tmp_dir(out)
-    return staging.make_spool_dir("ckptools-pretrained-")
-
-
 @dataclass(frozen=True, kw_only=True)
 class PretrainedOptions(ExportOptions):
     """:class:`ExportOptions` as :func:`save_pretrained` takes them: keyword arguments, not
@@ -246,54 +236,30 @@ class PretrainedOptions(ExportOptions):
 
 
 @dataclass(frozen=True)
-class _Staged:
-    """What rank 0 prepared, handed to every rank: where to write, and what the config says."""
+class _Prepared:
+    """What rank 0 prepared, handed to every rank: what the config says."""
 
-    tmp: str
     tie: bool | None  # the config's tie_word_embeddings (None when no config says)
     config_files: tuple[str, ...]
     config: dict[str, Any] | None = None  # config.json: names the transformers conversion
 
 
 def _prepare(
-    model: nn.Module, manifest: Manifest, options: ExportOptions, out: str
-) -> tuple[_Staged, Export]:
-    """Rank 0: check OUT, make the staging directory, write the model files, plan as consolidate
+    model: nn.Module, manifest: Manifest, options: ExportOptions, out: str, tmp: str
+) -> tuple[_Prepared, Export]:
+    """Rank 0, in the staging directory ``tmp``: write the model files, plan as consolidate
     does and create the files (final sizes, headers)."""
-    check_out(out, kind="model", overwrite=options.overwrite)
-    tmp = _staging_dir(out)
-    try:
-        names, tie, config = _prepare_files(model, options.config, tmp, out)
-        export = plan_export(manifest, options, tie, config, boxes_only=True)
-        if export.adapter_config is not None:  # peft's adapter directory: adapter and config
-            for name in names:
-                os.remove(os.path.join(tmp, name))
-            names = (lora.ADAPTER_CONFIG_NAME,)
-            staging.write_file_synced(os.path.join(tmp, names[0]),
-                                      lora.config_json(export.adapter_config))  # fmt: skip
-        staging.reserve(tmp, export.plan.bytes_to_write)
-        create_files(export.plan, tmp)
-    except BaseException:
-        staging.discard(tmp)  # and its lock released
-        raise
-    return _Staged(tmp=tmp, tie=tie, config_files=names, config=config), export
-
-
-def _remove(staged: _Staged, error: BaseException) -> None:
-    staging.discard(staged.tmp)  # and its lock released
-
-
-def _commit(staged: _Staged, plan: ConsolidationPlan, out: str, overwrite: bool) -> None:
-    """Rank 0, after every rank wrote its share: the index last, then the directory in place."""
-    write_index(staged.tmp, plan)
-    staging.fsync_dir(staged.tmp)
-    if storage.is_url(out):
-        staging.upload_dir(
-            staged.tmp, out, overwrite
-        )  # data files, then the index, then the commit
-        shutil.rmtree(staged.tmp, ignore_errors=True)
-    else:
-        staging.commit(staged.tmp, out, overwrite)
+    names, tie, config = _prepare_files(model, options.config, tmp, out)
+    export = plan_export(manifest, options, tie, config, boxes_only=True)
+    if export.adapter_config is not None:  # peft's adapter directory: adapter and config
+        for name in names:
+            os.remove(os.path.join(tmp, name))
+        names = (lora.ADAPTER_CONFIG_NAME,)
+        staging.write_file_synced(os.path.join(tmp, names[0]),
+                                  lora.config_json(export.adapter_config))  # fmt: skip
+    staging.reserve(tmp, export.plan.bytes_to_write)
+    create_files(export.plan, tmp)
+    return _Prepared(tie=tie, config_files=names, config=config), export
 
 
 def _converted_pieces(export: Export) -> dict[str, tuple[str, Piece]]:
@@ -467,31 +433,34 @@ def save_pretrained(
 
     planned: list[Export] = []  # rank 0 plans while preparing; the other ranks after
 
-    def prepare() -> _Staged:
-        staged, export = _prepare(model, manifest, options, out)
+    def fill(tmp: str) -> _Prepared:
+        prepared, export = _prepare(model, manifest, options, out, tmp)
         planned.append(export)
-        return staged
+        return prepared
 
-    with ranks.staged(prepare, _remove, "save_pretrained") as staged:
+    # an object-store OUT: the ranks write a local spool (CKPTOOLS_SPOOL_DIR or the system
+    # temporary directory, which every rank of one node shares), uploaded at the commit
+    output = Output(out=out, kind="model", overwrite=options.overwrite, what="save_pretrained",
+                    spool=True)  # fmt: skip
+    with staged(ranks, output, fill) as stage:
+        prepared = stage.prepared
         export = (
             planned[0]
             if planned
-            else plan_export(manifest, options, staged.tie, staged.config, boxes_only=True)
+            else plan_export(manifest, options, prepared.tie, prepared.config, boxes_only=True)
         )
         items = global_plans[ranks.rank].items
         shares = ranks.from_all(
-            lambda: _write_share(export, planner, items, staged.tmp), "save_pretrained"
+            lambda: _write_share(export, planner, items, stage.tmp), "save_pretrained"
         )
-        ranks.from_root(
-            lambda: _commit(staged, export.plan, out, options.overwrite), "save_pretrained"
-        )
+        commit(ranks, output, stage, lambda: write_index(stage.tmp, export.plan))
     written = shares[ranks.rank]
     log.info("save_pretrained wrote %s (%d bytes from rank %d)", out, written, ranks.rank)
-    return _result(out, export, staged, written, started, ranks.world_size, options.dtype)
+    return _result(out, export, prepared, written, started, ranks.world_size, options.dtype)
 
 
 def _result(
-    out: str, export: Export, staged: _Staged, written: int, started: float, world_size: int,
+    out: str, export: Export, prepared: _Prepared, written: int, started: float, world_size: int,
     dtype: str | None,
 ) -> SavePretrainedResult:  # fmt: skip
     plan = export.plan
@@ -506,5 +475,5 @@ def _result(
         world_size=world_size,
         dtype=dtype,
         dropped=export.dropped,
-        config_files=staged.config_files,
+        config_files=prepared.config_files,
     )

@@ -25,17 +25,9 @@ from ckptools.engine.executor import block_bytes, create_files, execute, in_row_
 from ckptools.errors import UsageError
 from ckptools.io import storage, tunables
 from ckptools.io.out_rules import check_out
-from ckptools.io.resume import Journal, fingerprint
-from ckptools.io.staging import (
-    commit,
-    copy_into,
-    discard,
-    fsync_dir,
-    make_tmp_dir,
-    reserve,
-    resumable_staging,
-    write_file_synced,
-)
+from ckptools.io.resume import fingerprint
+from ckptools.io.staging import copy_into, reserve, write_file_synced
+from ckptools.outputs.protocol import Output, commit, journal, staged
 from ckptools.plan.safetensors import ConsolidationPlan
 from ckptools.producers import read_manifest
 from ckptools.views import lora
@@ -438,7 +430,8 @@ class _Run:
         return lora.row_transforms(list(self.export.merge), fit, self.source)
 
     def finish(self, tmp: str) -> tuple[tuple[str, str], ...]:
-        """After every byte is written: tied-weight check, model files, index, rename."""
+        """After every byte is written: tied-weight check, model files, index (the marker,
+        last); returns the pairs of tied weights written twice."""
         tied: list[tuple[str, str]] = []
         names, plan = self.export.names, self.export.plan
         if not self.tie:
@@ -470,26 +463,30 @@ class _Run:
             write_file_synced(storage.join(tmp, lora.ADAPTER_CONFIG_NAME),
                               lora.config_json(self.export.adapter_config))  # fmt: skip
         write_index(tmp, plan)
-        fsync_dir(tmp)
-        commit(tmp, self.out, self.options.overwrite)
         return tuple(tied)
+
+    def output(self, identity: str = "") -> Output:
+        """Where this run writes (:mod:`ckptools.outputs.protocol`): OUT was checked before
+        planning, on every rank."""
+        overwrite = self.options.overwrite
+        return Output(out=self.out, kind="model", overwrite=overwrite, what="consolidate",
+                      src=self.src, identity=identity, checked=True)  # fmt: skip
 
 
 def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
     """This process writes everything into a staging directory that an interrupted run of the
     same conversion left (its complete files are kept), or a new one; then finishes."""
-    plan, options = run.export.plan, run.options
+    plan, options, ranks = run.export.plan, run.options, Ranks()
     identity = fingerprint(
         "consolidate", run.manifest,
         {"files": [(f.name, f.size) for f in plan.files], "index": plan.index, "tie": run.tie,
          "copied": run.copied, "names": run.export.names},
     )  # fmt: skip
-    tmp = resumable_staging(run.out, identity)
-    try:
-        reserve(tmp, plan.bytes_to_write)  # before a byte is written: enough free space?
-        journal = Journal.open(tmp, identity)
+    output = run.output(identity)
+    with staged(ranks, output, lambda tmp: reserve(tmp, plan.bytes_to_write)) as stage:
+        tmp, done_files = stage.tmp, journal(ranks, output, stage)
         sizes = {f.name: f.size for f in plan.files}
-        kept = {f.name for f in plan.files if journal.is_done(f.name)}
+        kept = {f.name for f in plan.files if done_files.is_done(f.name)}
         if kept:
             run.notes.append(
                 f"resumed: {len(kept)} file(s) written by an interrupted run were kept"
@@ -499,29 +496,26 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
 
         def done(name: str) -> None:  # merged before journaled: a resumed run never merges twice
             run.merge(tmp, name, merged=transforms)
-            journal.record(name, size=sizes[name])
+            done_files.record(name, size=sizes[name])
 
         stats = execute(
             plan, run.source, tmp, workers=options.worker_count,
             memory_budget=options.memory_budget_bytes, quiet=options.quiet, skip=kept,
             on_file_done=done, transforms=transforms,
         )  # fmt: skip
-        journal.discard()  # never part of the model directory
-        tied = run.finish(tmp)
-    except BaseException as e:
-        discard(tmp, e)
-        raise
+        tied = commit(ranks, output, stage, lambda: run.finish(tmp))
     return stats.bytes_written, tied
 
 
 def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
     """Every rank copies its share of the chunks; rank 0 creates the files first and commits last.
 
-    Called by every rank, in the same order (:mod:`ckptools.engine.collective`): rank 0 creates the
+    Called by every rank, in the same order (:mod:`ckptools.outputs.protocol`): rank 0 creates the
     temporary directory and every file (headers written, final sizes) and hands out its name;
     every rank copies the chunks of its byte share (:func:`ckptools.engine.executor.share_of`) and
-    fsyncs; once all have, rank 0 runs :meth:`_Run.finish` (model files, index last, rename). On
-    any rank's failure rank 0 removes the temporary directory and every rank raises.
+    fsyncs; once all have, rank 0 merges LoRA weights and runs :meth:`_Run.finish` (model files,
+    index last), then renames. On any rank's failure rank 0 removes the temporary directory and
+    every rank raises.
     """
     plan, options, out = run.export.plan, run.options, run.out
     if storage.is_url(out):
@@ -532,19 +526,13 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
             "cannot hold; consolidate into a local or shared directory, or run one process"
         )
 
-    def prepare() -> str:
-        check_out(out, kind="model", overwrite=options.overwrite, src=run.src)
-        made = make_tmp_dir(out)
-        try:
-            reserve(made, plan.bytes_to_write)
-            create_files(plan, made)
-        except BaseException:
-            discard(made)
-            raise
-        return made
+    def fill(tmp: str) -> None:
+        reserve(tmp, plan.bytes_to_write)
+        create_files(plan, tmp)
 
-    with ranks.staged(prepare, discard, "consolidate") as tmp:
-        share = (ranks.rank, ranks.world_size)
+    output = run.output()
+    with staged(ranks, output, fill) as stage:
+        tmp, share = stage.tmp, (ranks.rank, ranks.world_size)
         ranks.from_all(
             lambda: execute(plan, run.source, tmp, workers=options.worker_count,
                             memory_budget=options.memory_budget_bytes,
@@ -557,4 +545,4 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
                 run.merge(tmp, f.name)
             return run.finish(tmp)
 
-        return ranks.from_root(merge_then_finish, "consolidate")
+        return commit(ranks, output, stage, merge_then_finish)

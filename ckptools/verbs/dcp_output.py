@@ -21,17 +21,8 @@ from ckptools.engine import dcp_writer as dcp_write
 from ckptools.engine.collective import Ranks
 from ckptools.engine.dcp_writer import write_dcp
 from ckptools.io import storage
-from ckptools.io.out_rules import check_out
-from ckptools.io.resume import Journal
-from ckptools.io.staging import (
-    commit,
-    copy_into,
-    discard,
-    fsync_dir,
-    reserve,
-    resumable_staging,
-    write_file_synced,
-)
+from ckptools.io.staging import copy_into, reserve, write_file_synced
+from ckptools.outputs.protocol import Output, Stage, commit, journal, staged
 from ckptools.plan.dcp import DcpPlan, file_name
 from ckptools.verify.checksums import write_checksums
 
@@ -89,7 +80,7 @@ def write(
     """Write ``share.parts`` and ``share.copied`` into ``share.out``, atomically (``overwrite``:
     replacing it); ``workers`` copy threads in each process, progress on rank 0 unless ``quiet``.
 
-    Called by every rank, in this order (:mod:`ckptools.engine.collective`; one process is rank 0
+    Called by every rank, in this order (:mod:`ckptools.outputs.protocol`; one process is rank 0
     of 1):
     rank 0 creates the temporary directory and copies ``copied`` (files beside the DCP data)
     into it; every rank writes the ``__r_0.distcp`` files :meth:`Ranks.mine` gives it (balanced
@@ -108,68 +99,54 @@ def write(
     Returns the bytes of the ``.distcp`` files written (every rank's) and how many files an
     interrupted run had already written.
     """
-    parts, out, identity = share.parts, share.out, share.identity
+    parts = share.parts
     units = _units(parts)
     mine: dict[str, list[int]] = {sub: [] for sub in parts}
     for i in ranks.mine([size for _, _, size in units]):
         mine[units[i][0]].append(units[i][1])
 
-    def prepare() -> str:
-        check_out(out, kind="dcp", overwrite=overwrite, src=share.src)
-        tmp = resumable_staging(out, identity)
-        try:
-            reserve(tmp, sum(sum(plan.file_sizes) for _, plan in parts.values()))
-            for name in share.copied:
-                copy_into(storage.join(share.source_root, name), storage.join(tmp, name))
-            for sub in parts:
-                storage.makedirs(_target(tmp, sub))
-        except BaseException:
-            discard(tmp)
-            raise
-        return tmp
+    def fill(tmp: str) -> None:
+        reserve(tmp, sum(sum(plan.file_sizes) for _, plan in parts.values()))
+        for name in share.copied:
+            copy_into(storage.join(share.source_root, name), storage.join(tmp, name))
+        for sub in parts:
+            storage.makedirs(_target(tmp, sub))
 
-    def write_share(tmp: str) -> tuple[int, int]:
-        journal = Journal.open(tmp, identity, writer=ranks.rank)
+    def write_share(stage: Stage[None]) -> tuple[int, int]:
+        done_files = journal(ranks, output, stage)
         written = kept = 0
         for sub, (part, plan) in parts.items():
             prefix = f"{sub}/" if sub else ""
-            todo = [r for r in mine[sub] if not journal.is_done(prefix + file_name(r))]
+            todo = [r for r in mine[sub] if not done_files.is_done(prefix + file_name(r))]
             kept += len(mine[sub]) - len(todo)
 
             def done(
                 r: int, prefix: str = prefix, sizes: tuple[int, ...] = plan.file_sizes
             ) -> None:
-                journal.record(prefix + file_name(r), size=sizes[r])
+                done_files.record(prefix + file_name(r), size=sizes[r])
 
             written += write_dcp(
-                part, plan, _target(tmp, sub), source_root=share.source_root,
+                part, plan, _target(stage.tmp, sub), source_root=share.source_root,
                 workers=workers, quiet=quiet or not ranks.is_root,
                 only_files=todo, on_file_done=done,
             )  # fmt: skip
         return written, kept
 
     def markers(tmp: str) -> None:
-        Journal.open(tmp, identity).discard()  # never part of a committed checkpoint
         for sub, (_, plan) in parts.items():
             # through the module: tests interrupt a run here
             dcp_write.write_metadata(_target(tmp, sub), plan)
         for name, data in share.made.items():  # a producer's own markers (Megatron's), last
             write_file_synced(storage.join(tmp, name), data)
 
-    def rename(tmp: str) -> None:
-        fsync_dir(tmp)
-        commit(tmp, out, overwrite)
-
-    kind = share.kind
-    with ranks.staged(prepare, discard, kind) as tmp:
-        shares = ranks.from_all(lambda: write_share(tmp), kind)
-        written = sum(w for w, _ in shares)
-        kept = sum(k for _, k in shares)
-        ranks.from_root(lambda: markers(tmp), kind)
-        if share.checksums:
-            write_checksums(tmp, workers=workers, quiet=True, distributed=ranks.world_size > 1)
-        ranks.from_root(lambda: rename(tmp), kind)
-    return written, kept
+    output = Output(out=share.out, kind="dcp", overwrite=overwrite, what=share.kind,
+                    src=share.src, identity=share.identity)  # fmt: skip
+    with staged(ranks, output, fill) as stage:
+        shares = ranks.from_all(lambda: write_share(stage), share.kind)
+        checksums = write_checksums if share.checksums else None
+        commit(ranks, output, stage, lambda: markers(stage.tmp), checksums=checksums,
+               workers=workers)  # fmt: skip
+    return sum(w for w, _ in shares), sum(k for _, k in shares)
 
 
 def _target(tmp: str, sub: str) -> str:

@@ -199,6 +199,30 @@ def test_save_pretrained_to_s3_equals_consolidate(s3_bucket: str, tmp_path: Any)
         assert (got / name).read_bytes() == (local / name).read_bytes(), name
 
 
+def test_save_pretrained_to_s3_leaves_no_spool(
+    s3_bucket: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ranks of save_pretrained share a local spool for an object-store OUT; the output
+    # protocol removes it, and its owner note, after the upload and after a failure alike.
+    from ckptools.training import pretrained
+
+    spool = tmp_path / "spool"
+    monkeypatch.setenv("CKPTOOLS_SPOOL_DIR", str(spool))
+    model, _ = _model()
+    result = ckptools.save_pretrained(model, f"{s3_bucket}/hf-spool", max_shard_size=2000)
+    assert len(result.files) > 1 and "model.safetensors.index.json" in objects(result.out)
+    assert sorted(p.name for p in spool.iterdir()) == []
+
+    def broken(*args: Any, **kwargs: Any) -> int:
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(pretrained, "_write_share", broken)
+    with pytest.raises(OSError, match="injected"):
+        ckptools.save_pretrained(model, f"{s3_bucket}/hf-failed", max_shard_size=2000)
+    assert sorted(p.name for p in spool.iterdir()) == []
+    assert objects(f"{s3_bucket}/hf-failed") == {}
+
+
 def test_manager_storage_options_reach_background_saves(
     s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

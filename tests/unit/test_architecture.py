@@ -33,6 +33,9 @@ LAYERS: dict[str, int] = {
     "ckptools.plan": 5,
     "ckptools.engine": 6,
     "ckptools.views": 7,  # the checkpoint as the HF model (export) and its LoRA adapter
+    # the output protocol every writer runs (stage, shares, seal, checksums, commit), on the
+    # engine's collective
+    "ckptools.outputs": 7,
     "ckptools.verbs": 8,
     "ckptools.verify": 8,
     "ckptools.hub": 8,

@@ -1,0 +1,1 @@
+"""The one output protocol every writer runs (:mod:`ckptools.outputs.protocol`)."""
