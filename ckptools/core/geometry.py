@@ -7,7 +7,8 @@ A *box* is ``(offsets, sizes)`` in global element coordinates. Three ideas live 
   always agree on what a valid checkpoint is. It is exact at any chunk count and linear in it.
 * **runs** (:func:`copy_runs`, :func:`tensor_runs`, :func:`chunk_span`): moving bytes between two
   layouts of the same tensor is copying, for each pair of boxes that intersect, the
-  intersection's elements, as runs of consecutive elements in both boxes.
+  intersection's elements, as runs of consecutive elements in both boxes; a chunk stored
+  strided (a transposed view saved as is) is made row-major by :func:`gather_strided`.
 * **FSDP2's split** (:func:`fsdp2_rows`).
 
 Pure functions, no I/O, no torch.
@@ -56,6 +57,76 @@ def _strides(sizes: Sequence[int]) -> list[int]:
     out = [1] * len(sizes)
     for d in range(len(sizes) - 2, -1, -1):
         out[d] = out[d + 1] * sizes[d + 1]
+    return out
+
+
+#: ``memoryview.cast`` formats by item size: a strided row of such items is one stepped slice
+_ITEM_FORMATS: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
+#: Python-level steps :func:`gather_strided` takes at most (``strided_steps``): ~50 ms
+MAX_STRIDED_STEPS = 1 << 16
+
+
+def _strided_dims(sizes: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
+    """``(size, stride)`` of a strided view, size-1 dims dropped and adjacent dims that step
+    through memory as one merged (a row-major run of them is one dim)."""
+    merged: list[tuple[int, int]] = []
+    for n, s in zip(sizes, strides, strict=True):
+        if n == 1:
+            continue
+        if merged and merged[-1][1] == s * n:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    return merged
+
+
+def strided_steps(itemsize: int, sizes: Sequence[int], strides: Sequence[int]) -> int:
+    """How many Python-level steps :func:`gather_strided` takes for this view: one per row of
+    its innermost dim, or one per element where the items cannot be sliced with a step."""
+    dims = _strided_dims(sizes, strides)
+    if not dims or 0 in sizes:
+        return 1
+    *outer, (n, step) = dims
+    rows = math.prod(m for m, _ in outer)
+    sliced = step == 1 or (step > 0 and itemsize in _ITEM_FORMATS)
+    return rows if sliced else rows * n
+
+
+def gather_strided(
+    data: bytes | bytearray | memoryview,
+    itemsize: int,
+    sizes: Sequence[int],
+    strides: Sequence[int],
+) -> bytearray:
+    """The elements of the strided view ``(sizes, strides)`` (in elements, from ``data``'s
+    first byte) in row-major order, as contiguous bytes: what torch's ``as_strided(sizes,
+    strides).contiguous()`` holds, without torch (a transposed weight saved as is). Each row of
+    the innermost dim is one C-speed slice; :func:`strided_steps` says how many."""
+    total = math.prod(sizes)
+    out = bytearray(total * itemsize)
+    if total == 0:
+        return out
+    src = memoryview(data).cast("B")
+    dims = _strided_dims(sizes, strides)
+    if not dims:  # one element
+        out[:] = src[:itemsize]
+        return out
+    *outer, (n, step) = dims
+    fmt = _ITEM_FORMATS.get(itemsize)
+    items = src.cast(fmt) if fmt and step > 1 and len(src) % itemsize == 0 else None
+    row = n * itemsize
+    pos = 0
+    for index in itertools.product(*(range(m) for m, _ in outer)):
+        first = sum(i * s for i, (_, s) in zip(index, outer, strict=True))
+        if step == 1:
+            out[pos : pos + row] = src[first * itemsize : first * itemsize + row]
+        elif items is not None:
+            out[pos : pos + row] = items[first : first + (n - 1) * step + 1 : step].tobytes()
+        else:
+            for j in range(n):
+                at = (first + j * step) * itemsize
+                out[pos + j * itemsize : pos + (j + 1) * itemsize] = src[at : at + itemsize]
+        pos += row
     return out
 
 

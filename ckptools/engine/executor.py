@@ -16,8 +16,9 @@ reads a DCP item's archive directory, never its tensor), maps them to output run
 * any other chunk that lands as many runs is read in blocks into a per-thread buffer and each
   run is written with ``os.pwrite``;
 * a cast (``dtype``) converts each block with torch, elementwise, so memory stays one block;
-* a strided chunk (a transposed view saved as is) is read whole and made contiguous with torch:
-  the only case whose memory is the chunk's size rather than a block.
+* a strided chunk (a transposed view saved as is) is read whole and made row-major, without
+  torch (:func:`~ckptools.core.geometry.gather_strided`; with torch for a view of very many
+  short rows, or with a cast): the only case whose memory is the chunk's size, not a block.
 
 Each chunk whose record stores a CRC-32 (every DCP item) is checked against it from the bytes
 copied: computed over the blocks as they are read, or, for a kernel copy, over the source's page
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32, crc32_combine
+from ckptools.core.geometry import MAX_STRIDED_STEPS, gather_strided, strided_steps
 from ckptools.core.manifest import Chunk, Manifest
 from ckptools.engine import checked_copy
 from ckptools.engine.reader import resolve_chunk
@@ -214,7 +216,9 @@ class _Copier:
             raw = resolve_chunk(
                 self.reader, self.manifest.tensors[tensor.fqn], chunk, reading_data=True
             )
-            if raw.strides is not None or tensor.is_cast:
+            if raw.strides is not None and not tensor.is_cast and _gathered(raw, isz):
+                self._copy_strided(fd, tensor, raw)
+            elif raw.strides is not None or tensor.is_cast:
                 self._copy_with_torch(fd, tensor, raw)
             else:
                 self._copy_bytes(fd, tensor, raw)
@@ -328,6 +332,18 @@ class _Copier:
             crc = checked_copy.record_crc(self.reader, raw, self.buffer)
         checked_copy.check(self.reader, raw, fqn, crc)
 
+    def _copy_strided(self, fd: int, tensor: TensorPlan, raw: Chunk) -> None:
+        """A strided chunk without a cast: read whole, its elements gathered row-major without
+        torch (:func:`~ckptools.core.geometry.gather_strided`), its runs written."""
+        assert raw.strides is not None
+        isz = dtypes.dtype(tensor.dtype).itemsize
+        data = self.reader.read(raw.file, raw.offset, raw.length)
+        mem = memoryview(gather_strided(data, isz, raw.sizes, raw.strides))
+        for src, dst, n in runs(tensor.shape, raw.offsets, raw.sizes):
+            pwrite_all(fd, mem[src * isz : (src + n) * isz], tensor.begin + dst * isz)
+        self.progress.update(len(mem))
+        self._check(raw, tensor.fqn, crc32(data, 0) if len(data) == raw.length else None)
+
     def _copy_with_torch(self, fd: int, tensor: TensorPlan, raw: Chunk) -> None:
         import torch
 
@@ -364,6 +380,13 @@ class _Copier:
                 pwrite_all(fd, mem[at : at + n * dst_isz], tensor.begin + dst * dst_isz)
             self.progress.update(count * dst_isz)
         self._check(raw, tensor.fqn, crc.whole(raw.length))
+
+
+def _gathered(raw: Chunk, itemsize: int) -> bool:
+    """Whether the strided chunk ``raw`` is made row-major without torch: all but a view of
+    very many short rows (importing torch costs ~1.5 s of CPU and ~200 MiB)."""
+    assert raw.strides is not None
+    return strided_steps(itemsize, raw.sizes, raw.strides) <= MAX_STRIDED_STEPS
 
 
 class _RunningCrc:

@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ckptools.core import dtypes
-from ckptools.core.geometry import copy_runs
+from ckptools.core.geometry import MAX_STRIDED_STEPS, copy_runs, gather_strided, strided_steps
 from ckptools.core.manifest import Chunk, Manifest, ObjectEntry, TensorEntry
 from ckptools.errors import CorruptCheckpointError
 from ckptools.formats import safe_pickle, torch_archive
@@ -127,8 +127,10 @@ class RowBytes:
     torch (replicas read once): comparing bytes needs no tensors, and importing torch costs
     ~2 s of CPU, ten times a whole ``ckpt diff`` of two small checkpoints.
 
-    ``contiguous`` is False when a chunk is stored with non-contiguous strides (a transposed
-    view saved as is); :meth:`read` does not place those, the caller reads them with torch.
+    A chunk stored with non-contiguous strides (a transposed view saved as is) is read whole
+    once and gathered row-major (:func:`~ckptools.core.geometry.gather_strided`);
+    ``contiguous`` is False only for one of very many short rows, which :meth:`read` does not
+    place: the caller reads it with torch.
     ``checks``: the bytes read are handed to it, so each record read to its end is checked
     against its stored CRC-32 (:class:`~ckptools.engine.checked_copy.ReadChecks`).
     """
@@ -145,7 +147,12 @@ class RowBytes:
             if c.numel:
                 seen.setdefault((c.offsets, c.sizes), c)
         self.chunks = [resolve_chunk(reader, tensor, c) for c in seen.values()]
-        self.contiguous = all(c.strides is None for c in self.chunks)
+        k = self.itemsize
+        self.contiguous = all(
+            c.strides is None or strided_steps(k, c.sizes, c.strides) <= MAX_STRIDED_STEPS
+            for c in self.chunks
+        )
+        self._gathered: dict[int, memoryview] = {}
 
     def read(self, r0: int, r1: int) -> bytearray:
         """Rows ``[r0, r1)`` (a 0-dim tensor: ``read(0, 1)``), each chunk's rows read once."""
@@ -161,21 +168,33 @@ class RowBytes:
         slab_sizes = (r1 - r0, *shape[1:])
         out = bytearray(math.prod(slab_sizes) * k)
         view = memoryview(out)
-        for c in self.chunks:
+        for i, c in enumerate(self.chunks):
             lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
             if lo >= hi:
                 continue
             skip = (lo - c.offsets[0]) * math.prod(c.sizes[1:])  # elements before row lo
-            data = memoryview(
-                self.reader.read(
-                    c.file, c.offset + skip * k, (hi - lo) * (c.numel // c.sizes[0]) * k
-                )
-            )
-            if self.checks is not None:
-                self.checks.add(c, skip * k, data)
+            length = (hi - lo) * (c.numel // c.sizes[0]) * k
+            if c.strides is not None:
+                data = self._strided(i, c)[skip * k : skip * k + length]
+            else:
+                data = memoryview(self.reader.read(c.file, c.offset + skip * k, length))
+                if self.checks is not None:
+                    self.checks.add(c, skip * k, data)
             for src, dst, n in copy_runs(c.offsets, c.sizes, slab_offsets, slab_sizes):
                 view[dst * k : (dst + n) * k] = data[(src - skip) * k : (src - skip + n) * k]
         return out
+
+    def _strided(self, index: int, c: Chunk) -> memoryview:
+        """Strided chunk ``c``'s elements row-major: read whole (and checked) once."""
+        got = self._gathered.get(index)
+        if got is None:
+            assert c.strides is not None
+            data = self.reader.read(c.file, c.offset, c.length)
+            if self.checks is not None:
+                self.checks.add(c, 0, memoryview(data))
+            got = memoryview(gather_strided(data, self.itemsize, c.sizes, c.strides))
+            self._gathered[index] = got
+        return got
 
 
 def _chunk_tensor(reader: Reader, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:

@@ -69,6 +69,51 @@ def test_a_small_dcp_consolidate_imports_only_what_it_uses(tmp_path: Path) -> No
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+#: run in a fresh ``python -P``: the CLI with sys.argv[1:], then the heavy modules it imported
+_VERB = """
+import json, sys
+from ckptools.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert not e.code, e.code
+heavy = ("torch", "transformers", "peft", "numpy")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy)))
+"""
+FIXTURES = Path(REPO) / "fixtures"
+
+
+def heavy_imports(tmp_path: Path, *argv: str) -> set[str]:
+    """What ``ckpt argv...`` imported of torch, transformers, peft and numpy: a fresh process
+    with an empty user cache, as a new user's first run."""
+    env = {**os.environ, "PYTHONPATH": REPO, "CKPTOOLS_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", _VERB, *argv],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return set(json.loads(run.stdout.splitlines()[-1]))
+
+
+def test_a_strided_dcp_is_copied_and_compared_without_torch(tmp_path: Path) -> None:
+    # fixtures/dcp_single: dcp.save of non-contiguous (transposed, sliced) tensors, stored as is
+    src = str(FIXTURES / "dcp_single")
+    out = tmp_path / "out"
+    assert heavy_imports(tmp_path, "consolidate", src, str(out), "-q") == set()
+    assert heavy_imports(tmp_path, "diff", src, src) == set()
+    assert heavy_imports(tmp_path, "verify", src) == set()
+    assert heavy_imports(tmp_path, "inspect", src) == set()
+    # the same values as torch's as_strided(...).contiguous() (the fixture's reference)
+    import torch
+    from safetensors.torch import load_file
+
+    reference = torch.load(FIXTURES / "dcp_single.reference.pt", weights_only=True)["model"]
+    got = load_file(str(out / "model.safetensors"))
+    for name in ("strided", "transposed"):  # stored non-contiguous in the fixture's .distcp
+        want = reference[name].contiguous()
+        assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
+
+
 def test_detection_order_is_the_layouts_priority() -> None:
     every = base.layouts()  # imports every layout module
     assert [x.name for x in sorted(every, key=lambda x: x.priority)] == list(base._MODULES)
