@@ -25,7 +25,7 @@ from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
-from ckptools.producers.numbered import is_numbered_save
+from ckptools.producers.numbered import is_numbered_save, run_records
 from ckptools.views import lora
 
 if TYPE_CHECKING:
@@ -215,12 +215,6 @@ def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
     return [(storage.contained(directory, n, named_by=directory, entry="holds"), n) for n in names]
 
 
-#: Names of one numbered save inside a run directory: the Trainer's ``checkpoint-N``,
-#: DeepSpeed's ``global_stepN`` tag, verl's ``global_step_N``, torchtitan's ``step-N``.
-#: A run directory's record of its last save (DeepSpeed's tag file, verl's step file).
-_RUN_RECORDS = ("latest", "latest_checkpointed_iteration.txt")
-
-
 def _up_to_the_run(here: str) -> list[str]:
     """``here`` and the directories above it where a model's files may lie: its parent, and,
     when ``here`` is one numbered save of a run (its name, or the parent's record of the last
@@ -242,7 +236,7 @@ def _up_to_the_run(here: str) -> list[str]:
         here, parent = parent, up(parent)
         found.append(here)
     found.append(parent)
-    if is_numbered_save(name(here)) or storage.file_sizes(parent, _RUN_RECORDS):
+    if is_numbered_save(name(here)) or storage.file_sizes(parent, run_records()):
         found.append(up(parent))
     return found
 
