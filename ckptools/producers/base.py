@@ -55,6 +55,22 @@ class Layout(ABC):
         read. A run directory's newest save is its newest whole one."""
         return None
 
+    #: the module of ``ckptools.producers`` that views this layout's checkpoints as the Hugging
+    #: Face model and as its training state, when its stored names are not the model's
+    #: (``as_hf``, ``as_training``, ``with_masters``: :class:`ckptools.views.producer.Views`);
+    #: None: its names are the model's. Imported only when a verb asks (:func:`layout_of`).
+    views: str | None = None
+    #: a model directory (what ``push`` uploads): the layout reads published model files
+    model_directory: bool = False
+    #: its integer-keyed optimizer's groups are the model's parameters in the model's order
+    #: (the Trainer's two, split by weight decay): the model's config names them
+    groups_follow_the_model: bool = False
+
+    def read_manifest_unchecked(self, path: str) -> Manifest:
+        """:meth:`read_manifest`, listing every file its metadata names even when one is
+        missing or short, for ``verify`` to report each (default: :meth:`read_manifest`)."""
+        return self.read_manifest(path)
+
     def numbered_saves(self) -> NumberedSaves | None:
         """How this layout's producer numbers the saves of a run directory, as ``ckpt list``
         shows them (:mod:`ckptools.producers.saves`); None: it keeps no numbered saves."""
@@ -103,6 +119,12 @@ def _layout(name: str) -> Layout:
         importlib.import_module(f"ckptools.producers.{_MODULES[name]}")
         found = _REGISTRY[name]
     return found
+
+
+def layout_of(manifest: Manifest) -> Layout | None:
+    """The registered layout that read ``manifest`` (its ``layout``), None when none did (a
+    DCP's producer, ``fsdp2``; a manifest ckptools made)."""
+    return _layout(manifest.layout) if manifest.layout in _MODULES else None
 
 
 def _in_order() -> Iterator[Layout]:
@@ -180,6 +202,8 @@ class RunSave(Layout):
     def __init__(self, chosen: Chosen, layout: Layout) -> None:
         self.chosen, self.layout = chosen, layout
         self.name, self.description, self.priority = layout.name, layout.description, 99
+        self.views, self.model_directory = layout.views, layout.model_directory
+        self.groups_follow_the_model = layout.groups_follow_the_model
 
     @property
     def save(self) -> str:

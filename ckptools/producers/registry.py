@@ -30,10 +30,20 @@ MODULES: dict[str, str] = {
     "safetensors": "hf.safetensors",
 }
 
+#: ``shard --to NAME`` beside ``dcp`` (ckptools' own writer): the module of
+#: ``ckptools.producers`` that plans a save in that producer's layout
+#: (:func:`ckptools.verbs.reshard.shard` imports it when asked)
+WRITE_TARGETS: dict[str, str] = {"megatron": "megatron.writer"}
+
 
 def names() -> tuple[str, ...]:
     """Every layout's name (what ``--format`` takes), in detection order; imports none."""
     return tuple(MODULES)
+
+
+def write_targets() -> tuple[str, ...]:
+    """What ``shard --to`` takes: ``dcp``, then each producer's writer; imports none."""
+    return ("dcp", *WRITE_TARGETS)
 
 
 def families() -> tuple[ModuleType, ...]:

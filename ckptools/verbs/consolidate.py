@@ -58,6 +58,7 @@ from ckptools.views.export import (
     with_dtype,
     write_index,
 )
+from ckptools.views.producer import views_of
 
 # Export planning lives in ckptools.views.export; these names stay importable from here.
 __all__ = [
@@ -293,7 +294,7 @@ def _checked_shapes(
     Megatron run: its conversion checks the config's sizes; ``--masters``) or not the model
     alone (a LoRA adapter, merged or not, or a PEFT model given without either)."""
     if (
-        manifest.layout == "megatron"
+        views_of(manifest) is not None
         or options.adapter
         or options.merge_lora
         or options.masters
@@ -334,11 +335,12 @@ class _Run:
         export = plan_export(manifest, options, tie, model_config(model_files),
                              check=not options.dry_run)  # fmt: skip
         notes = [] if misfit is None else [f"{misfit} ({out} holds the weights only)"]
-        if manifest.layout == "megatron" and not options.adapter:
+        views = views_of(manifest)
+        if views is not None and not options.adapter:
             # the config named the run's tensors: the HF model they became must be its model
             source = export.manifest or manifest
             hf = {n: source.tensors[f].shape for n, f in export.names.items()}
-            needed = "Megatron's names and sizes come from it"
+            needed = views.CONFIG_NEEDED
             config_misfit(model_files, src, options.config, hf, needed=needed, quiet=options.quiet)
         if options.adapter:
             model_files = []  # peft's adapter directory holds the adapter and its config only
@@ -355,11 +357,8 @@ class _Run:
                 f"config.json made from the run's args ({family}); give the model's own with "
                 "--config for everything else it sets"
             )
-        if manifest.layout == "megatron" and not any(n != "config.json" for _, n in model_files):
-            notes.append(
-                "a Megatron checkpoint holds no tokenizer: copy the tokenizer files into OUT, "
-                "or give a directory holding them with --config"
-            )
+        if views is not None and not any(n != "config.json" for _, n in model_files):
+            notes.append(views.NO_TOKENIZER)
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
         if (

@@ -25,8 +25,11 @@ from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
+from ckptools.producers.base import layout_of
 from ckptools.producers.numbered import is_numbered_save, run_records
+from ckptools.producers.registry import declared
 from ckptools.views import lora
+from ckptools.views.producer import views_of
 
 if TYPE_CHECKING:
     from ckptools.plan.conversions import KeyMap
@@ -446,7 +449,9 @@ def suggested_optimizer_order(manifest: Manifest, config: str | None = None) -> 
     from ckptools.producers.optimizer_state import optimizer_states
 
     unnamed = [o for o in optimizer_states(manifest) if o.keyed == "integer" and not o.param_names]
-    trainer = manifest.layout == "trainer" and any(o.param_groups > 1 for o in unnamed)
+    layout = layout_of(manifest)
+    follows = layout is not None and layout.groups_follow_the_model
+    trainer = follows and any(o.param_groups > 1 for o in unnamed)
     unordered = bool(manifest.details.get(MODEL_ORDER_UNKNOWN)) and bool(unnamed)
     if not (trainer or unordered):
         return None
@@ -579,19 +584,19 @@ def _quiet(options: ExportOptions) -> bool:
 
 
 def _with_masters(manifest: Manifest) -> Manifest:
-    """``--masters``: the manifest with the distributed optimizer's fp32 masters as the model.
+    """``--masters``: the manifest with the distributed optimizer's fp32 masters as the model
+    (the producer's view, ``with_masters``).
 
     Raises:
-        UsageError: the source is not a Megatron save, or holds no masters.
+        UsageError: the source's producer keeps no masters, or it holds none.
     """
-    if manifest.layout != "megatron":
+    views = views_of(manifest)
+    if views is None or not getattr(views, "HAS_MASTERS", False):
         raise UsageError(
-            f"{manifest.root}: --masters takes a Megatron distributed optimizer's fp32 masters; "
+            f"{manifest.root}: --masters takes {' or '.join(declared('MASTERS'))}; "
             f"this is a {manifest.layout} checkpoint: drop --masters"
         )
-    from ckptools.producers.megatron import masters as megatron_masters
-
-    return megatron_masters.with_masters(manifest, megatron_masters.read_optimizer(manifest))
+    return views.with_masters(manifest)
 
 
 def plan_export(
@@ -632,13 +637,12 @@ def plan_export(
         )  # fmt: skip
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
     keymap, made = None, None
-    megatron = manifest.layout == "megatron" and options.select is None
+    views = views_of(manifest) if options.select is None else None
     if options.masters:
         manifest = _with_masters(manifest)
-    if megatron and not options.keep_in_memory_names:
-        from ckptools.engine.converted import megatron_to_disk
-
-        manifest, names, keymap, made = megatron_to_disk(manifest, names, config, check=check)
+    if views is not None and not options.keep_in_memory_names:
+        # a producer whose names are not the model's: its own view as the HF model
+        manifest, names, keymap, made = views.as_hf(manifest, names, config, check=check)
     elif config is not None and not options.keep_in_memory_names:
         # imported here: a source without a config (or kept in memory names) needs none of the
         # conversion machinery, and its import is most of a small consolidate's start-up

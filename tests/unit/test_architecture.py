@@ -29,7 +29,10 @@ LAYERS: dict[str, int] = {
     # a family's package holds every floor of what it knows: its planning sits with the
     # planners, its training view with the views
     "ckptools.producers.megatron.plan": 5,
+    "ckptools.producers.megatron.converted": 6,
+    "ckptools.producers.megatron.writer": 6,
     "ckptools.producers.megatron.training": 7,
+    "ckptools.producers.megatron.views": 7,
     "ckptools.plan": 5,
     "ckptools.engine": 6,
     "ckptools.views": 7,  # the checkpoint as the HF model (export) and its LoRA adapter

@@ -122,6 +122,7 @@ def _trainer_checkpoint_complete(path: str) -> bool:
 class TrainerLayout(Layout):
     priority = 10
     name = "trainer"
+    groups_follow_the_model = True
     description = "transformers Trainer checkpoint-N/ (FSDP sharded), or its output_dir"
 
     def probe(self, path: str) -> str | None:

@@ -12,6 +12,8 @@ ITER_SAVE = re.compile(r"^iter_(\d{7,})$")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 SAVES = (ITER_SAVE,)
 RUN_RECORDS = (TRACKER_FILE,)
+#: what ``--masters`` takes from a save of this family (its views' ``with_masters``)
+MASTERS = ("a Megatron distributed optimizer's fp32 masters",)
 PARTS = (
     # a save's marker and a run's tracker: never a checkpoint alone
     (re.compile(r"^metadata\.json$"), "megatron"),

@@ -426,6 +426,7 @@ def _save_lacks(path: str) -> str | None:
 class MegatronLayout(Layout):
     priority = 14
     name = "megatron"
+    views = "megatron.views"
     description = (
         "Megatron-core torch_dist checkpoint (run directory with "
         "latest_checkpointed_iteration.txt, an iter_*/ save, or a save's metadata.json)"
