@@ -273,8 +273,8 @@ def _as_tensor(value: Any) -> torch.Tensor:
 
 
 def _model_config(model: nn.Module) -> dict[str, Any] | None:
-    """The HF ``config.json`` of a transformers model (a Megatron source is mapped to its names
-    by it), else None."""
+    """The HF ``config.json`` of a transformers model (a producer's view maps its source to
+    the model's names by it), else None."""
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
     return to_dict() if callable(to_dict) else None

@@ -131,7 +131,7 @@ class ConsolidateResult:
         tied: ``(a, b)`` pairs found to hold the same data and both written (no config said to
             tie them).
         config_files: the files written into OUT beside the weights: those copied, and those
-            made (``config.json`` of a Megatron run, ``adapter_config.json`` of ``adapter``).
+            made (``config.json`` a producer's view made, ``adapter_config.json`` of ``adapter``).
         skipped_objects: non-tensor entries of the checkpoint, which safetensors cannot hold.
         notes: facts worth showing.
     """
@@ -244,7 +244,8 @@ def consolidate(
         lora_alpha: the adapter's ``lora_alpha``, which checkpoints do not store.
         adapter_config: an ``adapter_config.json`` for alpha and the rest of the LoraConfig.
         adapter_name: the adapter to export or merge when the model holds several.
-        masters: a Megatron save: its distributed optimizer's fp32 masters, not its weights.
+        masters: a save's distributed optimizer's fp32 masters, not its weights (a producer's
+            view: :mod:`ckptools.views.producer`).
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -291,7 +292,7 @@ def _checked_shapes(
 ) -> dict[str, tuple[int, ...]] | None:
     """The tensors (output name → shape) a config found for ``manifest`` must fit: the model
     part as :func:`plan_export` selects it. None where they are not a model's names yet (a
-    Megatron run: its conversion checks the config's sizes; ``--masters``) or not the model
+    producer's view as the HF model checks the config's sizes; ``--masters``) or not the model
     alone (a LoRA adapter, merged or not, or a PEFT model given without either)."""
     if (
         views_of(manifest) is not None

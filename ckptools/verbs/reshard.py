@@ -422,9 +422,10 @@ def shard(
     names and shapes.
     Under torchrun the output files are split over the ranks, as :func:`reshard` does.
 
-    ``to="megatron"``: a Megatron-core ``torch_dist`` run directory instead
-    (:func:`_planned_megatron`), from a Llama-family model, its vocabulary padded to a multiple
-    of ``make_vocab_size_divisible_by``.
+    ``to``: ``"dcp"``, or a producer's layout instead (``registry.WRITE_TARGETS``, planned by
+    its writer: :func:`_planned_target`): ``"megatron"``, a Megatron-core ``torch_dist`` run
+    directory from a Llama-family model, its vocabulary padded to a multiple of
+    ``make_vocab_size_divisible_by``.
 
     Example:
         >>> ckptools.shard("Llama-3-8B/", "ckpt/step-0", world_size=8)  # doctest: +SKIP

@@ -72,8 +72,8 @@ class ExportOptions:
         lora_alpha: the adapter's ``lora_alpha`` (the checkpoint does not store it).
         adapter_config: an ``adapter_config.json`` giving alpha and the rest of the LoraConfig.
         adapter_name: the adapter to export or merge, when the model holds several.
-        masters: a Megatron save: the distributed optimizer's fp32 masters instead of the
-            stored model weights (:mod:`ckptools.producers.megatron.masters`).
+        masters: the producer's distributed optimizer's fp32 masters instead of the stored
+            model weights (its views' ``with_masters``: :mod:`ckptools.views.producer`).
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
@@ -327,7 +327,7 @@ def fitting_model_files(
 
     Raises:
         UsageError: ``config`` is given and does not fit; or a config found does not fit and
-            ``needed`` (what needs it: "Megatron's sizes come from it") says the conversion
+            ``needed`` (what needs it: a producer's "sizes come from it") says the conversion
             cannot go on without one; and as :func:`find_model_files` raises.
     """
     files = find_model_files(src, config, inside, data_dir=data_dir)
@@ -574,7 +574,7 @@ class Export:
     keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
     adapter_config: dict[str, Any] | None = None
     merge: tuple[lora.MergeTarget, ...] = ()
-    config: dict[str, Any] | None = None  # the model's config.json a conversion made (Megatron)
+    config: dict[str, Any] | None = None  # the model's config.json a producer's view made
 
 
 def _quiet(options: ExportOptions) -> bool:
