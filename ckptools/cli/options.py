@@ -14,23 +14,12 @@ from typing import Any, TypeVar
 import click
 
 from ckptools.io import tunables
+from ckptools.producers.registry import names as registry_names
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-FORMAT_NAMES = (
-    "trainer",
-    "accelerate",
-    "lightning",
-    "torchtitan",
-    "megatron",
-    "dcp_rank_local",
-    "dcp",
-    "verl",
-    "deepspeed",
-    "transformers_distributed",
-    "safetensors",
-    "torch_save",
-)
+#: what ``--format`` takes: the registry's names (imports no layout)
+FORMAT_NAMES = registry_names()
 
 
 def json_option(f: F) -> F:

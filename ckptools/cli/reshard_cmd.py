@@ -9,6 +9,7 @@ import click
 
 from ckptools.cli import options as shared
 from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary
+from ckptools.producers.registry import WRITE_TARGETS, write_targets
 
 _WORLD_SIZE_HELP = "Ranks of the target layout."
 #: ``shard --to megatron`` needs no world size: Megatron-core loads its run directory at any
@@ -142,7 +143,7 @@ def reshard_command(
 )
 @click.option(
     "--to",
-    type=click.Choice(["dcp", "megatron"]),
+    type=click.Choice(write_targets()),
     default="dcp",
     show_default=True,
     help="dcp: what dcp.load into the model reads; megatron: a Megatron-core torch_dist run "
@@ -175,7 +176,7 @@ def shard_command(
     from ckptools.verbs.reshard import shard
 
     if options["world_size"] is None:
-        if options["to"] != "megatron":
+        if options["to"] not in WRITE_TARGETS:  # a producer's writer takes 1 by default
             raise click.MissingParameter(param_type="option", param_hint="'--world-size'")
         options["world_size"] = 1
     src = shared.at_tag(src, tag)

@@ -20,7 +20,6 @@ from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
 from ckptools.plan.conversion_cache import keymap_for
 from ckptools.plan.conversions import KeyMap, merge_entries, split_entries
-from ckptools.producers.megatron import plan as megatron
 
 
 def split_source(
@@ -90,32 +89,6 @@ def to_disk_names(
     else:
         derived, out = split_source(manifest, names, keymap, check=check)
     return derived, out, keymap
-
-
-def megatron_to_disk(
-    manifest: Manifest,
-    names: dict[str, str],
-    config: Mapping[str, Any] | None,
-    *,
-    check: bool = True,
-) -> tuple[Manifest, dict[str, str], KeyMap, dict[str, Any]]:
-    """A Megatron run's model tensors ``names`` (stored name -> FQN) as the Hugging Face model's
-    (:func:`ckptools.producers.megatron.plan.to_hf`): the manifest with the HF tensors' entries,
-    HF name -> FQN in it, the pieces, and the HF config (``config``, or made from the run's args).
-    ``check``: see :func:`split_source`.
-
-    ``names`` maps each Megatron model name to the entry that holds its values, so another
-    source of the same shapes goes through the same pieces: ``--masters`` (the distributed
-    optimizer's fp32 masters) passes the model names mapped to entries of the masters added
-    to ``manifest``, and gets the HF model in fp32.
-    """
-    from ckptools.producers.megatron.layout import DETAILS_KEY
-
-    shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
-    args = manifest.details.get(DETAILS_KEY) or {}
-    keymap, made = megatron.to_hf(shapes, args, config, manifest.root)
-    derived, out = split_source(manifest, names, keymap, check=check)
-    return derived, out, keymap, made
 
 
 def _refuse_joins(keymap: KeyMap) -> None:

@@ -518,7 +518,7 @@ def object_archive(value: Any) -> bytes:
 
 def pickled_archive(data_pkl: bytes) -> bytes:
     """The ``torch.save`` archive around the pickle ``data_pkl`` of a value without tensors
-    (:func:`object_archive`'s, or a producer's value pickled by its writer, e.g. Megatron's
+    (:func:`object_archive`'s, or a producer's value pickled by its writer, e.g. a run's
     ``common_state`` with its ``argparse.Namespace``)."""
     records = [
         ("data.pkl", data_pkl),

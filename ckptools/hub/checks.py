@@ -99,7 +99,7 @@ def check_model_directory(directory: str) -> Manifest:
             "directory written by ckpt consolidate or save_pretrained",
             path=directory,
         ) from e
-    if layout.name not in ("safetensors", "torch_save"):
+    if not layout.model_directory:
         raise UsageError(
             f"{directory}: a {layout.name} checkpoint, not a model directory: consolidate it "
             f"first (ckpt consolidate {directory} OUT), then push OUT"

@@ -61,7 +61,7 @@ class Piece:
             ``qkv``), the reverse of the usual MoE case.
         at: when not empty, the box is only part of the on-disk tensor, at these offsets in it
             (``stack_dim`` dropped), and ``whole_shape`` is the on-disk tensor's shape: several
-            pieces (row ranges of Megatron's fused QKV, one per query group) make one tensor.
+            pieces (row ranges of a producer's fused QKV, one per query group) make one tensor.
         whole_shape: the on-disk tensor's shape when ``at`` is set.
     """
 

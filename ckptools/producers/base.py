@@ -23,6 +23,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
+from ckptools.producers.registry import MODULES
 
 
 class Layout(ABC):
@@ -54,25 +55,52 @@ class Layout(ABC):
         read. A run directory's newest save is its newest whole one."""
         return None
 
+    #: the module of ``ckptools.producers`` that views this layout's checkpoints as the Hugging
+    #: Face model and as its training state, when its stored names are not the model's
+    #: (``as_hf``, ``as_training``, ``with_masters``: :class:`ckptools.views.producer.Views`);
+    #: None: its names are the model's. Imported only when a verb asks (:func:`layout_of`).
+    views: str | None = None
+    #: a model directory (what ``push`` uploads): the layout reads published model files
+    model_directory: bool = False
+    #: its integer-keyed optimizer's groups are the model's parameters in the model's order
+    #: (the Trainer's two, split by weight decay): the model's config names them
+    groups_follow_the_model: bool = False
 
-#: Every layout's name, in detection order (their ``priority``; equal ones in this order), and
-#: the module of ``ckptools.producers`` that defines and registers it. Detection imports a module
-#: when it first reaches one of its layouts: a DCP directory is recognised having imported 4 of
-#: the 9, not every other family's reader (issue 27: start-up).
-_MODULES: dict[str, str] = {
-    "trainer": "dcp.wrappers",
-    "accelerate": "dcp.wrappers",
-    "lightning": "dcp.wrappers",
-    "torchtitan": "dcp.wrappers",
-    "megatron": "megatron.layout",
-    "dcp_rank_local": "dcp.rank_local",
-    "dcp": "dcp.layout",
-    "verl": "fsdp1.verl",
-    "deepspeed": "deepspeed.layout",
-    "transformers_distributed": "hf.distributed",
-    "torch_save": "hf.torch_save",
-    "safetensors": "hf.safetensors",
-}
+    def read_manifest_unchecked(self, path: str) -> Manifest:
+        """:meth:`read_manifest`, listing every file its metadata names even when one is
+        missing or short, for ``verify`` to report each (default: :meth:`read_manifest`)."""
+        return self.read_manifest(path)
+
+    def numbered_saves(self) -> NumberedSaves | None:
+        """How this layout's producer numbers the saves of a run directory, as ``ckpt list``
+        shows them (:mod:`ckptools.producers.saves`); None: it keeps no numbered saves."""
+        return None
+
+
+def _no_record(root: str, names: list[str]) -> str | None:
+    return None
+
+
+def _no_ranks(path: str) -> int | None:
+    return None
+
+
+@dataclass(frozen=True)
+class NumberedSaves:
+    """How one producer numbers its saves inside a run directory (:meth:`Layout.numbered_saves`)."""
+
+    pattern: re.Pattern[str]  # group 1: the step
+    #: what a save lacks to be read (None: whole), as the layout reading the run directory judges
+    lacks: Callable[[str], str | None]
+    #: the save the producer's own record in the run directory ``root`` (listing ``names``)
+    #: names as its latest, or None
+    recorded: Callable[[str, list[str]], str | None] = _no_record
+    ranks: Callable[[str], int | None] = _no_ranks  # ranks that wrote a save, from file names
+    #: who ``ckpt list`` says reads the run directory ``root`` (None: the layout's name)
+    label: Callable[[str], str] | None = None
+
+
+_MODULES = MODULES  # the registry (:mod:`ckptools.producers.registry`)
 _REGISTRY: dict[str, Layout] = {}
 
 
@@ -91,6 +119,12 @@ def _layout(name: str) -> Layout:
         importlib.import_module(f"ckptools.producers.{_MODULES[name]}")
         found = _REGISTRY[name]
     return found
+
+
+def layout_of(manifest: Manifest) -> Layout | None:
+    """The registered layout that read ``manifest`` (its ``layout``), None when none did (a
+    DCP's producer, ``fsdp2``; a manifest ckptools made)."""
+    return _layout(manifest.layout) if manifest.layout in _MODULES else None
 
 
 def _in_order() -> Iterator[Layout]:
@@ -168,6 +202,8 @@ class RunSave(Layout):
     def __init__(self, chosen: Chosen, layout: Layout) -> None:
         self.chosen, self.layout = chosen, layout
         self.name, self.description, self.priority = layout.name, layout.description, 99
+        self.views, self.model_directory = layout.views, layout.model_directory
+        self.groups_follow_the_model = layout.groups_follow_the_model
 
     @property
     def save(self) -> str:

@@ -1,4 +1,5 @@
-"""How producers name the numbered saves of a run directory: one pattern each, group 1 the step.
+"""How producers name the numbered saves of a run directory: each family's package declares its
+patterns (``SAVES``, group 1 the step), read from there.
 
 Kept apart from the layouts that read those saves: finding a model's ``config.json`` above a
 checkpoint (:func:`ckptools.views.export.find_model_files`) asks whether a directory is one numbered
@@ -7,22 +8,15 @@ save, and must not import every producer's reader for that (issue 27: start-up).
 
 from __future__ import annotations
 
-import re
-
-#: transformers Trainer ``checkpoint-N``
-TRAINER = re.compile(r"^checkpoint-(\d+)$")
-#: the tag names DeepSpeed's engines give their saves by default (``global_stepN``)
-DEEPSPEED = re.compile(r"^global_step(\d+)$")
-#: verl's trainer ``global_step_N``
-VERL = re.compile(r"^global_step_(\d+)$")
-#: torchtitan ``step-N``
-TORCHTITAN = re.compile(r"^step-(\d+)$")
-#: Megatron-LM ``iter_0000010`` (7 digits at least)
-MEGATRON = re.compile(r"^iter_(\d{7,})$")
-
-_ALL = (TRAINER, DEEPSPEED, VERL, TORCHTITAN, MEGATRON)
+from ckptools.producers.registry import declared
 
 
 def is_numbered_save(name: str) -> bool:
     """Whether ``name`` is how one of the producers names one save of a run."""
-    return any(p.match(name) for p in _ALL)
+    return any(p.match(name) for p in declared("SAVES"))
+
+
+def run_records() -> tuple[str, ...]:
+    """The files a run directory keeps recording its last save (DeepSpeed's tag file, verl's
+    step file...), as the families declare them (``RUN_RECORDS``)."""
+    return tuple(dict.fromkeys(declared("RUN_RECORDS")))

@@ -2,7 +2,8 @@
 
 Users point at a file instead of its directory: a ``.distcp`` or the ``.metadata`` of a DCP, a
 ZeRO rank file, a verl rank file, one rank's shard of transformers' distributed safetensors,
-one ``model-00001-of-00004.safetensors`` of a sharded model directory.
+one ``model-00001-of-00004.safetensors`` of a sharded model directory (each family's package
+declares its own names: ``PARTS``, ``COUNTED_PARTS``, ``PARTS_BESIDE``).
 Read alone, each is wrong in its own way (an unnamed tensor, ZeRO-3's zero-element
 placeholders, a pickle whose producer classes belong to the whole), so :func:`part_of` names
 the directory instead, and :func:`ckptools.producers.base.detect` refuses in one line pointing
@@ -19,31 +20,16 @@ import os
 import re
 
 from ckptools.io import storage
+from ckptools.producers.registry import declared
 
-#: (file name, the family whose directory it is part of)
-_PARTS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r".+\.distcp$"), "dcp"),
-    (re.compile(r"^(__\d+)?\.metadata$"), "dcp"),
-    (re.compile(r"^(.+_)?zero_pp_rank_\d+_mp_rank_\d+_(model|optim)_states\.pt$"), "deepspeed"),
-    (re.compile(r"^(.+_)?mp_rank_\d+_optim_states\.pt$"), "deepspeed"),
-    (re.compile(r"^shard-\d+-.+\.safetensors$"), "transformers_distributed"),
-    # a Megatron save's marker and a run's tracker: never a checkpoint alone
-    (re.compile(r"^metadata\.json$"), "megatron"),
-    (re.compile(r"^latest_checkpointed_iteration\.txt$"), "megatron"),
-)
-#: DeepSpeed's model states of a save, one file of it when ZeRO optimizer rank files lie beside
-_DS_MODEL_STATES = re.compile(r"^mp_rank_\d+_model_states\.pt$")
-_DS_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
-#: (file name whose group ``n`` counts the files of the whole and ``i`` numbers this one,
-#: family, the number of the first file): alone when ``n`` is 1
-_COUNTED: tuple[tuple[re.Pattern[str], str, int], ...] = (
-    (
-        re.compile(r"^(model|optim|extra_state)_world_size_(?P<n>\d+)_rank_(?P<i>\d+)\.pt$"),
-        "verl",
-        0,
-    ),
-    (re.compile(r"^.+-(?P<i>\d+)-of-(?P<n>\d+)\.(safetensors|bin)$"), "safetensors", 1),
-)
+# The rules are each family's (its package's ``PARTS``, ``COUNTED_PARTS`` and ``PARTS_BESIDE``),
+# read only for a file: a directory is no part.
+
+
+def _counted() -> tuple[tuple[re.Pattern[str], str, int], ...]:
+    """(file name whose group ``n`` counts the files of the whole and ``i`` numbers this one,
+    layout, the number of the first file): alone when ``n`` is 1."""
+    return declared("COUNTED_PARTS")
 
 
 def part_of(path: str) -> tuple[str, str] | None:
@@ -59,20 +45,21 @@ def part_of(path: str) -> tuple[str, str] | None:
             return None
         directory = os.path.dirname(path.rstrip(os.sep)) or os.curdir
         name = os.path.basename(path)
-    for pattern, family in _PARTS:
+    for pattern, family in declared("PARTS"):
         if pattern.match(name):
             return family, directory
-    for pattern, family, _ in _COUNTED:
+    for pattern, family, _ in _counted():
         m = pattern.match(name)
         if m and int(m["n"]) > 1:
             return family, directory
-    if _DS_MODEL_STATES.match(name):
-        try:
-            beside = storage.listdir(directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        if any(_DS_OPTIM.match(n) for n in beside):
-            return "deepspeed", directory
+    for pattern, other, family in declared("PARTS_BESIDE"):
+        if pattern.match(name):
+            try:
+                beside = storage.listdir(directory)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            if any(other.match(n) for n in beside):
+                return family, directory
     return None
 
 
@@ -84,7 +71,7 @@ def missing_siblings(path: str) -> tuple[int, list[str]]:
     name = path.rstrip("/").rsplit("/", 1)[-1]
     if not storage.is_url(path):
         name = os.path.basename(path.rstrip(os.sep))
-    for pattern, _, first in _COUNTED:
+    for pattern, _, first in _counted():
         m = pattern.match(name)
         if m is None:
             continue

@@ -49,7 +49,6 @@ from ckptools.plan.training import (
     training_layout,
 )
 from ckptools.producers import read_manifest
-from ckptools.producers.megatron.training import training_manifest
 from ckptools.training.fill import (
     Box,
     Copy,
@@ -65,6 +64,7 @@ from ckptools.training.fill import (
 )
 from ckptools.training.load_pretrained import DEFAULT_READ_BUFFER_BYTES, READ_BUFFER_ENV
 from ckptools.views.export import suggested_optimizer_order
+from ckptools.views.producer import views_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -226,10 +226,11 @@ def _fill(
     """This rank's share of :func:`load_source`: fills ``state`` in place; returns the
     entries outside it (``extra``) and the tensor bytes read."""
     manifest = read_manifest(path)
-    if manifest.layout == "megatron":
-        # Megatron's names, stacked layers and flat optimizer buckets, as the HF model's
+    views = views_of(manifest)
+    if views is not None:
+        # a producer's own names (stacked layers, flat optimizer buckets...) as the HF model's
         # training state (what ``ckpt reshard`` writes): the job's model gives the config
-        manifest = training_manifest(manifest, config, drop_optimizer=not with_optimizer)
+        manifest = views.as_training(manifest, config, drop_optimizer=not with_optimizer)
     flat, mapping = _compat.flatten_state_dict(state)
     named = _named(manifest, param_order, with_optimizer, flat)
     _check_keys(path, named, flat, set(state), with_optimizer)
@@ -272,8 +273,8 @@ def _as_tensor(value: Any) -> torch.Tensor:
 
 
 def _model_config(model: nn.Module) -> dict[str, Any] | None:
-    """The HF ``config.json`` of a transformers model (a Megatron source is mapped to its names
-    by it), else None."""
+    """The HF ``config.json`` of a transformers model (a producer's view maps its source to
+    the model's names by it), else None."""
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
     return to_dict() if callable(to_dict) else None

@@ -50,6 +50,7 @@ from ckptools.views.export import (
     with_dtype,
     write_index,
 )
+from ckptools.views.producer import views_of
 
 # Export planning lives in ckptools.views.export; these names stay importable from here.
 __all__ = [
@@ -122,7 +123,7 @@ class ConsolidateResult:
         tied: ``(a, b)`` pairs found to hold the same data and both written (no config said to
             tie them).
         config_files: the files written into OUT beside the weights: those copied, and those
-            made (``config.json`` of a Megatron run, ``adapter_config.json`` of ``adapter``).
+            made (``config.json`` a producer's view made, ``adapter_config.json`` of ``adapter``).
         skipped_objects: non-tensor entries of the checkpoint, which safetensors cannot hold.
         notes: facts worth showing.
     """
@@ -235,7 +236,8 @@ def consolidate(
         lora_alpha: the adapter's ``lora_alpha``, which checkpoints do not store.
         adapter_config: an ``adapter_config.json`` for alpha and the rest of the LoraConfig.
         adapter_name: the adapter to export or merge when the model holds several.
-        masters: a Megatron save: its distributed optimizer's fp32 masters, not its weights.
+        masters: a save's distributed optimizer's fp32 masters, not its weights (a producer's
+            view: :mod:`ckptools.views.producer`).
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
 
@@ -282,10 +284,10 @@ def _checked_shapes(
 ) -> dict[str, tuple[int, ...]] | None:
     """The tensors (output name → shape) a config found for ``manifest`` must fit: the model
     part as :func:`plan_export` selects it. None where they are not a model's names yet (a
-    Megatron run: its conversion checks the config's sizes; ``--masters``) or not the model
+    producer's view as the HF model checks the config's sizes; ``--masters``) or not the model
     alone (a LoRA adapter, merged or not, or a PEFT model given without either)."""
     if (
-        manifest.layout == "megatron"
+        views_of(manifest) is not None
         or options.adapter
         or options.merge_lora
         or options.masters
@@ -326,11 +328,12 @@ class _Run:
         export = plan_export(manifest, options, tie, model_config(model_files),
                              check=not options.dry_run)  # fmt: skip
         notes = [] if misfit is None else [f"{misfit} ({out} holds the weights only)"]
-        if manifest.layout == "megatron" and not options.adapter:
+        views = views_of(manifest)
+        if views is not None and not options.adapter:
             # the config named the run's tensors: the HF model they became must be its model
             source = export.manifest or manifest
             hf = {n: source.tensors[f].shape for n, f in export.names.items()}
-            needed = "Megatron's names and sizes come from it"
+            needed = views.CONFIG_NEEDED
             config_misfit(model_files, src, options.config, hf, needed=needed, quiet=options.quiet)
         if options.adapter:
             model_files = []  # peft's adapter directory holds the adapter and its config only
@@ -347,11 +350,8 @@ class _Run:
                 f"config.json made from the run's args ({family}); give the model's own with "
                 "--config for everything else it sets"
             )
-        if manifest.layout == "megatron" and not any(n != "config.json" for _, n in model_files):
-            notes.append(
-                "a Megatron checkpoint holds no tokenizer: copy the tokenizer files into OUT, "
-                "or give a directory holding them with --config"
-            )
+        if views is not None and not any(n != "config.json" for _, n in model_files):
+            notes.append(views.NO_TOKENIZER)
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
         if (

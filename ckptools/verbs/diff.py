@@ -416,10 +416,12 @@ def _converted(
 ) -> tuple[Manifest, dict[str, str], str | None]:
     """One side's model tensors in the on-disk format (or, ``in_memory``, the in-memory form)
     of the transformers conversion ``cfg`` names, and a note naming the mapping applied."""
-    from ckptools.engine.converted import megatron_to_disk, to_disk_names, to_memory_names
+    from ckptools.engine.converted import to_disk_names, to_memory_names
+    from ckptools.views.producer import views_of
 
-    if manifest.layout == "megatron":  # the HF model's names, as consolidate writes them
-        hf, hf_names, mapping, _ = megatron_to_disk(manifest, names, cfg, check=False)
+    views = views_of(manifest)
+    if views is not None:  # the producer's view as the HF model, as consolidate writes it
+        hf, hf_names, mapping, _ = views.as_hf(manifest, names, cfg, check=False)
         rules = "; ".join(mapping.rules)
         return hf, hf_names, f"compared as the HF model: {mapping.mapping}: {rules}"
     # quiet: diff has no quiet option for its --json to imply yet, so no status line while a

@@ -29,6 +29,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from importlib import import_module
 from typing import Any, Literal
 
 from ckptools.core.keys import model_keys
@@ -36,7 +37,6 @@ from ckptools.core.manifest import MODEL_FILES_DIR, Manifest, Part
 from ckptools.engine import collective
 from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UsageError
-from ckptools.formats import torch_archive
 from ckptools.io import storage, tunables
 from ckptools.io.out_rules import check_out
 from ckptools.io.resume import fingerprint
@@ -45,8 +45,8 @@ from ckptools.plan.dcp import DcpPlan, plan_dcp
 from ckptools.plan.training import training_layout
 from ckptools.producers import read_manifest
 from ckptools.producers.dcp.layout import require_plain
-from ckptools.producers.megatron.plan import VOCAB_DIVISOR
 from ckptools.producers.optimizer_state import optimizer_alone
+from ckptools.producers.registry import WRITE_TARGETS, write_targets
 from ckptools.verbs import dcp_output
 from ckptools.verbs.consolidate import model_config
 from ckptools.verbs.dcp_output import Share
@@ -58,6 +58,7 @@ from ckptools.views.export import (
     suggested_optimizer_order,
     untied_head,
 )
+from ckptools.views.producer import views_of
 
 RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
@@ -233,20 +234,20 @@ def _planned_reshard(src: str, out: str, options: ReshardOptions) -> _Run:
         src, out, options, lambda format: format not in MODEL_ONLY_FORMATS,
         "is not a training checkpoint; use `ckpt shard` to make a DCP checkpoint from it",
     )  # fmt: skip
-    if manifest.layout == "megatron":
-        # the HF model an FSDP2 job trains: masters, AdamW state and groups under HF FQNs
-        from ckptools.producers.megatron.training import training_manifest
-
-        # the one rule consolidate finds it by; the HF model the run became must be its model
+    views = views_of(manifest)
+    if views is not None:
+        # the HF model an FSDP2 job trains, as the producer's view gives it (masters, optimizer
+        # state and groups under HF FQNs); the one rule consolidate finds its config by, and
+        # the HF model the run became must be its model
         files, _ = fitting_model_files(
             src, options.config, None, manifest.details.get(MODEL_FILES_DIR),
             data_dir=manifest.data_dir(), quiet=options.quiet,
         )  # fmt: skip
         cfg = model_config(files)
-        manifest = training_manifest(manifest, cfg, drop_optimizer=options.drop_optimizer)
+        manifest = views.as_training(manifest, cfg, drop_optimizer=options.drop_optimizer)
         if cfg is not None:
             hf = {n: manifest.tensors[f].shape for n, f in select_tensors(manifest).items()}
-            needed = "Megatron's names and sizes come from it"
+            needed = views.CONFIG_NEEDED
             config_misfit(files, src, options.config, hf, needed=needed, quiet=options.quiet)
         return _planned_training_state(src, out, manifest, options)
     if manifest.format != "dcp":
@@ -407,7 +408,7 @@ def shard(
     format: str | None = None,
     distributed: bool = True,
     to: Literal["dcp", "megatron"] = "dcp",
-    make_vocab_size_divisible_by: int = VOCAB_DIVISOR,
+    make_vocab_size_divisible_by: int = 128,
     storage_options: storage.StorageOptions | None = None,
 ) -> ReshardResult:
     """Make a DCP checkpoint for ``world_size`` ranks from a full model.
@@ -421,9 +422,10 @@ def shard(
     names and shapes.
     Under torchrun the output files are split over the ranks, as :func:`reshard` does.
 
-    ``to="megatron"``: a Megatron-core ``torch_dist`` run directory instead
-    (:func:`_planned_megatron`), from a Llama-family model, its vocabulary padded to a multiple
-    of ``make_vocab_size_divisible_by``.
+    ``to``: ``"dcp"``, or a producer's layout instead (``registry.WRITE_TARGETS``, planned by
+    its writer: :func:`_planned_target`): ``"megatron"``, a Megatron-core ``torch_dist`` run
+    directory from a Llama-family model, its vocabulary padded to a multiple of
+    ``make_vocab_size_divisible_by``.
 
     Example:
         >>> ckptools.shard("Llama-3-8B/", "ckpt/step-0", world_size=8)  # doctest: +SKIP
@@ -433,17 +435,19 @@ def shard(
         world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
     )  # fmt: skip
-    divisor = make_vocab_size_divisible_by
-    if to == "megatron" and divisor < 1:
-        raise UsageError(f"--make-vocab-size-divisible-by {divisor}: must be at least 1")
-    if to not in ("dcp", "megatron"):
-        raise UsageError(f"--to {to!r}: choose dcp or megatron")
-    planned = (
-        (lambda: _planned_megatron(src, out, options, config, divisor))
-        if to == "megatron"
-        else (lambda: _planned_shard(src, out, options, config, keep_stored_names))
-    )
-    return _carry_out("shard", options, started, planned)
+    if to not in write_targets():
+        raise UsageError(f"--to {to!r}: choose {' or '.join(write_targets())}")
+    if to not in WRITE_TARGETS:  # dcp: ckptools' own writer; the others are producers'
+        return _carry_out(
+            "shard", options, started,
+            lambda: _planned_shard(src, out, options, config, keep_stored_names),
+        )  # fmt: skip
+    writer = import_module(f"ckptools.producers.{WRITE_TARGETS[to]}")
+    writer.check_options(make_vocab_size_divisible_by)
+    return _carry_out(
+        "shard", options, started,
+        lambda: _planned_target(writer, src, out, options, config, make_vocab_size_divisible_by),
+    )  # fmt: skip
 
 
 def _planned_shard(
@@ -499,27 +503,19 @@ def _planned_shard(
     )  # fmt: skip
 
 
-def _planned_megatron(
-    src: str, out: str, options: ReshardOptions, config: str | None, divisor: int
+def _planned_target(
+    writer: Any, src: str, out: str, options: ReshardOptions, config: str | None, divisor: int
 ) -> _Run:
-    """``shard --to megatron``'s reading and planning (one process: see :func:`_carry_out`):
-    the HF model at ``src`` as Megatron-core saves it, a run directory with
-    ``latest_checkpointed_iteration.txt`` and ``iter_0000001/`` (the DCP with Megatron's names,
-    stacked layers, fused QKV and fc1, padded vocabulary, ``common_state``, and
-    ``metadata.json``), committed as one rename."""
-    from ckptools.engine.converted import merge_source
-    from ckptools.plan.dcp import Archived
-    from ckptools.producers.megatron import layout
-    from ckptools.producers.megatron import plan as megatron
-
+    """``shard --to NAME``'s reading and planning for a producer's writer (one process: see
+    :func:`_carry_out`): the whole model at ``src``, its config found by the one rule, planned
+    as the producer saves it (``writer.planned``), committed as one rename."""
     manifest = _read_source(
-        src, out, options, lambda format: format in PUBLISHED_FORMATS,
-        "is already sharded; consolidate it first",
-    )  # fmt: skip
+        src, out, options, lambda format: format in PUBLISHED_FORMATS, writer.REFUSED
+    )
     tensors = dict(model_keys(manifest)) if manifest.format == "torch_save" else {
         f: f for f in manifest.tensors}  # fmt: skip
     shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
-    needed = "Megatron's sizes and the true vocabulary come from it"
+    needed = writer.CONFIG_NEEDED
     files, _ = fitting_model_files(
         src, config, shapes, manifest.details.get(MODEL_FILES_DIR),
         data_dir=manifest.data_dir(), needed=needed, quiet=options.quiet,
@@ -530,31 +526,15 @@ def _planned_megatron(
             f"{src}: no config.json beside it or above it: give the model's config with "
             f"--config ({needed})"
         )
-    keymap, dims = megatron.from_hf(shapes, cfg, divisor, src)
-    source, names = merge_source(manifest, tensors, keymap)
-    dtype = source.tensors[names["embedding.word_embeddings.weight"]].dtype
-    args = layout.converted_args(dims, dtype)
-    args.update(make_vocab_size_divisible_by=divisor, norm_epsilon=cfg.get("rms_norm_eps"),
-                rotary_base=megatron.rope_theta(cfg),
-                max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
-    common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
-    values: dict[str, Any] = {layout.COMMON_STATE: common, **layout.extra_states(dims.layers)}
-    paths = {n: (n,) for n in (*names, *values)}
-    plan = plan_dcp(source, options.world_size, names, paths, objects=[], values=values)
-    sub = layout.iteration_dir_name(layout.CONVERTED_ITERATION)
-    notes = [
-        *manifest.notes,
-        f"{keymap.mapping}: " + "; ".join(keymap.rules),
-        f"vocabulary {dims.vocab} padded to {dims.padded_vocab} rows (a multiple of {divisor}; "
-        "Megatron pads to --make-vocab-size-divisible-by x TP: pass that product for TP > 1)",
-    ]
+    planned = writer.planned(manifest, tensors, cfg, src, options.world_size, divisor)
     return _Run(
-        kind="shard", src=src, out=out, options=options, parts={sub: (source, plan)},
-        source=manifest, source_root=manifest.data_dir(), notes=notes,
+        kind="shard", src=src, out=out, options=options,
+        parts={planned.sub: (planned.source, planned.plan)},
+        source=manifest, source_root=manifest.data_dir(), notes=planned.notes,
         # the HF model's config (and tokenizer) in the run directory: what reads the run back
         # (consolidate, diff, reshard) finds the model it is by the one rule, as from the HF model
-        made={**layout.marker_files(), **{n: storage.read_bytes(p) for p, n in files}},
-        fingerprint_options={"to": "megatron", "divisor": divisor},
+        made={**planned.made, **{n: storage.read_bytes(p) for p, n in files}},
+        fingerprint_options=planned.fingerprint_options,
     )  # fmt: skip
 
 

@@ -107,21 +107,12 @@ def _finding_from_error(e: CkptError) -> Finding:
 def read(path: str, format: str | None) -> tuple[Manifest | None, list[Finding]]:
     """The manifest of ``path``, or None and the finding that says why it cannot be read."""
     from ckptools.producers import detect
-    from ckptools.producers.base import RunSave
-    from ckptools.producers.dcp.layout import read_dcp_tree
-    from ckptools.producers.dcp.rank_local import LAYOUT as RANK_LOCAL
-    from ckptools.producers.dcp.rank_local import read_rank_local
 
     layout = detect(path, format)  # a missing path or unknown format is an error, not a finding
     try:
-        # check_files=False: report every missing or short file below, not just the first.
-        if isinstance(layout, RunSave):  # a run directory: its chosen save, with the note
-            return layout.read_manifest(path), []
-        if layout.name == "dcp":
-            return read_dcp_tree(path, check_files=False), []
-        if layout.name == RANK_LOCAL:
-            return read_rank_local(path, check_files=False), []
-        return layout.read_manifest(path), []
+        # every missing or short file is reported below, not just the first (a run
+        # directory: its chosen save, with the note)
+        return layout.read_manifest_unchecked(path), []
     except UnsupportedCheckpointError:
         raise
     except CkptError as e:

@@ -25,8 +25,11 @@ from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
-from ckptools.producers.numbered import is_numbered_save
+from ckptools.producers.base import layout_of
+from ckptools.producers.numbered import is_numbered_save, run_records
+from ckptools.producers.registry import declared
 from ckptools.views import lora
+from ckptools.views.producer import views_of
 
 if TYPE_CHECKING:
     from ckptools.plan.conversions import KeyMap
@@ -69,8 +72,8 @@ class ExportOptions:
         lora_alpha: the adapter's ``lora_alpha`` (the checkpoint does not store it).
         adapter_config: an ``adapter_config.json`` giving alpha and the rest of the LoraConfig.
         adapter_name: the adapter to export or merge, when the model holds several.
-        masters: a Megatron save: the distributed optimizer's fp32 masters instead of the
-            stored model weights (:mod:`ckptools.producers.megatron.masters`).
+        masters: the producer's distributed optimizer's fp32 masters instead of the stored
+            model weights (its views' ``with_masters``: :mod:`ckptools.views.producer`).
         max_shard_bytes: ``max_shard_size`` in bytes (derived).
 
     Raises:
@@ -215,12 +218,6 @@ def _copied_from(directory: str, names: list[str]) -> list[tuple[str, str]]:
     return [(storage.contained(directory, n, named_by=directory, entry="holds"), n) for n in names]
 
 
-#: Names of one numbered save inside a run directory: the Trainer's ``checkpoint-N``,
-#: DeepSpeed's ``global_stepN`` tag, verl's ``global_step_N``, torchtitan's ``step-N``.
-#: A run directory's record of its last save (DeepSpeed's tag file, verl's step file).
-_RUN_RECORDS = ("latest", "latest_checkpointed_iteration.txt")
-
-
 def _up_to_the_run(here: str) -> list[str]:
     """``here`` and the directories above it where a model's files may lie: its parent, and,
     when ``here`` is one numbered save of a run (its name, or the parent's record of the last
@@ -242,7 +239,7 @@ def _up_to_the_run(here: str) -> list[str]:
         here, parent = parent, up(parent)
         found.append(here)
     found.append(parent)
-    if is_numbered_save(name(here)) or storage.file_sizes(parent, _RUN_RECORDS):
+    if is_numbered_save(name(here)) or storage.file_sizes(parent, run_records()):
         found.append(up(parent))
     return found
 
@@ -330,7 +327,7 @@ def fitting_model_files(
 
     Raises:
         UsageError: ``config`` is given and does not fit; or a config found does not fit and
-            ``needed`` (what needs it: "Megatron's sizes come from it") says the conversion
+            ``needed`` (what needs it: a producer's "sizes come from it") says the conversion
             cannot go on without one; and as :func:`find_model_files` raises.
     """
     files = find_model_files(src, config, inside, data_dir=data_dir)
@@ -452,7 +449,9 @@ def suggested_optimizer_order(manifest: Manifest, config: str | None = None) -> 
     from ckptools.producers.optimizer_state import optimizer_states
 
     unnamed = [o for o in optimizer_states(manifest) if o.keyed == "integer" and not o.param_names]
-    trainer = manifest.layout == "trainer" and any(o.param_groups > 1 for o in unnamed)
+    layout = layout_of(manifest)
+    follows = layout is not None and layout.groups_follow_the_model
+    trainer = follows and any(o.param_groups > 1 for o in unnamed)
     unordered = bool(manifest.details.get(MODEL_ORDER_UNKNOWN)) and bool(unnamed)
     if not (trainer or unordered):
         return None
@@ -575,7 +574,7 @@ class Export:
     keymap: KeyMap | None = None  # the conversion applied (ckptools.plan.conversions), if any
     adapter_config: dict[str, Any] | None = None
     merge: tuple[lora.MergeTarget, ...] = ()
-    config: dict[str, Any] | None = None  # the model's config.json a conversion made (Megatron)
+    config: dict[str, Any] | None = None  # the model's config.json a producer's view made
 
 
 def _quiet(options: ExportOptions) -> bool:
@@ -585,19 +584,19 @@ def _quiet(options: ExportOptions) -> bool:
 
 
 def _with_masters(manifest: Manifest) -> Manifest:
-    """``--masters``: the manifest with the distributed optimizer's fp32 masters as the model.
+    """``--masters``: the manifest with the distributed optimizer's fp32 masters as the model
+    (the producer's view, ``with_masters``).
 
     Raises:
-        UsageError: the source is not a Megatron save, or holds no masters.
+        UsageError: the source's producer keeps no masters, or it holds none.
     """
-    if manifest.layout != "megatron":
+    views = views_of(manifest)
+    if views is None or not getattr(views, "HAS_MASTERS", False):
         raise UsageError(
-            f"{manifest.root}: --masters takes a Megatron distributed optimizer's fp32 masters; "
+            f"{manifest.root}: --masters takes {' or '.join(declared('MASTERS'))}; "
             f"this is a {manifest.layout} checkpoint: drop --masters"
         )
-    from ckptools.producers.megatron import masters as megatron_masters
-
-    return megatron_masters.with_masters(manifest, megatron_masters.read_optimizer(manifest))
+    return views.with_masters(manifest)
 
 
 def plan_export(
@@ -638,13 +637,12 @@ def plan_export(
         )  # fmt: skip
         names, merge = lora.merged_names(names, manifest, options.adapter_name, cfg)
     keymap, made = None, None
-    megatron = manifest.layout == "megatron" and options.select is None
+    views = views_of(manifest) if options.select is None else None
     if options.masters:
         manifest = _with_masters(manifest)
-    if megatron and not options.keep_in_memory_names:
-        from ckptools.engine.converted import megatron_to_disk
-
-        manifest, names, keymap, made = megatron_to_disk(manifest, names, config, check=check)
+    if views is not None and not options.keep_in_memory_names:
+        # a producer whose names are not the model's: its own view as the HF model
+        manifest, names, keymap, made = views.as_hf(manifest, names, config, check=check)
     elif config is not None and not options.keep_in_memory_names:
         # imported here: a source without a config (or kept in memory names) needs none of the
         # conversion machinery, and its import is most of a small consolidate's start-up

@@ -62,9 +62,9 @@ def test_a_save_the_run_readers_know_is_a_numbered_save_to_the_config_search() -
     """``layouts.numbered`` lists the patterns apart from the readers (finding a config must not
     import them all): every producer whose saves ``layouts.saves`` reads is in that list, so
     ``consolidate`` finds the run's config from any of their saves."""
-    from ckptools.producers import numbered, saves
+    from ckptools.producers import numbered, registry, saves
 
-    assert {p.pattern for p in saves.PRODUCERS} == set(numbered._ALL)
+    assert {s.pattern for _, s in saves.producers()} == set(registry.declared("SAVES"))
     for name in ("checkpoint-500", "global_step7", "global_step_7", "step-10", "iter_0000010"):
         assert numbered.is_numbered_save(name), name
     assert not numbered.is_numbered_save("iter_10") and not numbered.is_numbered_save("hf_model")

@@ -1,3 +1,22 @@
 """DCP and its wrappers: torch.distributed.checkpoint directories (FSDP1/FSDP2/HSDP/TP),
 accelerate, the Trainer, Lightning and torchtitan saves, per-rank metadata without a global
 one, and ckptools' own CheckpointManager saves."""
+
+# The family's facts read without its readers (run-directory rules, part files): see
+# docs/architecture.md, "What a family's package declares".
+
+from __future__ import annotations
+
+import re
+
+#: transformers Trainer ``checkpoint-N``
+TRAINER_SAVE = re.compile(r"^checkpoint-(\d+)$")
+#: torchtitan's (and a script's ``dcp.save`` per step, and the CheckpointManager's) ``step-N``
+STEP_SAVE = re.compile(r"^step-(\d+)$")
+#: how this family's producers name one numbered save of a run (group 1: the step)
+SAVES = (TRAINER_SAVE, STEP_SAVE)
+#: file names that are one part of a checkpoint of this family's layout (never one alone)
+PARTS = (
+    (re.compile(r".+\.distcp$"), "dcp"),
+    (re.compile(r"^(__\d+)?\.metadata$"), "dcp"),
+)

@@ -564,5 +564,8 @@ class DcpLayout(Layout):
     def read_manifest(self, path: str) -> Manifest:
         return read_dcp_tree(path)
 
+    def read_manifest_unchecked(self, path: str) -> Manifest:
+        return read_dcp_tree(path, check_files=False)
+
 
 register(DcpLayout())

@@ -402,5 +402,8 @@ class DcpRankLocalLayout(Layout):
     def read_manifest(self, path: str) -> Manifest:
         return read_rank_local(path)
 
+    def read_manifest_unchecked(self, path: str) -> Manifest:
+        return read_rank_local(path, check_files=False)
+
 
 register(DcpRankLocalLayout())

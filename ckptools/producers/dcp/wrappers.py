@@ -18,17 +18,47 @@ import re
 from dataclasses import replace
 
 from ckptools.core.manifest import Manifest
+from ckptools.errors import CkptError
 from ckptools.io import storage
-from ckptools.producers import numbered
-from ckptools.producers.base import Layout, newest_numbered, read_marker, register
-from ckptools.producers.dcp.layout import METADATA_FILE, dcp_lacks, read_dcp_tree
+from ckptools.producers.base import (
+    Layout,
+    NumberedSaves,
+    detect,
+    directory_names,
+    newest_numbered,
+    read_marker,
+    register,
+)
+from ckptools.producers.dcp import STEP_SAVE, TRAINER_SAVE
+from ckptools.producers.dcp.layout import METADATA_FILE, dcp_lacks, rank_of, read_dcp_tree
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")
-_TRAINER_CKPT = numbered.TRAINER
-_TITAN_STEP = numbered.TORCHTITAN
+_TRAINER_CKPT = TRAINER_SAVE
+_TITAN_STEP = STEP_SAVE
 TRAINER_STATE = "trainer_state.json"
 LIGHTNING_META = "meta.pt"
+
+
+def dcp_ranks(path: str) -> int | None:
+    """Ranks that wrote the DCP directory ``path`` (or a Trainer save's first accelerate
+    directory): one ``__<rank>_<n>.distcp`` file name or more each (what ``ckpt list`` shows)."""
+    names = directory_names(path) or []
+    parts = sorted(n for n in names if n.startswith("pytorch_model_fsdp_"))
+    if parts and not any(n.endswith(".distcp") for n in names):
+        names = directory_names(storage.join(path, parts[0])) or []
+    ranks = {rank_of(n) for n in names if n.endswith(".distcp")}
+    ranks.discard(None)
+    return len(ranks) or None
+
+
+def _steps_label(root: str) -> str:
+    """Who reads a run directory of ``step-N/`` saves: torchtitan's layout when they are its,
+    else the layout of the save reading the directory takes (a ``dcp.save`` per step)."""
+    try:
+        return detect(root).name
+    except CkptError:
+        return "dcp"
 
 
 def _listdir(path: str) -> list[str]:
@@ -92,6 +122,7 @@ def _trainer_checkpoint_complete(path: str) -> bool:
 class TrainerLayout(Layout):
     priority = 10
     name = "trainer"
+    groups_follow_the_model = True
     description = "transformers Trainer checkpoint-N/ (FSDP sharded), or its output_dir"
 
     def probe(self, path: str) -> str | None:
@@ -100,6 +131,9 @@ class TrainerLayout(Layout):
         if any(_TRAINER_CKPT.match(n) for n in _listdir(path)):
             return None
         return "no trainer_state.json beside pytorch_model_fsdp_*/, and no checkpoint-N/ inside"
+
+    def numbered_saves(self) -> NumberedSaves:
+        return NumberedSaves(_TRAINER_CKPT, trainer_lacks, ranks=dcp_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
         parts = _accelerate_parts(path)
@@ -184,6 +218,10 @@ class TorchtitanLayout(Layout):
         if steps and any(_is_titan_step(storage.join(path, n)) for n in steps):
             return None
         return "not a torchtitan step-N/ directory and holds none"
+
+    def numbered_saves(self) -> NumberedSaves:
+        # torchtitan's, or a script's dcp.save per step: labelled by who reads the directory
+        return NumberedSaves(_TITAN_STEP, dcp_lacks, ranks=dcp_ranks, label=_steps_label)
 
     def read_manifest(self, path: str) -> Manifest:
         base = storage.basename(path)

@@ -32,8 +32,9 @@ from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader
 from ckptools.producers.base import digest, directory_names, read_marker
+from ckptools.producers.deepspeed import LATEST_FILE
 
-LATEST = "latest"
+LATEST = LATEST_FILE
 #: stages 1/2 keep one model-states file (the whole 16-bit module and the model's facts)
 MODEL_STATES = "mp_rank_00_model_states.pt"
 #: ``bf16_`` when DeepSpeed's bf16 optimizer wrote the file; the second number is the

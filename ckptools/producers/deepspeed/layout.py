@@ -49,8 +49,14 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
-from ckptools.producers import numbered
-from ckptools.producers.base import Layout, directory_names, newest_numbered, register
+from ckptools.producers.base import (
+    Layout,
+    NumberedSaves,
+    directory_names,
+    newest_numbered,
+    register,
+)
+from ckptools.producers.deepspeed import TAG_SAVE
 from ckptools.producers.deepspeed import files as dsf
 from ckptools.producers.deepspeed.optimizer import ZeroState, optimizer_tree
 
@@ -419,9 +425,7 @@ def read_run(path: str) -> Manifest:
         if lacks is None:
             raise
         try:
-            found = newest_numbered(
-                path, numbered.DEEPSPEED, lambda p: save_lacks(p) is None, lacks
-            )
+            found = newest_numbered(path, TAG_SAVE, lambda p: save_lacks(p) is None, lacks)
         except IncompleteCheckpointError:
             found = None
         if found is None or found.name == tag:
@@ -632,6 +636,13 @@ def _describe(
         rd.notes.append(f"not carried over by conversions: {item}")
 
 
+def _latest(root: str, names: list[str]) -> str | None:
+    try:
+        return dsf.find_tag(root, set(names))[1]
+    except (OSError, ValueError):  # a damaged 'latest' records nothing
+        return None
+
+
 class DeepSpeedLayout(Layout):
     # Before safetensors: a Trainer + DeepSpeed ``checkpoint-N`` holds both the 16-bit
     # ``model.safetensors`` and ``global_stepN/``; the fp32 masters are the truth
@@ -656,6 +667,9 @@ class DeepSpeedLayout(Layout):
         if any(dsf.OPTIM_RE.match(n) for n in names):
             return None
         return "no 'latest' tag file and no *_optim_states.pt rank files"
+
+    def numbered_saves(self) -> NumberedSaves:
+        return NumberedSaves(TAG_SAVE, save_lacks, recorded=_latest, ranks=save_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
         return read_run(path)

@@ -1,2 +1,22 @@
 """FSDP1 flat parameters (FlatParameter shards found and unflattened) and verl's per-rank
 FSDP checkpoints."""
+
+from __future__ import annotations
+
+import re
+
+#: verl's trainer ``global_step_N``
+VERL_SAVE = re.compile(r"^global_step_(\d+)$")
+#: verl's record of its last save
+VERL_TRACKER = "latest_checkpointed_iteration.txt"
+SAVES = (VERL_SAVE,)
+RUN_RECORDS = (VERL_TRACKER,)
+#: (file name whose group ``n`` counts the files of the whole and ``i`` numbers this one,
+#: layout, the number of the first file): one part when ``n`` is over 1
+COUNTED_PARTS = (
+    (
+        re.compile(r"^(model|optim|extra_state)_world_size_(?P<n>\d+)_rank_(?P<i>\d+)\.pt$"),
+        "verl",
+        0,
+    ),
+)

@@ -65,9 +65,9 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
-from ckptools.producers import numbered
 from ckptools.producers.base import (
     Layout,
+    NumberedSaves,
     digest,
     directory_names,
     model_only,
@@ -75,6 +75,7 @@ from ckptools.producers.base import (
     read_marker,
     register,
 )
+from ckptools.producers.fsdp1 import VERL_SAVE, VERL_TRACKER
 from ckptools.producers.fsdp1.optim import flat_optimizer
 from ckptools.producers.fsdp1.rank_pickles import OPTIMIZER, Merged
 
@@ -83,10 +84,10 @@ CONFIG = "fsdp_config.json"
 RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 #: fsdp_config.json is two numbers; anything past this is not verl's
 _CONFIG_MAX_BYTES = 64 << 10
-STEP_DIR = numbered.VERL
+STEP_DIR = VERL_SAVE
 #: the roles a verl trainer saves under global_step_N/, the one read first
 ROLES = ("actor", "critic")
-LATEST = "latest_checkpointed_iteration.txt"
+LATEST = VERL_TRACKER
 
 
 def rank_file(kind: str, world_size: int, rank: int) -> str:
@@ -307,6 +308,29 @@ def _resolve(path: str) -> tuple[str, list[str]]:
     return storage.contained(step_dir, role, named_by=step_dir, entry="holds"), notes
 
 
+def _save_lacks(path: str) -> str | None:
+    if _roles(path):
+        return None
+    return "no actor/ or critic/ holding fsdp_config.json and rank files"
+
+
+def _latest(root: str, names: list[str]) -> str | None:
+    recorded = _recorded_step(root)
+    return recorded[0] if recorded else None
+
+
+_RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_\d+\.pt$")
+
+
+def _save_ranks(path: str) -> int | None:
+    for role in ROLES:
+        for name in directory_names(storage.join(path, role)) or ():
+            m = _RANK_FILE.match(name)
+            if m:
+                return int(m.group(1))
+    return None
+
+
 class VerlLayout(Layout):
     # Before torch_save (25): a one-rank verl directory is also a directory of .pt files.
     priority = 22
@@ -324,6 +348,9 @@ class VerlLayout(Layout):
         if any(STEP_DIR.match(n) for n in names):
             return None  # reading it says which global_step_N is complete
         return f"{reason}, no actor/ holding one, no global_step_N/"
+
+    def numbered_saves(self) -> NumberedSaves:
+        return NumberedSaves(STEP_DIR, _save_lacks, recorded=_latest, ranks=_save_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
         inner, notes = _resolve(path)

@@ -499,6 +499,7 @@ class TorchSaveLayout(Layout):
     # is a training checkpoint, which that layout would read as the model alone.
     priority = 25
     name = "torch_save"
+    model_directory = True
     description = (
         "torch.save checkpoint (.pt/.pth/.bin/.ckpt), or a directory of them: accelerate "
         "FULL_STATE_DICT, Trainer checkpoint-N, HF pytorch_model*.bin"

@@ -37,15 +37,14 @@ from ckptools.errors import (
 )
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
-from ckptools.producers import numbered
-from ckptools.producers.base import Chosen, Layout, directory_names, register
+from ckptools.producers.base import Chosen, Layout, NumberedSaves, directory_names, register
 from ckptools.producers.dcp.layout import METADATA_FILE, read_dcp_tree
+from ckptools.producers.megatron import ITER_SAVE, TRACKER_FILE
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CONFIG_FILE = "metadata.json"
 BACKEND = "torch_dist"
 RELEASE = "release"
-ITER_DIR = numbered.MEGATRON
+ITER_DIR = ITER_SAVE
 COMMON_STATE = "common_state/shard_0_1"
 #: ``Manifest.details`` key of the run's facts (:class:`RunArgs` as a dict)
 DETAILS_KEY = "megatron"
@@ -411,9 +410,23 @@ def marker_files(iteration: int = CONVERTED_ITERATION) -> dict[str, bytes]:
     }
 
 
+def _latest(root: str, names: list[str]) -> str | None:
+    try:
+        return tracked(root)
+    except (OSError, ValueError):  # a damaged tracker records nothing
+        return None
+
+
+def _save_lacks(path: str) -> str | None:
+    if is_save(path):  # resolve's test
+        return None
+    return "no metadata.json naming torch_dist with a DCP .metadata"
+
+
 class MegatronLayout(Layout):
     priority = 14
     name = "megatron"
+    views = "megatron.views"
     description = (
         "Megatron-core torch_dist checkpoint (run directory with "
         "latest_checkpointed_iteration.txt, an iter_*/ save, or a save's metadata.json)"
@@ -437,6 +450,11 @@ class MegatronLayout(Layout):
         ):
             return None
         return f"no iter_*/ save (with {TRACKER_FILE}) or metadata.json naming torch_dist"
+
+    def numbered_saves(self) -> NumberedSaves:
+        from ckptools.producers.dcp.wrappers import dcp_ranks
+
+        return NumberedSaves(ITER_DIR, _save_lacks, recorded=_latest, ranks=dcp_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
         inner, chosen = resolve(path)

@@ -30,8 +30,8 @@ from typing import Any
 from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, ObjectEntry, TensorEntry
 from ckptools.core.tensor_value import TensorValue
-from ckptools.engine.converted import megatron_to_disk
 from ckptools.errors import UnsupportedCheckpointError
+from ckptools.producers.megatron.converted import as_hf
 from ckptools.producers.megatron.layout import CONFIG_FILE
 from ckptools.producers.megatron.masters import MegatronOptimizer, read_optimizer
 
@@ -132,7 +132,7 @@ def _as_hf(
                 fqn=missing[0],
             )
         source = replace(manifest, tensors={**manifest.tensors, **state})
-    derived, out, _, _ = megatron_to_disk(source, dict(names), config)
+    derived, out, _, _ = as_hf(source, dict(names), config)
     entries = {}
     for hf, fqn in out.items():
         e = derived.tensors[fqn]

@@ -1,0 +1,83 @@
+"""``shard --to megatron``: the HF model as Megatron-core saves it, planned as one DCP save of a
+run directory. Reached through the registry's write targets
+(:data:`ckptools.producers.registry.WRITE_TARGETS`); ``ckpt shard`` reads the source, finds its
+config and writes what this plans."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptools.core.manifest import Manifest
+from ckptools.engine.converted import merge_source
+from ckptools.errors import UsageError
+from ckptools.formats import torch_archive
+from ckptools.plan.dcp import Archived, DcpPlan, plan_dcp
+from ckptools.producers.megatron import layout, plan
+
+#: what the model's ``config.json`` gives the writer (shown when none is found or it misfits)
+CONFIG_NEEDED = "Megatron's sizes and the true vocabulary come from it"
+#: the source is a whole model; an error tail for one that is not
+REFUSED = "is already sharded; consolidate it first"
+
+
+def check_options(make_vocab_size_divisible_by: int) -> None:
+    """Refuse options this writer cannot honour, before anything is read."""
+    if make_vocab_size_divisible_by < 1:
+        raise UsageError(
+            f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by}: must be at least 1"
+        )
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One target save, planned: written into ``out/sub`` with ``made`` (the run's markers)."""
+
+    sub: str
+    source: Manifest
+    plan: DcpPlan
+    notes: list[str]
+    made: dict[str, bytes]
+    fingerprint_options: dict[str, Any]
+
+
+def planned(
+    manifest: Manifest,
+    tensors: Mapping[str, str],
+    cfg: Mapping[str, Any],
+    src: str,
+    world_size: int,
+    make_vocab_size_divisible_by: int,
+) -> Planned:
+    """The HF model ``tensors`` (name -> FQN of ``manifest``) of ``src`` as Megatron-core saves
+    it: a run directory with ``latest_checkpointed_iteration.txt`` and ``iter_0000001/`` (the
+    DCP with Megatron's names, stacked layers, fused QKV and fc1, padded vocabulary,
+    ``common_state``, and ``metadata.json``), its files split over ``world_size`` ranks."""
+    divisor = make_vocab_size_divisible_by
+    shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
+    keymap, dims = plan.from_hf(shapes, cfg, divisor, src)
+    source, names = merge_source(manifest, dict(tensors), keymap)
+    dtype = source.tensors[names["embedding.word_embeddings.weight"]].dtype
+    args = layout.converted_args(dims, dtype)
+    args.update(make_vocab_size_divisible_by=divisor, norm_epsilon=cfg.get("rms_norm_eps"),
+                rotary_base=plan.rope_theta(cfg),
+                max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
+    common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
+    values: dict[str, Any] = {layout.COMMON_STATE: common, **layout.extra_states(dims.layers)}
+    paths = {n: (n,) for n in (*names, *values)}
+    dcp_plan = plan_dcp(source, world_size, names, paths, objects=[], values=values)
+    notes = [
+        *manifest.notes,
+        f"{keymap.mapping}: " + "; ".join(keymap.rules),
+        f"vocabulary {dims.vocab} padded to {dims.padded_vocab} rows (a multiple of {divisor}; "
+        "Megatron pads to --make-vocab-size-divisible-by x TP: pass that product for TP > 1)",
+    ]
+    return Planned(
+        sub=layout.iteration_dir_name(layout.CONVERTED_ITERATION),
+        source=source,
+        plan=dcp_plan,
+        notes=notes,
+        made=layout.marker_files(),
+        fingerprint_options={"to": "megatron", "divisor": divisor},
+    )
