@@ -72,7 +72,7 @@ _LAZY = {
     "push_to_hub": "hub",
     "InspectReport": "verbs.inspection",
     "inspect": "verbs.inspection",
-    "read_manifest": "layouts",
+    "read_manifest": "producers",
     "ReshardResult": "verbs.reshard",
     "reshard": "verbs.reshard",
     "shard": "verbs.reshard",
