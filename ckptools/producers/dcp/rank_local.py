@@ -252,8 +252,6 @@ class _Merge:
         self.digests.update(m.marker_digests)
         # each rank's writer drew its own save_id, so no one id names the checkpoint
         self.details.setdefault("dcp_version", m.details.get("dcp_version"))
-        if m.details.get("transforms"):
-            self.details.setdefault("transforms", {}).update(m.details["transforms"])
 
     def tensors(self) -> dict[str, TensorEntry]:
         self._boxes.clear()  # merging is over; at a million chunks this is ~100 MB
