@@ -177,3 +177,39 @@ def test_a_decoder_plugs_in_at_one_place(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(UnsupportedCheckpointError, match=r"^f: tensor 'w' is stored with the "
                        r"DCP transform 'a/2', which ckptools does not decode yet$"):  # fmt: skip
         stream_transforms.decoder(("b/1", "a/2"), path="f", entry="tensor 'w'")
+
+
+def _save_rank_local_zstd(rank: int, world_size: int, out: str) -> None:
+    """Every rank saves its own copy of the same replicated state, through zstd, without global
+    metadata: ``__<rank>.metadata`` each (dcp.save ``use_collectives=False``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    writer = FileSystemWriter(out, _extensions=[ZStandard()])
+    dcp.save(_state(), storage_writer=writer, use_collectives=False)
+
+
+@pytest.mark.distributed
+def test_rank_local_replicas_through_zstd_are_read_and_refused_alike(tmp_path: Path) -> None:
+    """A rank-local save's replicated copies are compared when the manifest is read: copies
+    inside a transformed stream are not (their archives are not readable), so ``inspect`` shows
+    the encoding instead of calling the item damaged, and the verbs refuse it in the same line."""
+    from tests.support.dist import run_ranks
+
+    src = tmp_path / "rank_local"
+    run_ranks(_save_rank_local_zstd, 2, str(src), timeout=120)
+    assert sorted(p.name for p in src.iterdir()) == [
+        "__0.metadata", "__0_0.distcp", "__1.metadata", "__1_0.distcp",
+    ]  # fmt: skip
+    shown = CliRunner().invoke(cli, ["inspect", str(src)])
+    assert shown.exit_code == 0, shown.output
+    assert "stored with the DCP transform stream.zstd/1 (ckptools does not decode it yet)" in (
+        shown.output
+    )
+    out = tmp_path / "out"
+    for args in (["consolidate", str(src), str(out)], ["verify", str(src)]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 1, result.output
+        assert result.output.strip() == _refusal(src)
+    assert not out.exists()

@@ -194,6 +194,7 @@ class _Copy:
     file: str
     offset: int
     length: int
+    transforms: tuple[str, ...] = ()  # as Chunk.transforms
 
     @property
     def rank(self) -> int | None:
@@ -329,10 +330,15 @@ class _Merge:
 
 def _copy_of(entry: Chunk | ObjectEntry) -> _Copy:
     assert entry.file is not None
-    return _Copy(entry.file, entry.offset, entry.length)
+    return _Copy(entry.file, entry.offset, entry.length, entry.transforms)
 
 
 def _readable(c: _Copy, sizes: Mapping[str, int] | None) -> bool:
+    if c.transforms:
+        # its archive is inside a transformed stream: not compared here (the stored bytes may
+        # differ where the values do not: a tensor's pickle names its rank's device); every
+        # verb that reads it refuses it first (formats.stream_transforms)
+        return False
     if sizes is None:
         return True
     size = sizes.get(c.file)
