@@ -27,7 +27,6 @@ from ckptools.engine import collective
 from ckptools.engine.reader import prefetch_archive
 from ckptools.errors import CkptError
 from ckptools.formats import safe_pickle, torch_archive
-from ckptools.formats.stream_transforms import require_decodable
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
 from ckptools.io.tunables import env_int
@@ -537,7 +536,6 @@ def scan_content(ranks: collective.Ranks, structure: Structure, options: ScanOpt
     Collective when ``ranks.world_size`` > 1 (:func:`_scan_shared`); every rank gets the same.
     """
     manifest, root = structure.manifest, structure.root
-    require_decodable(manifest)  # a transformed item is no torch.save archive to scan
     sizes = dict(structure.sizes)
     files: dict[str, list[Item]] = {}
     for item in structure.items:

@@ -67,7 +67,15 @@ def _refusal(zstd: Path) -> str:
 
 @pytest.mark.parametrize(
     "verb",
-    ["consolidate", "consolidate --dry-run", "reshard", "verify", "diff", "diff-reversed"],
+    [
+        "consolidate",
+        "consolidate --dry-run",
+        "reshard",
+        "verify",
+        "verify --quick",
+        "diff",
+        "diff-reversed",
+    ],
 )
 def test_every_verb_refuses_the_transform_in_one_line_writing_nothing(
     saves: tuple[Path, Path], tmp_path: Path, verb: str
@@ -79,6 +87,7 @@ def test_every_verb_refuses_the_transform_in_one_line_writing_nothing(
         "consolidate --dry-run": ["consolidate", str(zstd), str(out), "--dry-run"],
         "reshard": ["reshard", str(zstd), str(out), "--world-size", "2"],
         "verify": ["verify", str(zstd)],
+        "verify --quick": ["verify", str(zstd), "--quick"],
         "diff": ["diff", str(zstd), str(plain)],
         "diff-reversed": ["diff", str(plain), str(zstd)],
     }[verb]
