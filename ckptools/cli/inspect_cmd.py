@@ -117,6 +117,12 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.extend(_peft_lines(d["peft"]))
     if d["sharding"]:
         out.append("  sharding: " + ", ".join(f"{k}: {v}" for k, v in d["sharding"].items()))
+    for enc in d.get("encodings", ()):
+        unread = "" if enc["decoded"] else " (ckptools does not decode it yet)"
+        out.append(
+            f"  encoding: {enc['items']} item(s) stored with the DCP transform "
+            f"{' + '.join(enc['transforms'])}{unread}"
+        )
     out.extend(_mesh_line(d))
     out.append("")
     tensors = d["tensors"] if limit is None else d["tensors"][:limit]

@@ -12,6 +12,11 @@ Byte locations come in two encodings:
 * ``"torch_save"``: ``[offset, offset + length)`` of ``file`` is one ``torch.save`` archive that
   holds the chunk (a DCP ``.distcp`` item); the raw bytes are found by reading the archive's
   directory, see :mod:`ckptools.formats.torch_archive`.
+
+Either may have been passed through stream transforms when written (a DCP storage extension:
+``transforms``, e.g. ``("stream.zstd/1",)``): the byte range then holds the transformed stream.
+The layout records them once, at read; :mod:`ckptools.formats.stream_transforms` is the one place
+that maps them to a decoder or to the refusal every command gives.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class Chunk(NamedTuple):
     # CRC-32 of exactly this chunk's raw bytes, when the container records one (a DCP item whose
     # storage is the chunk); lets writers combine CRCs instead of re-reading bytes.
     crc32: int | None = None
+    # stream transforms the stored bytes went through (DCP ``transform_descriptors``), in the
+    # order that undoes them; () = stored as they are. Read with stream_transforms.decoder.
+    transforms: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -93,6 +101,7 @@ class ObjectEntry:
     encoding: Encoding = "torch_save"
     value: Any = None
     has_value: bool = False
+    transforms: tuple[str, ...] = ()  # as Chunk.transforms
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from ckptools.core import dtypes
 from ckptools.core.geometry import MAX_STRIDED_STEPS, copy_runs, gather_strided, strided_steps
 from ckptools.core.manifest import Chunk, Manifest, ObjectEntry, TensorEntry
 from ckptools.errors import CorruptCheckpointError
-from ckptools.formats import safe_pickle, torch_archive
+from ckptools.formats import safe_pickle, stream_transforms, torch_archive
 from ckptools.io.storage import Reader, open_reader
 
 if TYPE_CHECKING:
@@ -61,6 +61,13 @@ def resolve_chunk(
     ``reading_data``: the caller reads the chunk's bytes right after (see
     :func:`prefetch_archive`); not when resolving many chunks ahead of their reads.
     """
+    if chunk.transforms:
+        # the one decision (stream_transforms.DECODERS is empty: this refuses); a decoder's
+        # item is then read from its decoded stream, not from a byte range: that plugs in here
+        decode = stream_transforms.decoder(
+            chunk.transforms, path=f"{reader.root}/{chunk.file}", entry=f"tensor {tensor.fqn!r}"
+        )
+        raise AssertionError(f"no reader of decoded items yet ({decode})")
     if chunk.encoding == "raw":
         return chunk
     prefetch_archive(reader, chunk.file, chunk.offset, chunk.length, with_data=reading_data)
@@ -247,6 +254,11 @@ def read_object(manifest: Manifest, fqn: str, reader: Reader | None = None) -> A
     if entry.has_value:
         return entry.value
     assert entry.file is not None
+    if entry.transforms:  # as resolve_chunk
+        decode = stream_transforms.decoder(
+            entry.transforms, path=f"{manifest.data_dir()}/{entry.file}", entry=f"object {fqn!r}"
+        )
+        raise AssertionError(f"no reader of decoded items yet ({decode})")
     own = reader is None
     reader = reader or open_reader(manifest.data_dir())
     try:

@@ -23,6 +23,7 @@ from ckptools.engine import collective
 from ckptools.engine.collective import Ranks
 from ckptools.engine.executor import block_bytes, create_files, execute, in_row_blocks
 from ckptools.errors import UsageError
+from ckptools.formats.stream_transforms import require_decodable
 from ckptools.io import storage, tunables
 from ckptools.io.out_rules import check_out
 from ckptools.io.resume import fingerprint
@@ -319,6 +320,7 @@ class _Run:
         """Read the source once, find the model files, choose the tensors and plan the files."""
         # exporting the model (not a --select'ed sub-tree): per-rank optimizer files unread
         manifest = read_manifest(src, options.format, model_only=options.select is None)
+        require_decodable(manifest, objects=())  # before a conversion or a copy reads any
         model_files, misfit = fitting_model_files(
             src, options.config, _checked_shapes(manifest, options),
             manifest.details.get(MODEL_FILES_DIR), data_dir=manifest.data_dir(),

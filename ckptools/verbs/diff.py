@@ -37,6 +37,7 @@ from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.engine.checked_copy import ReadChecks
 from ckptools.engine.reader import RowBytes, resolve_chunk
 from ckptools.errors import UsageError
+from ckptools.formats.stream_transforms import require_decodable
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
 from ckptools.io.tunables import env_int
@@ -583,6 +584,8 @@ def diff(
     t0 = time.perf_counter()
     ma, mb = read_manifest(a, format_a), read_manifest(b, format_b)
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
+    for m, names in ((ma, names_a), (mb, names_b)):
+        require_decodable(m, names.values(), objects=())  # before a byte is compared
     notes: list[str] = []
     if names_a.keys() != names_b.keys():
         names_a, names_b = _lora_views((a, b), (ma, mb), (names_a, names_b), notes)

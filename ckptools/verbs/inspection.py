@@ -10,7 +10,7 @@ from ckptools.core import keys
 from ckptools.core.manifest import Manifest
 from ckptools.engine.reader import read_object
 from ckptools.errors import CkptError, UsageError
-from ckptools.formats import safe_pickle
+from ckptools.formats import safe_pickle, stream_transforms
 from ckptools.io import storage
 from ckptools.producers import read_manifest
 from ckptools.producers.dcp.layout import sharding_summary
@@ -86,6 +86,12 @@ class InspectReport:
             "optimizers": [o.to_dict() for o in optimizer_states(m)],
             "peft": lora.describe(m, model_tensors),
             "sharding": sharding_summary(m),
+            # items stored through stream transforms (DCP extensions), and whether ckptools
+            # reads them: the other verbs refuse those it does not
+            "encodings": [
+                {"transforms": list(chain), "items": n, "decoded": stream_transforms.decodes(chain)}
+                for chain, n in stream_transforms.encodings(m).items()
+            ],
             "mesh": _mesh(m),
             "tensors": tensors,
             "objects": objects,

@@ -37,6 +37,7 @@ from ckptools.core.manifest import MODEL_FILES_DIR, Manifest, Part
 from ckptools.engine import collective
 from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UsageError
+from ckptools.formats.stream_transforms import require_decodable
 from ckptools.io import storage, tunables
 from ckptools.io.out_rules import check_out
 from ckptools.io.resume import fingerprint
@@ -44,7 +45,6 @@ from ckptools.io.staging import IN_PROGRESS
 from ckptools.plan.dcp import DcpPlan, plan_dcp
 from ckptools.plan.training import training_layout
 from ckptools.producers import read_manifest
-from ckptools.producers.dcp.layout import require_plain
 from ckptools.producers.optimizer_state import optimizer_alone
 from ckptools.producers.registry import WRITE_TARGETS, write_targets
 from ckptools.verbs import dcp_output
@@ -380,7 +380,6 @@ def _plan_parts(
     rank_items: list[str] = []
     for part in manifest.parts or (Part(subdir="", manifest=manifest),):
         sub, source = part.subdir, part.manifest
-        require_plain(source)
         objects = []
         for fqn in source.objects:
             if RANK_STATE_OBJECTS.search(fqn):
@@ -388,6 +387,7 @@ def _plan_parts(
                 if options.rank_state == "drop":
                     continue
             objects.append(fqn)
+        require_decodable(source, objects=objects)  # before any output exists
         plans[sub] = (source, plan_dcp(source, options.world_size, objects=objects))
     return plans, rank_items
 

@@ -535,10 +535,7 @@ def scan_content(ranks: collective.Ranks, structure: Structure, options: ScanOpt
 
     Collective when ``ranks.world_size`` > 1 (:func:`_scan_shared`); every rank gets the same.
     """
-    from ckptools.producers.dcp.layout import require_plain
-
     manifest, root = structure.manifest, structure.root
-    require_plain(manifest)
     sizes = dict(structure.sizes)
     files: dict[str, list[Item]] = {}
     for item in structure.items:

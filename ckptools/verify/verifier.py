@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ckptools.engine import collective
 from ckptools.errors import CorruptCheckpointError, UsageError
+from ckptools.formats.stream_transforms import require_decodable
 from ckptools.io import storage, tunables
 from ckptools.verify import checksums, scan
 from ckptools.verify.report import Finding, VerifyReport
@@ -85,6 +86,7 @@ def verify(
             path, None, None, quick, check_finite, tuple(findings),
             seconds=time.perf_counter() - t0, diff=diff_report,
         )  # fmt: skip
+    require_decodable(manifest)  # even under --quick, whose OK would promise a readable one
     structure = check_structure(manifest)
     findings.extend(structure.findings)
     sums, sum_findings = checksums.load_for_verify(manifest, structure.sizes, structure.root)

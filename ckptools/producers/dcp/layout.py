@@ -15,7 +15,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptools.core import dtypes
@@ -26,7 +26,6 @@ from ckptools.errors import (
     CkptError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    UnsupportedCheckpointError,
 )
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
@@ -176,8 +175,10 @@ def _build(
     for fqn, item in md.state_dict_metadata.items():
         if safe_pickle.is_record(item, "BytesStorageMetadata"):
             objects[fqn] = _object_entry(fqn, object_locs.get(fqn), where, extents, file_of)
+            if fqn in transforms:
+                objects[fqn] = replace(objects[fqn], transforms=transforms[fqn])
         elif safe_pickle.is_record(item, "TensorStorageMetadata"):
-            tensors[fqn] = _tensor_entry(fqn, item, chunk_locs, where, extents, file_of)
+            tensors[fqn] = _tensor_entry(fqn, item, chunk_locs, where, extents, file_of, transforms)
         else:
             raise CorruptCheckpointError(
                 f"{where.meta_path}: entry {fqn!r} is neither tensor nor bytes",
@@ -197,8 +198,6 @@ def _build(
         "dcp_version": _text(getattr(md, "version", None)),
         "save_id": _text(getattr(storage_meta, "save_id", None)),
     }
-    if transforms:
-        details["transforms"] = transforms
     marker = where.rel(where.meta_name)
     return Manifest(
         root=where.root,
@@ -226,12 +225,13 @@ def _text(value: Any) -> str | None:
 
 def _storage_index(
     md: Any, meta_path: str
-) -> tuple[dict[tuple[str, tuple[int, ...]], Any], dict[str, Any], dict[str, list[str]]]:
-    """Where each chunk (by FQN and offsets) and each object is stored, and the FQNs stored
-    through DCP storage extensions (with their transform descriptors)."""
+) -> tuple[dict[tuple[str, tuple[int, ...]], Any], dict[str, Any], dict[Any, tuple[str, ...]]]:
+    """Where each chunk (by FQN and offsets) and each object is stored, and the stream
+    transforms of the items written through DCP storage extensions (by the same keys; an
+    object's by FQN): kept on their chunks, :mod:`ckptools.formats.stream_transforms`."""
     chunk_locs: dict[tuple[str, tuple[int, ...]], Any] = {}
     object_locs: dict[str, Any] = {}
-    transforms: dict[str, list[str]] = {}
+    transforms: dict[Any, tuple[str, ...]] = {}
     # once per chunk (1.16M at 1,024 ranks): the checks are spelled out, not looped over
     for index, info in (getattr(md, "storage_data", None) or {}).items():
         fqn = getattr(index, "fqn", None)
@@ -245,18 +245,27 @@ def _storage_index(
                 path=meta_path,
                 fqn=fqn,
             )
-        # _StorageInfo.__getstate__ leaves out None fields, so absent means "no transforms".
-        descriptors = info.__dict__.get("transform_descriptors")
-        if descriptors:
-            transforms[fqn] = [
-                d if isinstance(d, str) else safe_pickle.short(d) for d in descriptors
-            ]
         at = getattr(index, "offset", None)
+        key: Any = fqn if at is None else (fqn, at if type(at) is tuple else tuple(at))
         if at is None:
             object_locs[fqn] = info
         else:
-            chunk_locs[(fqn, at if type(at) is tuple else tuple(at))] = info
+            chunk_locs[key] = info
+        # _StorageInfo.__getstate__ leaves out None fields, so absent means "no transforms".
+        descriptors = info.__dict__.get("transform_descriptors")
+        if descriptors:
+            transforms[key] = _descriptors(descriptors, fqn, meta_path)
     return chunk_locs, object_locs, transforms
+
+
+def _descriptors(value: Any, fqn: str, meta_path: str) -> tuple[str, ...]:
+    """An item's ``transform_descriptors`` as text (a non-string one shown as the pickle
+    holds it: it names no transform ckptools decodes, so it is refused by that name)."""
+    if not isinstance(value, list | tuple):
+        raise CorruptCheckpointError(
+            f"{meta_path}: transform descriptors of {fqn!r} are not a list", path=meta_path, fqn=fqn
+        )
+    return tuple(d if isinstance(d, str) else safe_pickle.short(d) for d in value)
 
 
 def _object_entry(
@@ -293,6 +302,7 @@ def _tensor_entry(
     where: _Where,
     extents: dict[str, int],
     file_of: dict[str, tuple[str, int | None]],
+    transforms: Mapping[Any, tuple[str, ...]],
 ) -> TensorEntry:
     meta_path = where.meta_path
     dtype = _dtype_of(item.properties, fqn, meta_path)
@@ -332,7 +342,7 @@ def _tensor_entry(
         # at scale), and the named tuple's own __new__ costs 2.5x as much
         append(
             _new(Chunk, (offsets, sizes, file[0], info.offset, info.length, "torch_save", file[1],
-                         None, None))
+                         None, None, transforms.get((fqn, offsets), ()) if transforms else ()))
         )  # fmt: skip
     return TensorEntry(fqn, dtypes.canonical(dtype), shape, tuple(chunks))
 
@@ -484,19 +494,6 @@ def _listdir(path: str) -> list[str]:
         return storage.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def require_plain(manifest: Manifest) -> None:
-    """Refuse checkpoints whose items were written through DCP storage extensions."""
-    transforms = manifest.details.get("transforms")
-    if transforms:
-        fqn, descriptors = next(iter(transforms.items()))
-        raise UnsupportedCheckpointError(
-            f"{manifest.root}: items are stored through DCP extensions {descriptors} "
-            f"(e.g. {fqn!r}); ckptools reads only plain torch.save items",
-            path=manifest.root,
-            fqn=fqn,
-        )
 
 
 def sharding_summary(manifest: Manifest) -> dict[str, int]:

@@ -194,6 +194,7 @@ class _Copy:
     file: str
     offset: int
     length: int
+    transforms: tuple[str, ...] = ()  # as Chunk.transforms
 
     @property
     def rank(self) -> int | None:
@@ -252,8 +253,6 @@ class _Merge:
         self.digests.update(m.marker_digests)
         # each rank's writer drew its own save_id, so no one id names the checkpoint
         self.details.setdefault("dcp_version", m.details.get("dcp_version"))
-        if m.details.get("transforms"):
-            self.details.setdefault("transforms", {}).update(m.details["transforms"])
 
     def tensors(self) -> dict[str, TensorEntry]:
         self._boxes.clear()  # merging is over; at a million chunks this is ~100 MB
@@ -331,10 +330,15 @@ class _Merge:
 
 def _copy_of(entry: Chunk | ObjectEntry) -> _Copy:
     assert entry.file is not None
-    return _Copy(entry.file, entry.offset, entry.length)
+    return _Copy(entry.file, entry.offset, entry.length, entry.transforms)
 
 
 def _readable(c: _Copy, sizes: Mapping[str, int] | None) -> bool:
+    if c.transforms:
+        # its archive is inside a transformed stream: not compared here (the stored bytes may
+        # differ where the values do not: a tensor's pickle names its rank's device); every
+        # verb that reads it refuses it first (formats.stream_transforms)
+        return False
     if sizes is None:
         return True
     size = sizes.get(c.file)
