@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ckptools.errors import DecodingLimitError
-from ckptools.formats import pickle_scan, safe_pickle
+from ckptools.formats import pickle_patterns, pickle_scan, safe_pickle
 from ckptools.producers.dcp.layout import read_dcp
 
 
@@ -61,7 +61,7 @@ def test_manifest_is_the_same_with_and_without_the_record_path(
 ) -> None:
     ckpt = str(produced("fsdp2", world_size=2, optimizer=True).path)
     fast = read_dcp(ckpt)
-    monkeypatch.setattr(pickle_scan, "_records", lambda: None)
+    monkeypatch.setattr(pickle_patterns, "records", lambda: None)
     assert read_dcp(ckpt) == fast
 
 
