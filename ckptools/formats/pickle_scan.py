@@ -41,7 +41,7 @@ from ckptools.io import tunables
 
 
 class Budget(Protocol):
-    """What the scan needs of :class:`ckptools.formats.safe_pickle._Budget`."""
+    """What the scan needs of :class:`ckptools.formats.pickle_budget.DecodeBudget`."""
 
     source: str
     pickle_bytes: int
@@ -77,7 +77,7 @@ class _Rescan(Exception):
 
 class _Memo(dict[int, int]):
     """Weights of the unpickler's memo entries, by index. The entries of record batches
-    (:func:`_skip_records`, all :data:`.RECORD_WEIGHT`) are kept as index
+    (:func:`_skip_records`, all :data:`.pickle_patterns.RECORD_WEIGHT`) are kept as index
     ranges, not one key each (15M of them at 1.16M chunks); ``ranged`` counts them, so
     ``len(memo) + ranged`` is the unpickler's count, the index its next MEMOIZE takes."""
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptools.errors import CorruptCheckpointError, DecodingLimitError, UsageError
-from ckptools.formats import pickle_patterns, pickle_scan, safe_pickle
+from ckptools.formats import pickle_budget, pickle_patterns, pickle_scan, safe_pickle
 from ckptools.io import tunables
 
 ARCHIVE = safe_pickle.ARCHIVE_GLOBALS
@@ -340,7 +340,7 @@ def test_scan_follows_every_pickle_python_writes(value: Any, protocol: int, shar
     # (shared references included), and what it lets through decodes as pickle does
     obj = [value, value] if share else value
     data = pickle.dumps(obj, protocol=protocol)
-    pickle_scan._scan(data, safe_pickle._Budget("x.pkl", len(data)))
+    pickle_scan._scan(data, pickle_budget.DecodeBudget("x.pkl", len(data)))
     assert _loads(data) == pickle.loads(data)
 
 
