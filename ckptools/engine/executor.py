@@ -574,12 +574,12 @@ def _execute_to_store(
     each output file is written whole into a local spool, then uploaded (a multipart upload for
     big files, which appears only once complete) and deleted while the next file is written.
     Local disk use stays within a few output files
-    (:data:`ckptools.io.staging.MAX_PENDING_UPLOADS`).
+    (:data:`ckptools.io.spool.MAX_PENDING_UPLOADS`).
     """
     from dataclasses import replace
 
     from ckptools.errors import UsageError
-    from ckptools.io.staging import spool_uploads
+    from ckptools.io.spool import spool_uploads
 
     if share is not None:
         raise UsageError(
