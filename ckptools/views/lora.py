@@ -465,7 +465,7 @@ def _free_workspaces() -> None:
 def row_transforms(
     targets: list[MergeTarget], plans: Mapping[str, Any], manifest: Manifest
 ) -> dict[str, Callable[[int, int, memoryview], None]]:
-    """Output name -> a row transform (``engine.executor.RowTransform``) merging its adapter
+    """Output name -> a row transform (``engine.chunk_copier.RowTransform``) merging its adapter
     while the executor writes the weight: each weight is written once, already merged.
 
     ``plans``: output name -> its :class:`~ckptools.plan.safetensors.TensorPlan`.
