@@ -19,13 +19,14 @@ from ckptools.engine.runtime import BLOCK_BYTES
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
 from ckptools.plan.conversion_cache import keymap_for
-from ckptools.plan.conversions import KeyMap, merge_entries, split_entries
+from ckptools.plan.conversion_entries import merge_entries, split_entries
+from ckptools.plan.conversions import KeyMap
 
 
 def split_source(
     manifest: Manifest, names: Mapping[str, str], keymap: KeyMap, *, check: bool = True
 ) -> tuple[Manifest, dict[str, str]]:
-    """:func:`~ckptools.plan.conversions.split_entries` over ``manifest``'s files; ``check``:
+    """:func:`~ckptools.plan.conversion_entries.split_entries` over ``manifest``'s files; ``check``:
     CRC-check the split records now (not for a dry run, or a diff, which promises no CRCs).
 
     Raises:
@@ -45,8 +46,8 @@ def split_source(
 def merge_source(
     manifest: Manifest, names: Mapping[str, str], keymap: KeyMap
 ) -> tuple[Manifest, dict[str, str]]:
-    """:func:`~ckptools.plan.conversions.merge_entries` over ``manifest``'s files, CRC-checking
-    the records it cuts (a fused file tensor split by a ``Chunk`` rule).
+    """:func:`~ckptools.plan.conversion_entries.merge_entries` over ``manifest``'s files,
+    CRC-checking the records it cuts (a fused file tensor split by a ``Chunk`` rule).
 
     Raises:
         CorruptCheckpointError: a cut record's bytes do not match its stored CRC-32.

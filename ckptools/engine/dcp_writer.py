@@ -416,9 +416,9 @@ def _write_dcp_to_store(
     time, into a local spool with the positional writes a local file allows, uploaded (a
     multipart upload appears only once complete) and deleted while the next ones are written;
     ``.metadata`` is one PUT after every upload has finished. Local disk use stays within a few
-    rank files (:data:`ckptools.io.staging.MAX_PENDING_UPLOADS` plus those being written).
+    rank files (:data:`ckptools.io.spool.MAX_PENDING_UPLOADS` plus those being written).
     """
-    from ckptools.io.staging import spool_uploads
+    from ckptools.io.spool import spool_uploads
 
     mine = list(range(plan.world_size)) if only_files is None else sorted(set(only_files))
     step = max(1, workers)

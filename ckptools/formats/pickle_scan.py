@@ -24,24 +24,24 @@ Cost: one Python step per opcode (a 7.7 MiB DCP ``.metadata`` of 3.8M opcodes ta
 long as the C unpickler's load), except over batches of small records, the bulk of a DCP
 ``.metadata``, which a regular expression admits and the scan steps over in one move
 (:func:`_skip_records`: 2.5x faster on 145k chunks). Callers skip the scan where a C-speed match
-proves it unneeded (:func:`known_safe`: no memo GET, no hashing), as for a DCP item's
-``data.pkl``. :func:`check` does both, and leaves the regular expressions uncompiled (~28 ms)
-until a process has scanned 64 KiB of pickles without them.
+proves it unneeded (:func:`.pickle_patterns.known_safe`: no memo GET, no hashing), as for a
+DCP item's ``data.pkl``. :func:`check` does both, and leaves the regular expressions uncompiled
+(~28 ms) until a process has scanned 64 KiB of pickles without them.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
-import re
 from typing import Any, Protocol
 
 from ckptools.errors import CkptError, DecodingLimitError
+from ckptools.formats import pickle_patterns
+from ckptools.formats.pickle_patterns import RECORD_START, RECORD_WEIGHT
 from ckptools.io import tunables
 
 
 class Budget(Protocol):
-    """What the scan needs of :class:`ckptools.formats.safe_pickle._Budget`."""
+    """What the scan needs of :class:`ckptools.formats.pickle_budget.DecodeBudget`."""
 
     source: str
     pickle_bytes: int
@@ -77,9 +77,9 @@ class _Rescan(Exception):
 
 class _Memo(dict[int, int]):
     """Weights of the unpickler's memo entries, by index. The entries of record batches
-    (:func:`_skip_records`, all :data:`_RECORD_WEIGHT`) are kept as index ranges, not one key
-    each (15M of them at 1.16M chunks); ``ranged`` counts them, so ``len(memo) + ranged`` is
-    the unpickler's count, the index its next MEMOIZE takes."""
+    (:func:`_skip_records`, all :data:`.pickle_patterns.RECORD_WEIGHT`) are kept as index
+    ranges, not one key each (15M of them at 1.16M chunks); ``ranged`` counts them, so
+    ``len(memo) + ranged`` is the unpickler's count, the index its next MEMOIZE takes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -95,22 +95,23 @@ class _Memo(dict[int, int]):
     def __missing__(self, index: int) -> int:
         k = bisect.bisect_right(self._starts, index) - 1
         if k >= 0 and index < self._ends[k]:
-            return _RECORD_WEIGHT
+            return RECORD_WEIGHT
         raise KeyError(index)
 
 
 #: Pickle bytes a process follows opcode by opcode before it compiles the regular expressions
-#: of :func:`known_safe` and :func:`_skip_records` (~28 ms of CPU for both, about what the
-#: opcode-by-opcode scan of ~100 KB costs): a small checkpoint's one ``.metadata`` (2.5 KB for
-#: 10 tensors: 0.7 ms) never pays for them, and a run of many pickles pays at most about
-#: twice what compiling first would have cost (issue 27, goal 5).
+#: of :func:`.pickle_patterns.known_safe` and :func:`_skip_records` (~28 ms of CPU for both,
+#: about what the opcode-by-opcode scan of ~100 KB costs): a small checkpoint's one
+#: ``.metadata`` (2.5 KB for 10 tensors: 0.7 ms) never pays for them, and a run of many
+#: pickles pays at most about twice what compiling first would have cost (issue 27, goal 5).
 _EXACT_BYTES_BEFORE_PATTERNS = 64 * 1024
 _exact_bytes = 0  # followed so far without the patterns (threads may race: only a heuristic)
 
 
 def check(data: bytes, budget: Budget) -> None:
     """Refuse, before the unpickler runs, what :func:`scan` refuses in a pickle that
-    :func:`known_safe` does not clear: the check every pickle ckptools decodes goes through.
+    :func:`.pickle_patterns.known_safe` does not clear: the check every pickle ckptools
+    decodes goes through.
 
     Raises:
         DecodingLimitError: a limit would be exceeded (the message names it).
@@ -118,7 +119,7 @@ def check(data: bytes, budget: Budget) -> None:
     global _exact_bytes
     if _exact_bytes + len(data) > _EXACT_BYTES_BEFORE_PATTERNS:
         _exact_bytes = _EXACT_BYTES_BEFORE_PATTERNS  # compiled now: used from here on
-        if not known_safe(data):
+        if not pickle_patterns.known_safe(data):
             scan(data, budget)
         return
     _exact_bytes += len(data)
@@ -131,7 +132,7 @@ def check(data: bytes, budget: Budget) -> None:
         # pickle's end but below 2**16 (at most 1 MiB of memo), which known_safe lets through
         # unscanned. No other refusal can befall a pickle known_safe clears (it neither shares
         # nor hashes, so no weight exceeds its length and nothing was charged to ``budget``).
-        if not known_safe(data):
+        if not pickle_patterns.known_safe(data):
             raise
 
 
@@ -215,7 +216,7 @@ def _scan(data: bytes, budget: Budget, *, bulk: bool = True) -> tuple[int, int]:
     marks: list[int] = []
     memo, hashing, limit = _Memo(), _Hashing(budget), budget.objects
     push, pop, push_arg = stack.append, stack.pop, _PUSH_ARG
-    records = _records() if bulk else None
+    records = pickle_patterns.records() if bulk else None
     # peak: the heaviest object made so far (no weight on the stack or in the memo is more)
     peak, skipped, i = 1, 0, 0
     while True:
@@ -246,8 +247,8 @@ def _scan(data: bytes, budget: Budget, *, bulk: bool = True) -> tuple[int, int]:
             if (
                 records is not None
                 and marks
-                and peak <= _RECORD_WEIGHT
-                and ((data[i] == 0x68 and data[i + 2] == 0x29) or data[i] in _RECORD_START)
+                and peak <= RECORD_WEIGHT
+                and ((data[i] == 0x68 and data[i + 2] == 0x29) or data[i] in RECORD_START)
             ):
                 end = _skip_records(records, data, i, stack, marks, memo, hashing)
                 skipped += end - i if end else 0
@@ -428,55 +429,6 @@ def _rare(
     raise _Stop  # not an opcode: the unpickler refuses it here
 
 
-# --------------------------------------------------------------------------------------------------
-# When the scan is needed
-# --------------------------------------------------------------------------------------------------
-#
-# Most pickles a checkpoint holds need no scan: a ``torch.save`` of one tensor (a DCP item's
-# ``data.pkl``, hundreds of thousands per reshard) has no memo GET, so nothing in it is shared,
-# and no dict or set, so nothing is hashed. One regular expression proves that at C speed: it
-# matches a pickle made only of opcodes that can neither share, hash, nor grow the memo past
-# 2**16, with their arguments skipped exactly (strings up to 255 bytes; a longer one, or any
-# other opcode, sends the pickle to :func:`scan`).
-
-
-def _sized(ops: bytes, prefix: int) -> bytes:
-    """One of ``ops`` followed by a ``prefix``-byte length and that many bytes (< 256)."""
-    lengths = b"|".join(re.escape(n.to_bytes(prefix, "little")) + b".{%d}" % n for n in range(256))
-    return b"[" + re.escape(ops) + b"](?:" + lengths + b")"
-
-
-# Each alternative starts with its own opcode bytes, so the match splits the pickle into the
-# same opcodes the unpickler reads. Left out: memo GETs and DUP (sharing), DICT, SETITEM(S),
-# ADDITEMS and FROZENSET (hashing), PUT and LONG_BINPUT from 2**16 (memo size), INST, big ints
-# and text arguments (rare, and scanned).
-_UNSHARED_TOKENS = b"|".join(
-    [
-        rb"[N\x88\x89\)\]\}\x8f\x85\x86\x87t(Rb\x81\x9301Qaelo\x92\x94\x97\x98]",
-        rb"[Kq\x82\x80].",
-        rb"[M\x83]..",
-        rb"[J\x84].{4}",
-        rb"r..\x00\x00",
-        rb"[G\x95].{8}",
-        _sized(b"\x8cCU\x8a", 1),
-        _sized(b"XBT", 4),
-        rb"c[^\n]{1,512}\n[^\n]{1,512}\n",
-    ]
-)
-
-
-@functools.cache
-def _unshared() -> re.Pattern[bytes]:
-    # compiled on first use (tens of ms): `ckpt --help` never needs it
-    return re.compile(b"(?:" + _UNSHARED_TOKENS + rb")*+\.", re.DOTALL)
-
-
-def known_safe(data: bytes) -> bool:
-    """Whether ``data`` provably needs no :func:`scan`: a C-speed match (~1 µs for a DCP
-    item's ``data.pkl``) shows it shares nothing through the memo and hashes nothing."""
-    return _unshared().fullmatch(data) is not None
-
-
 def key_nodes(value: object, budget: Budget) -> int:
     """Nodes that hashing ``value`` visits (tuples as trees, an int per 4 bytes of digits), for
     a constructor about to hash it; refuses, as :func:`scan` does, more than
@@ -518,122 +470,8 @@ def charge_keys(items: Any, budget: Budget, *, pairs: bool) -> None:
 _WEIGHED_KEY_TYPES = {tuple, int, bool}
 
 
-# --------------------------------------------------------------------------------------------------
-# Batches of records, passed over at C speed
-# --------------------------------------------------------------------------------------------------
-#
-# A DCP ``.metadata`` is millions of small records (per chunk a ``ChunkStorageMetadata``, a
-# ``MetadataIndex`` and a ``_StorageInfo``), pickled 1,000 to a MARK ... APPENDS or SETITEMS
-# batch; following each one's ~40 opcodes in Python cost as much as torch's whole load. A
-# regular expression recognises a batch made only of such records (an object built by NEWOBJ
-# from a memoised class and an empty tuple, its state a dict of at most 6 keys whose keys are
-# strings or memo GETs and whose values are ints, strings, memo GETs or a ``torch.Size``-shaped
-# REDUCE of a flat tuple of at most 8 small ints), and the scan steps over it in one move:
-#
-# * memo: such a batch only MEMOIZEs (no index of its choosing); the entries it adds are
-#   counted exactly (:data:`_MEMO_RUNS`) so that later GETs name the same objects as in the
-#   unpickler, and each weighs at most :data:`_RECORD_WEIGHT` (a 1-tuple of a flat tuple);
-# * hashing: the only keys hashed are the state dicts' (strings, or GETs of objects that weigh
-#   at most the heaviest object made before, which must be at most :data:`_RECORD_WEIGHT`) and
-#   the records themselves (SETITEMS: hashed by identity); each key and its value take at least
-#   3 bytes, so the batch hashes at most :data:`_BULK_NODES_PER_BYTE` nodes per byte, which is
-#   what it is charged; no int in it reaches 2**61 - 1 (LONG1 of at most 7 bytes);
-# * tuples: at most 8 items.
-#
-# Anything else (a FRAME is allowed between any two opcodes) fails the match, and the batch is
-# followed opcode by opcode as before. The scan of a 144 MiB ``.metadata`` (1.16M chunks) takes
-# ~5 s of CPU, most of it the MEMOIZE count (:func:`_memo_runs_pattern`).
-
-#: the most a record batch's memo entries weigh: a 1-tuple holding a tuple of 8 ints of up to
-#: 7 bytes (each 1 + 7 // 4 nodes), as :func:`_scan` counts them
-_RECORD_WEIGHT = 1 + 1 + 8 * 2
-#: nodes charged per byte of a batch: a key of :data:`_RECORD_WEIGHT` nodes hashed, and compared
-#: once, per 3 bytes of key and value
-_BULK_NODES_PER_BYTE = 2 * _RECORD_WEIGHT // 3
-_RECORD_START = {0x6A, 0x95}  # LONG_BINGET, FRAME (BINGET is checked with its EMPTY_TUPLE)
-
-_GET_TOKEN = rb"(?:h.|j.{4})"
-# ints below 2**55: BININT1/2, BININT, LONG1 of 1-7 bytes; None and the bools
-_INT_TOKEN = rb"(?:K.|M..|J.{4}|\x8a(?:" + b"|".join(b"%c.{%d}" % (n, n) for n in range(1, 8))
-_INT_TOKEN += rb")|N|\x88|\x89)"
-
-
-def _record_pattern(frames: bool) -> bytes:
-    """One record; with ``frames``, a FRAME allowed before any of its objects. A pickle's frames
-    break at ~64 KB, between two records or inside one: a batch is matched as runs of records
-    without frames (14x faster than allowing one before every object), a FRAME between two
-    records stepped over, and only a record with one inside is matched allowing them."""
-    f = rb"(?:\x95.{8})?" if frames else b""
-    get, num, text = _GET_TOKEN, _INT_TOKEN, _sized(b"\x8c", 1)
-    flat = (
-        b"(?:" + f + b"(?:" + (f + num) + b"){1,3}" + f + rb"[\x85\x86\x87]" + f + rb"\x94"
-        + b"|" + f + rb"\(" + b"(?:" + f + num + b"){4,8}" + f + rb"t" + f + rb"\x94"
-        + b"|" + f + rb"\))"
-    )  # fmt: skip
-    size = f + get + flat + f + rb"\x85" + f + rb"\x94" + f + rb"R" + f + rb"\x94"
-    key = b"(?:" + f + get + b"|" + f + text + f + rb"\x94)"
-    value = b"(?:" + f + get + b"|" + f + num + b"|" + f + text + f + rb"\x94|" + size + b")"
-    record = (
-        f + get + f + rb"\)" + f + rb"\x81" + f + rb"\x94" + f + rb"\}" + f + rb"\x94" + f
-        + rb"\(" + b"(?:" + key + value + b"){1,6}" + f + rb"u" + f + rb"b"
-    )  # fmt: skip
-    return record
-
-
-def _memo_runs_pattern() -> bytes:
-    """Every opcode a batch may hold but MEMOIZE (the one-byte ones first: the most frequent),
-    as runs up to a MEMOIZE, or to the end."""
-    other = b"|".join(
-        [
-            rb"[\)\x81\}\(ub\x85\x86\x87tRe\x88\x89N]",
-            rb"h.",
-            rb"K.",
-            rb"M..",
-            rb"J.{4}",
-            rb"j.{4}",
-            rb"\x8a(?:" + b"|".join(b"%c.{%d}" % (n, n) for n in range(1, 8)) + b")",
-            _sized(b"\x8c", 1),
-            rb"\x95.{8}",
-        ]
-    )
-    return b"(?:" + other + rb")*+\x94|(?:" + other + rb")++\Z"
-
-
-def _batch_end(records: _Patterns, data: bytes, i: int) -> int:
-    """The end of the batch of records (one or more, then APPENDS or SETITEMS) that starts at
-    ``i``, with a FRAME allowed before any object; 0 when none starts there."""
-    runs, framed_record, _ = records
-    at, found = i, False
-    while True:
-        end = runs.match(data, at).end()  # type: ignore[union-attr]  # `*+` always matches
-        found = found or end > at
-        op = data[end] if end < len(data) else -1
-        if op == 0x65 or op == 0x75:  # APPENDS, SETITEMS
-            return end + 1 if found else 0
-        if op == 0x95:  # FRAME between two records (or before the first, or the end)
-            at = end + 9
-            continue
-        m = framed_record.match(data, end)  # a record with a FRAME inside
-        if m is None:
-            return 0
-        at, found = m.end(), True
-
-
-_Patterns = tuple[re.Pattern[bytes], re.Pattern[bytes], re.Pattern[bytes]]
-
-
-@functools.cache
-def _records() -> _Patterns:
-    # compiled on first use (tens of ms), like _unshared
-    return (
-        re.compile(b"(?:" + _record_pattern(frames=False) + b")*+", re.DOTALL),
-        re.compile(_record_pattern(frames=True), re.DOTALL),
-        re.compile(_memo_runs_pattern(), re.DOTALL),
-    )
-
-
 def _skip_records(
-    records: _Patterns,
+    records: pickle_patterns.Patterns,
     data: bytes,
     i: int,
     stack: list[int],
@@ -644,7 +482,7 @@ def _skip_records(
     """Where the batch of records that starts at ``i`` (after its MARK, or after a record read
     one by one) ends, with its memo entries, hashing and stack accounted for; 0 when what
     starts there is not such a batch."""
-    end = _batch_end(records, data, i)
+    end = pickle_patterns.batch_end(records, data, i)
     if not end:
         return 0
     memo_runs = records[2]
@@ -655,7 +493,7 @@ def _skip_records(
     if rest or not runs:
         return 0
     memo.add_range(len(memo) + memo.ranged, runs - 1)
-    hashing.total += _BULK_NODES_PER_BYTE * (end - i)
+    hashing.total += pickle_patterns.BULK_NODES_PER_BYTE * (end - i)
     if hashing.total > hashing.budget.objects:
         hashing.budget.charge(hashing.budget.objects + 1)  # raises, naming the tunable
     # the batch ends appending or setting items down to the mark: what was pushed since

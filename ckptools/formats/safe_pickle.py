@@ -11,24 +11,22 @@ The stand-ins keep the data a checkpoint legitimately holds: DCP metadata record
 :class:`TensorRef` (storage key, dtype, offset, shape, strides, no bytes), plain Python values,
 ``io.BytesIO`` contents and numpy arrays (RNG state) as :class:`BytesValue` / :class:`ArrayValue`.
 
-Decoding is bounded (:class:`_Budget`): the C unpickler makes at most one object per opcode, so
-the work past the pickle's own length comes from constructors that copy (charged per object,
-and a size they are asked for may not exceed the bytes of the pickle) and from walks that expand
-shared references into a tree (``torch.save`` values are walked once, counted and depth-capped,
-before anyone else walks them). What the C unpickler does inside ``load()`` (sizing its memo,
-hashing keys) is bounded before it starts by :mod:`ckptools.formats.pickle_scan`. Limits are
-tunables (:mod:`ckptools.io.tunables`) and a breach is a one-line
+Decoding is bounded (:mod:`ckptools.formats.pickle_budget`): the C unpickler makes at most one
+object per opcode, so the work past the pickle's own length comes from constructors that copy
+(charged per object, and a size they are asked for may not exceed the bytes of the pickle) and from
+walks that expand shared references into a tree (``torch.save`` values are walked once, counted and
+depth-capped, before anyone else walks them). What the C unpickler does inside ``load()`` (sizing
+its memo, hashing keys) is bounded before it starts by :mod:`ckptools.formats.pickle_scan`. Limits
+are tunables (:mod:`ckptools.io.tunables`) and a breach is a one-line
 :class:`~ckptools.errors.DecodingLimitError` naming the one to raise.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
-import functools
 import io
 import pickle
 import reprlib
-import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,18 +35,16 @@ from typing import Any
 from ckptools.errors import (
     CkptError,
     CorruptCheckpointError,
-    DecodingLimitError,
     UnsafeCheckpointError,
 )
-from ckptools.formats import pickle_scan, torch_rebuild
+from ckptools.formats import pickle_budget, pickle_scan, torch_rebuild
 from ckptools.formats.tensor_refs import DTypeName as DTypeName
 from ckptools.formats.tensor_refs import OtherTensor as OtherTensor
 from ckptools.formats.tensor_refs import StorageRef as StorageRef
 from ckptools.formats.tensor_refs import StorageType as StorageType
 from ckptools.formats.tensor_refs import TensorRef as TensorRef
-from ckptools.io import tunables
 
-_UNSET: Any = object()  # an argument the pickle did not pass
+_UNSET = pickle_budget.UNSET
 
 
 class Record:
@@ -129,88 +125,6 @@ def short(value: Any) -> str:
     return _SHORT.repr(value)
 
 
-class _Budget:
-    """What one pickle may decode into, charged by the constructors that copy and by the walk
-    over the result: at most :func:`ckptools.io.tunables.pickle_objects` objects, nesting at most
-    :func:`ckptools.io.tunables.pickle_depth` deep, and no size asked of a constructor larger than
-    the pickle itself (a legitimate pickle only copies bytes it contains)."""
-
-    def __init__(self, source: str, pickle_bytes: int) -> None:
-        self.source = source
-        self.pickle_bytes = pickle_bytes
-        self.used = 0
-
-    # Read from the environment only when needed: a reshard decodes a pickle per chunk.
-    @functools.cached_property
-    def objects(self) -> int:
-        return tunables.pickle_objects(self.pickle_bytes)
-
-    @functools.cached_property
-    def depth(self) -> int:
-        return tunables.pickle_depth()
-
-    def charge(self, objects: int) -> None:
-        self.used += objects
-        if self.used > self.objects:
-            raise DecodingLimitError(
-                f"{self.source}: refusing to decode: the pickle ({self.pickle_bytes} bytes) "
-                f"expands to more than {self.objects} objects (shared references walked as a "
-                f"tree, or copies); if the checkpoint is trusted, raise "
-                f"{tunables.MAX_PICKLE_OBJECTS_ENV}",
-                tunable=tunables.MAX_PICKLE_OBJECTS_ENV,
-                path=self.source,
-            )
-
-    def too_deep(self) -> DecodingLimitError:
-        return DecodingLimitError(
-            f"{self.source}: refusing to decode: values nest more than {self.depth} levels "
-            f"deep; if the checkpoint is trusted, raise {tunables.MAX_PICKLE_DEPTH_ENV}",
-            tunable=tunables.MAX_PICKLE_DEPTH_ENV,
-            path=self.source,
-        )
-
-    def size(self, requested: int, what: str) -> None:
-        if requested > self.pickle_bytes:
-            raise DecodingLimitError(
-                f"{self.source}: refusing to decode: the pickle asks {what} for {requested} "
-                f"bytes, more than its own {self.pickle_bytes} bytes could hold",
-                tunable=None,
-                path=self.source,
-            )
-        self.charge(requested)
-
-
-_current = threading.local()  # the budget of the pickle this thread is decoding
-
-
-def _budget() -> _Budget:
-    budget: _Budget = _current.budget
-    return budget
-
-
-def _copying(make: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """An allowlisted constructor that copies its argument, charging what it made: a memoised
-    list fed to it again and again would otherwise grow memory with the square of the pickle."""
-
-    # Fixed arity (bytearray takes the most: source, encoding, errors), so a memoised tuple of
-    # many arguments fails at once instead of being copied per call.
-    def build(source: Any = _UNSET, encoding: Any = _UNSET, errors: Any = _UNSET) -> Any:
-        args = tuple(a for a in (source, encoding, errors) if a is not _UNSET)
-        budget = _budget()
-        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
-            budget.size(args[0], what)  # bytearray(n): n zero bytes the pickle never held
-        elif args and hasattr(args[0], "__len__"):
-            budget.charge(len(args[0]))  # the work of the copy, charged before it is done
-            if make is not bytearray:  # the elements (pairs' keys) are hashed: bounded first
-                pickle_scan.charge_keys(args[0], budget, pairs=make is _OrderedDict)
-        out = make(*args)
-        budget.charge(len(out))
-        return out
-
-    build.__qualname__ = build.__name__ = what
-    return build
-
-
 class _OrderedDict(OrderedDict[Any, Any]):
     """An ``OrderedDict`` whose pickled state (``torch.save`` keeps a state dict's
     ``_metadata`` there) is charged: the C default copies it in, so one state memoised and
@@ -223,7 +137,7 @@ class _OrderedDict(OrderedDict[Any, Any]):
                 continue
             if not isinstance(part, dict):
                 raise CorruptCheckpointError(f"pickled state of an OrderedDict is {short(part)}")
-            _budget().charge(len(part))
+            pickle_budget.current().charge(len(part))
             self.__dict__.update(part)
 
 
@@ -232,7 +146,7 @@ class _OrderedDict(OrderedDict[Any, Any]):
 _SIZE = ().__add__
 
 
-def _walk(value: Any, budget: _Budget) -> None:
+def _walk(value: Any, budget: pickle_budget.DecodeBudget) -> None:
     """Visit ``value`` as the tree every later walk (flatten, plain, ==, repr) will see,
     counting nodes against ``budget`` and capping the nesting: shared references make a DAG
     of a few KB expand exponentially, so this is the one walk that has to be bounded.
@@ -308,7 +222,7 @@ class _BytesIOStandIn(Record):
         value = state[0] if isinstance(state, tuple) and state else b""
         if not isinstance(value, bytes | bytearray):
             raise CorruptCheckpointError("io.BytesIO state holds no bytes")
-        _budget().charge(len(value))
+        pickle_budget.current().charge(len(value))
         self.__dict__["value"] = BytesValue(bytes(value))
 
 
@@ -338,7 +252,7 @@ class _NumpyArrayStandIn(Record):
                 "numpy object arrays are not read", global_name="numpy.ndarray(object)"
             )
         code = getattr(dt, "code", "?")
-        _budget().charge(len(raw) + len(shape))
+        pickle_budget.current().charge(len(raw) + len(shape))
         self.__dict__["value"] = ArrayValue(str(code), tuple(shape), bytes(raw))
 
 
@@ -358,7 +272,7 @@ def _path(*parts: Any) -> str:
     # The one allowlisted callable taking *args (a path has any number of parts): the copy of
     # the arguments is charged first, so a memoised tuple of many parts passed again and again
     # ends at the budget; and the joined length is bounded by the pickle's own.
-    budget = _budget()
+    budget = pickle_budget.current()
     budget.charge(len(parts))
     if not all(isinstance(p, str) for p in parts):
         raise CorruptCheckpointError("a path in the checkpoint is not made of strings")
@@ -370,7 +284,7 @@ def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8"):
         raise CorruptCheckpointError("unexpected bytes encoding in pickle")
     out = text.encode(encoding)
-    _budget().charge(len(out))
+    pickle_budget.current().charge(len(out))
     return out
 
 
@@ -415,8 +329,8 @@ _DCP_RECORDS = (
 )
 
 _COMMON: dict[str, Any] = {
-    "collections.OrderedDict": _copying(_OrderedDict, "OrderedDict"),
-    "builtins.set": _copying(set, "set"),
+    "collections.OrderedDict": pickle_budget.copying(_OrderedDict, "OrderedDict", pairs=True),
+    "builtins.set": pickle_budget.copying(set, "set"),
     "builtins.complex": complex,
     # torch.Size pickles as torch.Size((d0, d1, ...)). Callers check the elements' types.
     "torch.Size": _SIZE,
@@ -426,7 +340,7 @@ _COMMON: dict[str, Any] = {
 # Globals a DCP ``.metadata`` pickle may name.
 METADATA_GLOBALS: dict[str, Any] = {
     **_COMMON,
-    "builtins.frozenset": _copying(frozenset, "frozenset"),
+    "builtins.frozenset": pickle_budget.copying(frozenset, "frozenset"),
     "builtins.object": object,
     "copyreg._reconstructor": _reconstructor,
     **{q: _record_class(q) for q in _DCP_RECORDS},
@@ -444,8 +358,8 @@ METADATA_GLOBALS: dict[str, Any] = {
 # what a ``torch.save`` file (a state dict, an optimizer, a Lightning ``.ckpt``) may name.
 WEIGHTS_ONLY_GLOBALS: dict[str, Any] = {
     **_COMMON,
-    "collections.Counter": _copying(Counter, "Counter"),
-    "builtins.bytearray": _copying(bytearray, "bytearray"),
+    "collections.Counter": pickle_budget.copying(Counter, "Counter"),
+    "builtins.bytearray": pickle_budget.copying(bytearray, "bytearray"),
     "_codecs.encode": _codecs_encode,
     **torch_rebuild.TORCH_GLOBALS,
 }
@@ -501,7 +415,7 @@ MEGATRON_GLOBALS: dict[str, Any] = {
 ARCHIVE_GLOBALS: dict[str, Any] = {
     **MEGATRON_GLOBALS,
     **WEIGHTS_ONLY_GLOBALS,
-    "builtins.frozenset": _copying(frozenset, "frozenset"),
+    "builtins.frozenset": pickle_budget.copying(frozenset, "frozenset"),
     "builtins.object": object,
     "builtins.slice": slice,
     "copyreg._reconstructor": _reconstructor,
@@ -570,15 +484,14 @@ def restricted_loads(
         DecodingLimitError: the value would exceed a decoding limit (the message names it).
         CorruptCheckpointError: the bytes are not a well-formed pickle of the expected kind.
     """
-    budget = _Budget(source, len(data))
-    outer = getattr(_current, "budget", None)
-    _current.budget = budget
+    budget = pickle_budget.DecodeBudget(source, len(data))
     try:
-        pickle_scan.check(data, budget)
-        value = _RestrictedUnpickler(data, allowed, source, persistent_load).load()
-        if walk:
-            _walk(value, budget)
-        return value
+        with pickle_budget.decoding(budget):
+            pickle_scan.check(data, budget)
+            value = _RestrictedUnpickler(data, allowed, source, persistent_load).load()
+            if walk:
+                _walk(value, budget)
+            return value
     except RecursionError as e:
         raise budget.too_deep() from e
     except CkptError:
@@ -588,8 +501,6 @@ def restricted_loads(
             f"{source}: not a readable pickle ({type(e).__name__}: {' '.join(str(e).split())})",
             path=source,
         ) from e
-    finally:
-        _current.budget = outer
 
 
 def storage_persistent_load(pid: Any) -> StorageRef:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ckptools.engine.collective import Ranks
-from ckptools.io import staging, storage
+from ckptools.io import spool, staging, storage
 from ckptools.io.out_rules import OutputKind, check_out
 from ckptools.io.resume import Journal
 
@@ -88,7 +88,7 @@ class Stage(Generic[P]):
 
 def _location(output: Output) -> str:
     if output.spooled:
-        return staging.make_spool_dir("ckptools-pretrained-")
+        return spool.make_spool_dir("ckptools-pretrained-")
     if output.identity:
         return staging.resumable_staging(output.out, output.identity)
     return staging.make_tmp_dir(output.out)
@@ -99,7 +99,7 @@ def _discard(output: Output, tmp: str, error: BaseException | None) -> None:
     interrupt of a writer that resumes (:func:`ckptools.io.staging.discard`)."""
     staging.discard(tmp, error)
     if output.spooled:
-        staging.remove_spool_dir(tmp)
+        spool.remove_spool_dir(tmp)
 
 
 @contextmanager

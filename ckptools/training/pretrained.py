@@ -44,7 +44,8 @@ from ckptools.engine.runtime import pwrite_all
 from ckptools.errors import CkptError
 from ckptools.io import staging, storage
 from ckptools.outputs.protocol import Output, commit, staged
-from ckptools.plan.conversions import Piece, split_fqn
+from ckptools.plan.conversion_entries import split_fqn
+from ckptools.plan.conversions import Piece
 from ckptools.plan.safetensors import runs
 from ckptools.training.state import state_to_save, write_model_config
 from ckptools.verbs.consolidate import (

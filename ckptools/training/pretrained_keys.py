@@ -7,7 +7,7 @@ the model's: transformers' conversion mapping on the way in, and transformers' i
   ``block_sparse_moe.experts.<e>.w1.weight``). :func:`in_memory_names` applies the same
   conversion rules ``consolidate`` applies on the way out
   (:meth:`ckptools.plan.conversions.Rules.to_memory`, then
-  :func:`~ckptools.plan.conversions.merge_entries`): each fused tensor's chunks are the
+  :func:`~ckptools.plan.conversion_entries.merge_entries`): each fused tensor's chunks are the
   published tensors' byte runs placed at their boxes, so each rank still reads only the runs
   that meet its own rows. The rules are those of the model at hand (its config and its
   transformers class), else of the directory's ``config.json``; they are used only when they
@@ -34,7 +34,7 @@ from ckptools import _compat
 from ckptools.core.manifest import Manifest
 from ckptools.io import storage
 from ckptools.plan.conversion_cache import keymap_for
-from ckptools.plan.conversions import merge_entries
+from ckptools.plan.conversion_entries import merge_entries
 
 if TYPE_CHECKING:
     from torch import nn

@@ -453,7 +453,7 @@ def write_model_config(model: nn.Module, directory: str) -> list[str]:
         return []
     if storage.is_url(directory):
         # transformers writes local files: write them in a spool and upload them.
-        from ckptools.io.staging import spool_dir
+        from ckptools.io.spool import spool_dir
 
         with spool_dir() as spool:
             names = write_model_config(model, spool)

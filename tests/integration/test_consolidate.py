@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import ckptools
 from ckptools.cli.main import cli
-from ckptools.engine import executor as execute
+from ckptools.engine import chunk_copier
 from ckptools.errors import CkptError, UnsafeCheckpointError, UsageError
 from tests.conftest import Produced
 from tests.support.reference import tensor_bytes
@@ -280,7 +280,7 @@ def test_interrupted_run_leaves_nothing(
     workers: int,
 ) -> None:
     p = produced("single")
-    original = execute._Copier.copy_chunk
+    original = chunk_copier.ChunkCopier.copy_chunk
     calls = {"n": 0}
 
     def failing(self: Any, *args: Any) -> None:
@@ -289,7 +289,7 @@ def test_interrupted_run_leaves_nothing(
             raise exc
         original(self, *args)
 
-    monkeypatch.setattr(execute._Copier, "copy_chunk", failing)
+    monkeypatch.setattr(chunk_copier.ChunkCopier, "copy_chunk", failing)
     out = str(tmp_path / "hf")
     with pytest.raises(type(exc)):
         ckptools.consolidate(str(p.path), out, quiet=True, workers=workers)
@@ -437,12 +437,12 @@ def test_ranks_write_their_shares_and_rank0_commits(
 
 def _failing_on_rank1(rank: int, world_size: int, src: str, out: str) -> str:
     if rank == 1:
-        from ckptools.engine import executor as ex
+        from ckptools.engine import chunk_copier
 
         def boom(*args: Any) -> None:
             raise OSError("disk full (simulated on rank 1)")
 
-        ex._Copier.copy_chunk = boom  # type: ignore[method-assign]
+        chunk_copier.ChunkCopier.copy_chunk = boom  # type: ignore[method-assign]
     try:
         ckptools.consolidate(src, out, quiet=True)
     except (OSError, CkptError) as e:

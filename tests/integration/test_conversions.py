@@ -19,7 +19,8 @@ import torch
 from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.engine.executor import execute
 from ckptools.errors import UnsupportedCheckpointError
-from ckptools.plan.conversions import Piece, rules_for, split_entries
+from ckptools.plan.conversion_entries import split_entries
+from ckptools.plan.conversions import Piece, rules_for
 from ckptools.plan.safetensors import plan_consolidation
 
 _COMMON: dict[str, Any] = dict(

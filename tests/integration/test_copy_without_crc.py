@@ -90,17 +90,17 @@ def test_kernel_copies_make_no_block_buffer(
     """A consolidate whose chunks all move in the kernel (FSDP2: dim-0 shards) checks every
     CRC in place and never makes a copy buffer: each thread's 16 MiB block, zero-filled, was
     made for nothing and counted in the resident set (bench/RESULTS.md, issue 27)."""
-    from ckptools.engine import executor
+    from ckptools.engine import chunk_copier
 
     p = produced("fsdp2", world_size=2, optimizer=True)
     made: list[int] = []
-    real = executor._Copier.buffer
+    real = chunk_copier.ChunkCopier.buffer
 
-    def counting(self: executor._Copier) -> memoryview:
+    def counting(self: chunk_copier.ChunkCopier) -> memoryview:
         made.append(self.block)
         return real(self)
 
-    monkeypatch.setattr(executor._Copier, "buffer", counting)
+    monkeypatch.setattr(chunk_copier.ChunkCopier, "buffer", counting)
     asked = _no_crc(monkeypatch)
     out = tmp_path / "out"
     ckptools.consolidate(str(p.path), str(out), quiet=True, workers=2)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ckptools.errors import DecodingLimitError
-from ckptools.formats import pickle_scan, safe_pickle
+from ckptools.formats import pickle_budget, pickle_patterns, pickle_scan
 from ckptools.producers.dcp.layout import read_dcp
 
 
@@ -23,7 +23,7 @@ def _metadata(produced: Callable[..., Any]) -> bytes:
 
 
 def _scan(data: bytes, *, bulk: bool) -> tuple[int, int]:
-    return pickle_scan._scan(data, safe_pickle._Budget("x/.metadata", len(data)), bulk=bulk)
+    return pickle_scan._scan(data, pickle_budget.DecodeBudget("x/.metadata", len(data)), bulk=bulk)
 
 
 def _memo_count(data: bytes) -> int:
@@ -61,7 +61,7 @@ def test_manifest_is_the_same_with_and_without_the_record_path(
 ) -> None:
     ckpt = str(produced("fsdp2", world_size=2, optimizer=True).path)
     fast = read_dcp(ckpt)
-    monkeypatch.setattr(pickle_scan, "_records", lambda: None)
+    monkeypatch.setattr(pickle_patterns, "records", lambda: None)
     assert read_dcp(ckpt) == fast
 
 
@@ -74,7 +74,7 @@ def test_shared_tuple_after_the_batches_is_refused(produced: Callable[..., Any])
     with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
         _scan(hostile, bulk=True)
     with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
-        pickle_scan.scan(hostile, safe_pickle._Budget("x/.metadata", len(hostile)))
+        pickle_scan.scan(hostile, pickle_budget.DecodeBudget("x/.metadata", len(hostile)))
 
 
 def test_memo_index_chosen_after_the_batches_is_scanned_again(
@@ -82,10 +82,10 @@ def test_memo_index_chosen_after_the_batches_is_scanned_again(
 ) -> None:
     data = _metadata(produced)
     small = _before_stop(data, b"Nq\x050")  # BINPUT 5: legal, and rescanned opcode by opcode
-    pickle_scan.scan(small, safe_pickle._Budget("x/.metadata", len(small)))
+    pickle_scan.scan(small, pickle_budget.DecodeBudget("x/.metadata", len(small)))
     huge = _before_stop(data, b"Nr" + (100_000_000).to_bytes(4, "little") + b"0")
     with pytest.raises(DecodingLimitError, match="memo index 100000000"):
-        pickle_scan.scan(huge, safe_pickle._Budget("x/.metadata", len(huge)))
+        pickle_scan.scan(huge, pickle_budget.DecodeBudget("x/.metadata", len(huge)))
 
 
 def test_records_holding_shared_tuples_are_not_passed_over(tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_records_holding_shared_tuples_are_not_passed_over(tmp_path: Path) -> No
     records = [ChunkStorageMetadata(dag, torch.Size([1, 2])) for _ in range(3)]
     data = pickle.dumps((records, {dag: 1}), protocol=4)
     with pytest.raises(DecodingLimitError, match="would hash more than 10000 nodes"):
-        pickle_scan.scan(data, safe_pickle._Budget(str(tmp_path / ".metadata"), len(data)))
+        pickle_scan.scan(data, pickle_budget.DecodeBudget(str(tmp_path / ".metadata"), len(data)))
     # and the same batch without the DAG is passed over
     plain = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 2])) for i in range(3)]
     assert _scan(pickle.dumps(plain, protocol=4), bulk=True)[1] > 0

@@ -57,20 +57,31 @@ def test_a_peft_upgrade_is_noticed(
     peft_dcp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ckptools.io import user_cache
-    from ckptools.views import lora
+    from ckptools.views import peft_defaults
 
     monkeypatch.setenv(user_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
     asked: list[int] = []
-    real = lora._derive_peft_defaults
-    monkeypatch.setattr(lora, "_derive_peft_defaults", lambda: asked.append(1) or real())
-    kept = lora._peft_defaults()
-    assert kept is not None and asked == [1] and lora._peft_defaults() == kept and asked == [1]
-    monkeypatch.setattr(lora, "_PEFT_SOURCES", (*lora._PEFT_SOURCES, "__init__.py"))
-    assert lora._peft_defaults() == kept and asked == [1, 1]  # other sources: asked again
+    real = peft_defaults._derive_peft_defaults
+    monkeypatch.setattr(peft_defaults, "_derive_peft_defaults", lambda: asked.append(1) or real())
+    kept = peft_defaults._peft_defaults()
+    assert (
+        kept is not None
+        and asked == [1]
+        and peft_defaults._peft_defaults() == kept
+        and asked == [1]
+    )
+    monkeypatch.setattr(
+        peft_defaults, "_PEFT_SOURCES", (*peft_defaults._PEFT_SOURCES, "__init__.py")
+    )
+    assert peft_defaults._peft_defaults() == kept and asked == [1, 1]  # other sources: asked again
     from importlib import metadata
 
     version = metadata.version
     monkeypatch.setattr(
         metadata, "version", lambda name: "99.0" if name == "peft" else version(name)
     )
-    assert lora._peft_defaults() == kept and asked == [1, 1, 1]  # another version: asked again
+    assert peft_defaults._peft_defaults() == kept and asked == [
+        1,
+        1,
+        1,
+    ]  # another version: asked again

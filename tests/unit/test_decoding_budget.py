@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptools.errors import CorruptCheckpointError, DecodingLimitError, UsageError
-from ckptools.formats import pickle_scan, safe_pickle
+from ckptools.formats import pickle_budget, pickle_patterns, pickle_scan, safe_pickle
 from ckptools.io import tunables
 
 ARCHIVE = safe_pickle.ARCHIVE_GLOBALS
@@ -303,7 +303,7 @@ def test_pickles_without_sharing_or_hashing_skip_the_scan() -> None:
     with zipfile.ZipFile(buf) as z:
         (name,) = (n for n in z.namelist() if n.endswith("data.pkl"))
         item = z.read(name)
-    assert pickle_scan.known_safe(item)  # a DCP item's data.pkl: no GET, no dict key
+    assert pickle_patterns.known_safe(item)  # a DCP item's data.pkl: no GET, no dict key
     shared = [1, 2]
     for needs in (
         pickle.dumps({"a": 1}, protocol=2),  # a key is hashed
@@ -311,7 +311,7 @@ def test_pickles_without_sharing_or_hashing_skip_the_scan() -> None:
         b"\x80\x02Nr\x00\x00\x01\x00.",  # a memo index from 2**16
         item[:-1],  # no STOP
     ):
-        assert not pickle_scan.known_safe(needs)
+        assert not pickle_patterns.known_safe(needs)
 
 
 # ints a key may be: those of 2**61 - 1 or more are refused as keys (they can share one hash)
@@ -340,7 +340,7 @@ def test_scan_follows_every_pickle_python_writes(value: Any, protocol: int, shar
     # (shared references included), and what it lets through decodes as pickle does
     obj = [value, value] if share else value
     data = pickle.dumps(obj, protocol=protocol)
-    pickle_scan._scan(data, safe_pickle._Budget("x.pkl", len(data)))
+    pickle_scan._scan(data, pickle_budget.DecodeBudget("x.pkl", len(data)))
     assert _loads(data) == pickle.loads(data)
 
 

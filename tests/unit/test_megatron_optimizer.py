@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ckptools.core import geometry
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptools.producers.megatron import buckets
 from ckptools.producers.megatron import optimizer as mo
 
 ITEM = 4  # the test's bucket elements are int32 indices
@@ -262,7 +263,7 @@ def _saved(model: list[mo.ModelTensor], tp: int, pp: int, dp: int, order: tuple[
         b = {"ranges": ranges, "unpadded": [cursor], "dp": dp}
         b["padded"] = [_pad(cursor, mo.bucket_end_choices(dp)[0])]
         pieces = _stored_pieces(b, group)
-        buffers[group] = mo.Buckets(
+        buffers[group] = buckets.Buckets(
             (cursor,), tuple(b["padded"]), {(0, k): pieces[0] for k in mo.KINDS}
         )
     return buffers
@@ -274,7 +275,7 @@ def test_bucket_state_tiles_every_model_tensor_for_either_layer_spec(
 ) -> None:
     model = _model(2, 4)
     buffers = _saved(model, 2, 2, 2, order)
-    state = mo.bucket_state(
+    state = buckets.bucket_state(
         model, buffers, tp=2, pp=2, dp=2, num_layers=4, tied=False, dtype="float32", itemsize=4
     )
     assert set(state) == set(mo.KINDS)
@@ -287,7 +288,7 @@ def test_bucket_state_tiles_every_model_tensor_for_either_layer_spec(
 def test_bucket_state_refuses_buckets_of_another_model_in_one_line() -> None:
     buffers = _saved(_model(2, 4), 2, 2, 2, mo.LAYER_ORDERS[0])
     with pytest.raises(CorruptCheckpointError, match="do not add up") as e:
-        mo.bucket_state(
+        buckets.bucket_state(
             _model(2, 4, hidden=16),
             buffers,
             tp=2,
@@ -302,9 +303,9 @@ def test_bucket_state_refuses_buckets_of_another_model_in_one_line() -> None:
 
 
 def test_bucket_numels_reads_the_saved_object() -> None:
-    assert mo.bucket_numels([{("f32", "f32"): [5, 7]}], "per_bucket_numel", "x") == (5, 7)
+    assert buckets.bucket_numels([{("f32", "f32"): [5, 7]}], "per_bucket_numel", "x") == (5, 7)
     with pytest.raises(UnsupportedCheckpointError, match="virtual pipeline"):
-        mo.bucket_numels([{1: [1]}, {1: [2]}], "per_bucket_numel", "x")
+        buckets.bucket_numels([{1: [1]}, {1: [2]}], "per_bucket_numel", "x")
 
 
 def test_bucket_fqns_and_model_space_names_are_parsed() -> None:

@@ -29,17 +29,18 @@ def _steps_called(path: Path) -> set[str]:
         alias.asname or alias.name
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom)
-        and node.module in {"ckptools.io.staging", "ckptools.io.resume"}
+        and node.module in {"ckptools.io.staging", "ckptools.io.spool", "ckptools.io.resume"}
         for alias in node.names
     }
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & imported
-    # staging.commit(...), ranks.staged(...): a step called through a module or a Ranks
+    # staging.commit(...), spool.make_spool_dir(...), ranks.staged(...): a step called through
+    # a module or a Ranks
     attrs = {
         n.attr
         for n in ast.walk(tree)
         if isinstance(n, ast.Attribute)
         and isinstance(n.value, ast.Name)
-        and n.value.id in {"staging", "ranks"}
+        and n.value.id in {"staging", "spool", "ranks"}
     }
     return (names | attrs) & PROTOCOL_STEPS
 

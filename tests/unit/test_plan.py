@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.core.sizes import parse_size
-from ckptools.engine.executor import block_bytes, pieces, share_of
+from ckptools.engine.chunk_copier import pieces
+from ckptools.engine.executor import block_bytes, share_of
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptools.plan.safetensors import (
     INDEX_NAME,

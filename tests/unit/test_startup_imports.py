@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ckptools.errors import DecodingLimitError
-from ckptools.formats import pickle_scan, safe_pickle
+from ckptools.formats import pickle_patterns, pickle_scan, safe_pickle
 from ckptools.producers import base
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -29,11 +29,11 @@ try:
     main(["consolidate", sys.argv[1], sys.argv[2], "-q"])
 except SystemExit as e:
     assert not e.code, e.code
-from ckptools.formats import pickle_scan
+from ckptools.formats import pickle_patterns
 print(json.dumps({
     "modules": sorted(m for m in sys.modules if m.startswith(("ckptools", "torch"))),
-    "patterns": pickle_scan._unshared.cache_info().currsize
-    + pickle_scan._records.cache_info().currsize,
+    "patterns": pickle_patterns._unshared.cache_info().currsize
+    + pickle_patterns.records.cache_info().currsize,
 }))
 """
 #: the layout modules detecting a DCP directory imports: those tried before "dcp" and theirs
@@ -156,8 +156,8 @@ def test_verdicts_are_the_same_with_and_without_the_patterns(
 def test_a_big_pickle_uses_the_patterns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pickle_scan, "_exact_bytes", 0)
     used = []
-    real = pickle_scan.known_safe
-    monkeypatch.setattr(pickle_scan, "known_safe", lambda d: used.append(len(d)) or real(d))
+    real = pickle_patterns.known_safe
+    monkeypatch.setattr(pickle_patterns, "known_safe", lambda d: used.append(len(d)) or real(d))
     small = safe_pickle.restricted_loads(b"\x80\x02]q\x00.", {}, source="s")
     assert small == [] and not used  # scanned exactly, known_safe never asked
     data = b"\x80\x02X\x00\x00\x01\x00" + b"a" * 65536 + b"."

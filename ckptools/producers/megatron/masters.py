@@ -1,7 +1,8 @@
 """The distributed optimizer's state of a Megatron save, read: per kind, an entry per model FQN.
 
-:mod:`ckptools.producers.megatron.optimizer` places the state (pure); this module gathers what it
-needs from a save's manifest (:mod:`ckptools.producers.megatron.layout`) and its files:
+:mod:`ckptools.producers.megatron.optimizer` and :mod:`~ckptools.producers.megatron.buckets` place
+the state (pure); this module gathers what it needs from a save's manifest
+(:mod:`ckptools.producers.megatron.layout`) and its files:
 
 * ``dp_reshardable``: each bucket tensor's stored chunks resolved to raw byte ranges (a DCP item
   is a ``torch.save`` archive: its directory is read, a few hundred bytes per item, the tensor
@@ -28,6 +29,7 @@ from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError, 
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.readers import Reader
+from ckptools.producers.megatron import buckets
 from ckptools.producers.megatron import optimizer as mo
 from ckptools.producers.megatron.layout import DETAILS_KEY, common_state
 
@@ -67,7 +69,7 @@ def read_optimizer(manifest: Manifest) -> MegatronOptimizer | None:
         return None
     with storage.open_reader(manifest.data_dir()) as reader:
         if sharding == "fully_reshardable":
-            state = mo.model_space_state(manifest.tensors)
+            state = buckets.model_space_state(manifest.tensors)
         else:
             state = _bucket_state(manifest, reader)
         groups, step = _param_groups(manifest, reader)
@@ -137,7 +139,7 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
     buffers = {}
     for group, found in entries.items():
         key = f"{mo.DISTRIBUTED_PREFIX}dp_group_idx_{group}"
-        unpadded = mo.bucket_numels(
+        unpadded = buckets.bucket_numels(
             _object(manifest, reader, f"{key}.per_bucket_numel_unpadded"),
             "per_bucket_numel_unpadded",
             where,
@@ -146,16 +148,16 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
         padded = (
             None
             if padded_value is None
-            else mo.bucket_numels(padded_value, "per_bucket_numel", where)
+            else buckets.bucket_numels(padded_value, "per_bucket_numel", where)
         )
         pieces = {bk: _pieces(reader, e) for bk, e in found.items()}
-        buffers[group] = mo.Buckets(unpadded, padded, pieces)
+        buffers[group] = buckets.Buckets(unpadded, padded, pieces)
     model = [
         mo.ModelTensor(f, manifest.tensors[f].shape, _boxes(manifest.tensors[f]))
         for f in model_keys(manifest).values()
     ]
     assert dtype is not None
-    return mo.bucket_state(
+    return buckets.bucket_state(
         model,
         buffers,
         tp=tp,
