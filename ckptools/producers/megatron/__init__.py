@@ -14,6 +14,8 @@ SAVES = (ITER_SAVE,)
 RUN_RECORDS = (TRACKER_FILE,)
 #: what ``--masters`` takes from a save of this family (its views' ``with_masters``)
 MASTERS = ("a Megatron distributed optimizer's fp32 masters",)
+#: the model ``--masters`` exports from it (which LoRA options and ``--select`` do not apply to)
+MASTERS_MODEL = ("a Megatron model",)
 PARTS = (
     # a save's marker and a run's tracker: never a checkpoint alone
     (re.compile(r"^metadata\.json$"), "megatron"),
