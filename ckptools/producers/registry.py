@@ -36,6 +36,12 @@ MODULES: dict[str, str] = {
 WRITE_TARGETS: dict[str, str] = {"megatron": "megatron.writer"}
 
 
+#: the layouts whose stored names are not the model's (a ``Layout.views``: a test checks they
+#: are exactly those), so ``dcp.load`` into the model cannot read them; known here so that
+#: asking (:func:`ckptools.producers.base.viewed_by`) imports no other family's modules
+VIEWED: tuple[str, ...] = ("megatron",)
+
+
 def names() -> tuple[str, ...]:
     """Every layout's name (what ``--format`` takes), in detection order; imports none."""
     return tuple(MODULES)

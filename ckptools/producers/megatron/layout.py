@@ -461,4 +461,4 @@ class MegatronLayout(Layout):
         return read_save(inner, chosen)
 
 
-MEGATRON = register(MegatronLayout())  # the one instance (training.state probes with it too)
+MEGATRON = register(MegatronLayout())  # the one instance
