@@ -63,3 +63,10 @@ def families() -> tuple[ModuleType, ...]:
 def declared(attribute: str) -> tuple[Any, ...]:
     """The ``attribute`` tuples every family's package declares, joined in registry order."""
     return tuple(x for f in families() for x in getattr(f, attribute, ()))
+
+
+def inspected() -> tuple[ModuleType, ...]:
+    """The modules of what ``inspect`` shows of a family's checkpoints (each package's
+    ``FACTS``), in registry order: ``KEY`` (its key in ``inspect --json``, null for every other
+    checkpoint), ``facts(manifest)`` (that value, or None) and ``lines(facts)`` (its text)."""
+    return tuple(importlib.import_module(f"ckptools.producers.{m}") for m in declared("FACTS"))

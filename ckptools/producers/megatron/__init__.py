@@ -10,6 +10,12 @@ import re
 ITER_SAVE = re.compile(r"^iter_(\d{7,})$")
 #: the run's record of its last save (``iter_*`` or ``release``)
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+#: ``Manifest.details`` keys of a save's run facts (``layout.RunArgs`` as a dict) and of how
+#: many entries each part of it holds (model, optimizer, rng, common...)
+DETAILS_KEY, PARTS_KEY = "megatron", "megatron_parts"
+#: the modules of what ``inspect`` shows of this family's checkpoints (``KEY``, ``facts``,
+#: ``lines``: :func:`ckptools.producers.registry.inspected`)
+FACTS = ("megatron.facts",)
 SAVES = (ITER_SAVE,)
 RUN_RECORDS = (TRACKER_FILE,)
 #: what ``--masters`` takes from a save of this family (its views' ``with_masters``)
