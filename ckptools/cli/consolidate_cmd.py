@@ -9,9 +9,12 @@ import click
 from ckptools.cli.options import (
     at_tag,
     dry_run_option,
+    examples,
+    filled,
     format_option,
     json_option,
     overwrite_option,
+    producers_say,
     quiet_option,
     storage_options_option,
     tag_option,
@@ -98,8 +101,7 @@ from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary, t
     "--masters",
     is_flag=True,
     default=False,
-    help="Megatron save: write the distributed optimizer's fp32 masters instead of the stored "
-    "model weights (bf16 runs keep fp32 masters there).",
+    help=" ".join(producers_say("consolidate --masters")),
 )
 @overwrite_option
 @dry_run_option("Print the plan (files, tensors, sizes); write nothing.")
@@ -115,6 +117,7 @@ from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary, t
 @tag_option
 @json_option
 @storage_options_option
+@filled(examples=examples("consolidate examples"))
 def consolidate_command(
     src: str,
     out: str,
@@ -138,8 +141,7 @@ def consolidate_command(
       ckpt consolidate checkpoints/step-1000 hf_model --push-to-hub me/my-model
       ckpt consolidate checkpoint.pth hf_model --key model_state_dict
       ckpt consolidate lora-ckpt adapter_dir --adapter --lora-alpha 16
-      ckpt consolidate lora-ckpt merged --merge-lora --adapter-config adapter_config.json
-      ckpt consolidate megatron_run hf_model --masters --config hf_config_dir
+      ckpt consolidate lora-ckpt merged --merge-lora --adapter-config adapter_config.json{examples}
     """
     from ckptools.engine.collective import plans_elsewhere
 

@@ -16,6 +16,7 @@ from ckptools.cli.options import (
     tag_option,
 )
 from ckptools.cli.render import emit, human_bytes, human_count, plural, table
+from ckptools.producers.registry import inspected
 
 
 @click.command("inspect")
@@ -109,8 +110,9 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.append(f"  {src['role']} file: {src['file']}{under}, keys: {', '.join(src['keys'])}")
     if d["step"] is not None:
         out.append(f"  step: {d['step']}")
-    if d.get("megatron"):
-        out.extend(_megatron_lines(d["megatron"]))
+    for producer in inspected():  # a producer's own facts, in its own words
+        if d.get(producer.KEY):
+            out.extend(producer.lines(d[producer.KEY]))
     for opt in d["optimizers"]:
         out.append("  " + _optimizer_line(opt))
     if d.get("peft"):
@@ -176,29 +178,6 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         )
         out.extend(_idle_ranks(d))
     return "\n".join(out)
-
-
-def _megatron_lines(mg: dict[str, Any]) -> list[str]:
-    """``inspect``'s lines for a Megatron-core run (:mod:`ckptools.producers.megatron.layout`)."""
-
-    def shown(key: str) -> str:
-        return "?" if mg.get(key) is None else str(mg[key])
-
-    groups = f"{shown('num_query_groups')} query groups"
-    vocab = (
-        f"vocab {shown('padded_vocab_size')} rows, padded (the true size is in the model's "
-        "config.json, not in the run's args)"
-        if mg.get("vocab_size") is None
-        else f"vocab {mg['vocab_size']} (padded {shown('padded_vocab_size')})"
-    )
-    parts = ", ".join(f"{k} {v}" for k, v in sorted(mg["parts"].items()))
-    return [
-        f"  megatron: iteration {shown('iteration')}, TP {shown('tensor_parallel')} x PP "
-        f"{shown('pipeline_parallel')} x DP {shown('data_parallel')}, {shown('params_dtype')}",
-        f"  model: {shown('num_layers')} layers, hidden {shown('hidden_size')}, ffn "
-        f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, {vocab}",
-        f"  optimizer sharding: {mg['optimizer_sharding']}; entries: {parts}",
-    ]
 
 
 def _peft_lines(peft: dict[str, Any]) -> list[str]:

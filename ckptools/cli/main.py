@@ -12,6 +12,7 @@ import click
 
 from ckptools.cli import interrupts
 from ckptools.cli.exit_codes import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE
+from ckptools.cli.options import filled, producers_say
 from ckptools.cli.render import dumps
 from ckptools.engine import collective
 from ckptools.errors import CkptError, UsageError
@@ -97,6 +98,7 @@ def _debug_details(e: CkptError) -> None:
 )
 @click.version_option(package_name="ckptools")
 @click.pass_context
+@filled(reads="".join(f"\n      {label:<30}{example}" for label, example in producers_say("reads")))
 def cli(ctx: click.Context, debug: bool) -> None:
     """Inspect, consolidate, reshard and verify PyTorch distributed checkpoints, without
     running code stored in them. Point at the directory the producer wrote.
@@ -110,8 +112,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
       Lightning FSDPStrategy        ckpt inspect lightning/epoch=0-step=100.ckpt
       torchtitan                    ckpt reshard outputs/checkpoint ckpt-8 --world-size 8
       DeepSpeed ZeRO 1/2/3          ckpt consolidate ds_run hf_model --tag global_step100
-      verl                          ckpt consolidate checkpoints/global_step_100 hf_model
-      Megatron-core torch_dist      ckpt consolidate megatron_run hf_model --config hf_config
+      verl                          ckpt consolidate checkpoints/global_step_100 hf_model{reads}
       transformers distributed      ckpt consolidate tp_model hf_model
       PEFT LoRA (on any of them)    ckpt consolidate lora_ckpt adapter --adapter --lora-alpha 16
       Hugging Face safetensors      ckpt shard hf_model ckpt-8 --world-size 8

@@ -14,12 +14,37 @@ from typing import Any, TypeVar
 import click
 
 from ckptools.io import tunables
+from ckptools.producers.registry import declared
 from ckptools.producers.registry import names as registry_names
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: what ``--format`` takes: the registry's names (imports no layout)
 FORMAT_NAMES = registry_names()
+
+
+def producers_say(place: str) -> tuple[Any, ...]:
+    """What the producers' packages say at ``place`` of the CLI's help (each one's ``HELP``, in
+    registry order; imports no reader): a producer's own words are written there, never here."""
+    return tuple(text for at, text in declared("HELP") if at == place)
+
+
+def filled(**texts: str) -> Callable[[F], F]:
+    """Put each text in the ``{name}`` of the command's docstring (its ``--help``)."""
+
+    def fill(f: F) -> F:
+        doc = f.__doc__ or ""
+        for name, text in texts.items():
+            doc = doc.replace("{" + name + "}", text)
+        f.__doc__ = doc
+        return f
+
+    return fill
+
+
+def examples(place: str) -> str:
+    """The producers' example lines at ``place``, each on its own line of an examples block."""
+    return "".join(f"\n      {line}" for line in producers_say(place))
 
 
 def json_option(f: F) -> F:
@@ -102,8 +127,7 @@ def tag_option(f: F) -> F:
         default=None,
         expose_value=False,
         callback=_keep_iteration,
-        help="Read iteration N of a Megatron run directory (iter_000000N/) instead of the one "
-        "latest_checkpointed_iteration.txt names.",
+        help=" ".join(producers_say("--iteration")),
     )(f)
     return click.option(
         "--tag",
@@ -116,15 +140,18 @@ def tag_option(f: F) -> F:
 
 def at_tag(path: str, tag: str | None) -> str:
     """``path``, or with ``--tag`` the save ``tag`` inside it (checked to be there), or with
-    ``--iteration`` that iteration's save of a Megatron run."""
+    ``--iteration`` that iteration's save of a run numbered by iteration (the producer that
+    declares ``ITERATIONS`` finds it)."""
     ctx = click.get_current_context(silent=True)
     iteration = ctx.meta.get(_ITERATION) if ctx is not None else None
     if iteration is not None:
         if tag is not None:
             raise click.UsageError("--tag and --iteration both name a save: give one")
-        from ckptools.producers.megatron.layout import iteration_dir
+        from importlib import import_module
 
-        return iteration_dir(path, iteration)
+        numbered = import_module(f"ckptools.producers.{declared('ITERATIONS')[0]}")
+        found: str = numbered.iteration_dir(path, iteration)
+        return found
     if tag is None:
         return path
     from ckptools.producers.deepspeed.files import choose_tag

@@ -12,11 +12,14 @@ from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary
 from ckptools.producers.registry import WRITE_TARGETS, write_targets
 
 _WORLD_SIZE_HELP = "Ranks of the target layout."
-#: ``shard --to megatron`` needs no world size: Megatron-core loads its run directory at any
-#: TP / PP, and the number only says how many rank files hold the bytes (default 1)
+#: ``shard --to``: ckptools' own DCP, then what each producer's writer makes
+_TO_HELP = "; ".join(
+    ("dcp: what dcp.load into the model reads", *shared.producers_say("shard --to"))
+)
+#: ``shard --to NAME`` of a producer's writer needs no world size (it says what it means there)
 _SHARD_WORLD_SIZE_HELP = (
-    "Ranks of the target layout (required for --to dcp; for --to megatron, how many rank files "
-    "hold the bytes, default 1: Megatron loads them at any TP / PP)."
+    "Ranks of the target layout (required for --to dcp; "
+    f"{'; '.join(shared.producers_say('shard --world-size'))})."
 )
 
 #: what both commands take, in the order --help lists them: they write the same DCP layout the
@@ -146,17 +149,16 @@ def reshard_command(
     type=click.Choice(write_targets()),
     default="dcp",
     show_default=True,
-    help="dcp: what dcp.load into the model reads; megatron: a Megatron-core torch_dist run "
-    "directory (latest_checkpointed_iteration.txt + iter_0000001/) from a Llama-family model.",
+    help=_TO_HELP,
 )
 @click.option(
     "--make-vocab-size-divisible-by",
     type=click.IntRange(min=1),
     default=128,
     show_default=True,
-    help="--to megatron: pad the vocabulary to a multiple of this (Megatron-LM's option of "
-    "that name times the tensor-parallel size it will load with).",
+    help=" ".join(shared.producers_say("shard --make-vocab-size-divisible-by")),
 )
+@shared.filled(examples=shared.examples("shard examples"))
 def shard_command(
     src: str, out: str, quiet: bool, as_json: bool, tag: str | None, **options: Any
 ) -> None:
@@ -166,8 +168,7 @@ def shard_command(
 
     \b
     Examples:
-      ckpt shard ./Llama-3-8B ckpt/step-0 --world-size 8
-      ckpt shard ./Llama-3-8B megatron_run --to megatron
+      ckpt shard ./Llama-3-8B ckpt/step-0 --world-size 8{examples}
     """
     from ckptools.engine.collective import plans_elsewhere
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from ckptools.cli.options import json_option, storage_options_option
+from ckptools.cli.options import filled, json_option, producers_say, storage_options_option
 from ckptools.cli.render import emit, human_bytes, table
 
 
@@ -17,16 +17,23 @@ def _metrics_text(metrics: dict[str, Any]) -> str:
     )
 
 
+def _saves(form: str) -> str:
+    """The numbered saves the producers' packages name themselves (``list saves``), each in
+    ``form`` (its name, an example save)."""
+    return "".join(form.format(*said) for said in producers_say("list saves"))
+
+
 @click.command("list")
 @click.argument("root", type=click.Path())
 @json_option
 @storage_options_option
+@filled(saves=_saves("{} ({}), "))
 def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
     """List the saves under ROOT: step, complete or not, size, and which one is latest (what a
     resume or reading ROOT loads). ROOT is a CheckpointManager root (with each save's metrics),
     or a run directory of numbered saves: a Trainer output_dir (checkpoint-N), a DeepSpeed run
-    (global_stepN, 'latest'), verl (global_step_N), Megatron (iter_0000010), torchtitan's or a
-    script's dcp.save per step (step-N).
+    (global_stepN, 'latest'), verl (global_step_N), {saves}torchtitan's or a script's dcp.save
+    per step (step-N).
 
     \b
     Examples:
@@ -44,7 +51,7 @@ def _render_list(d: dict[str, Any]) -> str:
     if not d["checkpoints"]:
         return (
             f"{d['root']}: no saves (looked for a CheckpointManager's step-N, Trainer "
-            "checkpoint-N, DeepSpeed global_stepN, verl global_step_N, Megatron iter_0000010, "
+            f"checkpoint-N, DeepSpeed global_stepN, verl global_step_N, {_saves('{} {}, ')}"
             "torchtitan's or dcp.save's step-N)"
         )
     rows = []

@@ -23,7 +23,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
-from ckptools.producers.registry import MODULES
+from ckptools.producers.registry import MODULES, VIEWED
 
 
 class Layout(ABC):
@@ -125,6 +125,17 @@ def layout_of(manifest: Manifest) -> Layout | None:
     """The registered layout that read ``manifest`` (its ``layout``), None when none did (a
     DCP's producer, ``fsdp2``; a manifest ckptools made)."""
     return _layout(manifest.layout) if manifest.layout in _MODULES else None
+
+
+def viewed_by(path: str) -> Layout | None:
+    """The layout with its own views (:attr:`Layout.views`: its stored names are not the
+    model's) that recognises the directory ``path``, None when none does. Probes only those
+    (the registry's ``VIEWED``), importing no other family's modules."""
+    for name in VIEWED:
+        layout = _layout(name)
+        if layout.probe(path) is None:
+            return layout
+    return None
 
 
 def _in_order() -> Iterator[Layout]:

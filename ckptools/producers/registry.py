@@ -36,6 +36,12 @@ MODULES: dict[str, str] = {
 WRITE_TARGETS: dict[str, str] = {"megatron": "megatron.writer"}
 
 
+#: the layouts whose stored names are not the model's (a ``Layout.views``: a test checks they
+#: are exactly those), so ``dcp.load`` into the model cannot read them; known here so that
+#: asking (:func:`ckptools.producers.base.viewed_by`) imports no other family's modules
+VIEWED: tuple[str, ...] = ("megatron",)
+
+
 def names() -> tuple[str, ...]:
     """Every layout's name (what ``--format`` takes), in detection order; imports none."""
     return tuple(MODULES)
@@ -57,3 +63,10 @@ def families() -> tuple[ModuleType, ...]:
 def declared(attribute: str) -> tuple[Any, ...]:
     """The ``attribute`` tuples every family's package declares, joined in registry order."""
     return tuple(x for f in families() for x in getattr(f, attribute, ()))
+
+
+def inspected() -> tuple[ModuleType, ...]:
+    """The modules of what ``inspect`` shows of a family's checkpoints (each package's
+    ``FACTS``), in registry order: ``KEY`` (its key in ``inspect --json``, null for every other
+    checkpoint), ``facts(manifest)`` (that value, or None) and ``lines(facts)`` (its text)."""
+    return tuple(importlib.import_module(f"ckptools.producers.{m}") for m in declared("FACTS"))

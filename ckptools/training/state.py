@@ -66,8 +66,8 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
+from ckptools.producers.base import viewed_by
 from ckptools.producers.dcp.layout import RANK_METADATA_FILE
-from ckptools.producers.megatron.layout import MEGATRON
 from ckptools.training.load_source import load_source
 
 if TYPE_CHECKING:
@@ -280,8 +280,8 @@ def _written_by_dcp(path: str) -> bool:
     checkpoint at all (refused as missing). Anything else is another layout's."""
     if not storage.exists(path):
         return True
-    if storage.isdir(path) and MEGATRON.probe(path) is None:
-        return False  # a Megatron run or save: its .metadata is not a model of this job's names
+    if storage.isdir(path) and viewed_by(path) is not None:
+        return False  # a producer's own names (its views read it): its .metadata is not the job's
     if storage.exists(storage.join(path, ".metadata")):
         return True
     if not storage.isdir(path):
@@ -357,9 +357,9 @@ def load(
     ``dcp.load``. Every other training checkpoint ``ckpt reshard`` accepts is read directly,
     without writing a DCP first (:mod:`ckptools.training.load_source`): verl's per-rank files,
     a DCP saved without global metadata (``use_collectives=False``), a ``torch.save`` training
-    checkpoint, DeepSpeed ZeRO, a Megatron-core ``torch_dist`` run or save (into the HF model
-    of the Llama family: its fp32 masters, AdamW moments and groups, mapped as ``ckpt reshard``
-    maps them, the model's ``config`` naming the HF layout). Its entries are named as
+    checkpoint, DeepSpeed ZeRO, another producer's run or save whose names are not the
+    model's (read as the HF model's training state by that producer's views, mapped as ``ckpt
+    reshard`` maps them, the model's ``config`` naming the HF layout). Its entries are named as
     ``get_state_dict`` names them; the model's and optimizer's tensors must be exactly the
     job's (names, shapes, dtypes: a resume does not cast), and each rank reads the byte ranges
     of its shards straight into them. Its other entries are returned as ``extra``.

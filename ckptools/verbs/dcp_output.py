@@ -41,7 +41,7 @@ class Share:
     parts: Parts
     source_root: str  # what the parts' file paths and ``copied`` are relative to
     copied: tuple[str, ...]  # files beside the data, copied into OUT by rank 0
-    made: Mapping[str, bytes]  # files rank 0 writes after the markers (Megatron's)
+    made: Mapping[str, bytes]  # files rank 0 writes after the markers (a producer's own)
     checksums: bool  # the result gets a checksum manifest
     identity: str  # the resume fingerprint (:mod:`ckptools.io.resume`); "" for a dry run
     summary: Mapping[str, dict[str, Any]]  # each part's whole plan, as reported
@@ -136,7 +136,7 @@ def write(
         for sub, (_, plan) in parts.items():
             # through the module: tests interrupt a run here
             dcp_write.write_metadata(_target(tmp, sub), plan)
-        for name, data in share.made.items():  # a producer's own markers (Megatron's), last
+        for name, data in share.made.items():  # a producer's own markers (its writer's), last
             write_file_synced(storage.join(tmp, name), data)
 
     output = Output(out=share.out, kind="dcp", overwrite=overwrite, what=share.kind,

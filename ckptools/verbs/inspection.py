@@ -15,6 +15,7 @@ from ckptools.io import storage
 from ckptools.producers import read_manifest
 from ckptools.producers.dcp.layout import sharding_summary
 from ckptools.producers.optimizer_state import flat_shard_note, optimizer_alone, optimizer_states
+from ckptools.producers.registry import inspected
 from ckptools.views import lora
 
 
@@ -82,7 +83,8 @@ class InspectReport:
             },
             "sources": list(m.details.get("sources", ())),
             "step": m.details.get("step"),
-            "megatron": _megatron(m),
+            # each producer's own facts (``registry.inspected``): its key, null for the others
+            **{f.KEY: f.facts(m) for f in inspected()},
             "optimizers": [o.to_dict() for o in optimizer_states(m)],
             "peft": lora.describe(m, model_tensors),
             "sharding": sharding_summary(m),
@@ -111,14 +113,6 @@ class InspectReport:
                 "chunks_per_rank": {str(k): v for k, v in sorted(chunks_per_rank.items())},
             },
         }
-
-
-def _megatron(m: Manifest) -> dict[str, Any] | None:
-    """A Megatron run's facts (``layouts.megatron``) and what its entries are."""
-    facts = m.details.get("megatron")
-    if facts is None:
-        return None
-    return {**facts, "parts": dict(m.details.get("megatron_parts") or {})}
 
 
 def _mesh(m: Manifest) -> dict[str, Any] | None:

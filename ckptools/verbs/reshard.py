@@ -190,13 +190,12 @@ def reshard(
     Args:
         src: a DCP directory, or the outer directory of accelerate / Trainer / Lightning /
             torchtitan layouts (each DCP directory inside is resharded, other files copied); or
-            a Megatron-core ``torch_dist`` run or save (the Hugging Face model's FQNs, the
-            distributed optimizer's fp32 masters as the model, AdamW's state and Megatron's two
-            param groups: :mod:`ckptools.producers.megatron.training`; ``config`` gives the HF
-            ``config.json``); a training checkpoint saved with ``torch.save`` (model and
-            optimizer state dicts) or a DeepSpeed ZeRO checkpoint (fp32 masters and Adam
-            moments; what FSDP2 has no place for, its loss scaler and LR scheduler, is named in
-            the notes), written as
+            a producer's run or save whose names are not the model's, read as the Hugging Face
+            model's training state by that producer's views (``as_training``:
+            :mod:`ckptools.views.producer`; ``config`` gives the HF ``config.json``); a training
+            checkpoint saved with ``torch.save`` (model and optimizer state dicts) or a
+            DeepSpeed ZeRO checkpoint (fp32 masters and Adam moments; what FSDP2 has no place
+            for, its loss scaler and LR scheduler, is named in the notes), written as
             ``get_state_dict`` + ``dcp.save`` lay them out (:mod:`ckptools.plan.training`).
         out: the new checkpoint directory (refused if it exists, unless ``overwrite``).
         world_size: ranks of the target layout.
@@ -407,7 +406,7 @@ def shard(
     quiet: bool = False,
     format: str | None = None,
     distributed: bool = True,
-    to: Literal["dcp", "megatron"] = "dcp",
+    to: str = "dcp",
     make_vocab_size_divisible_by: int = 128,
     storage_options: storage.StorageOptions | None = None,
 ) -> ReshardResult:
@@ -422,9 +421,9 @@ def shard(
     names and shapes.
     Under torchrun the output files are split over the ranks, as :func:`reshard` does.
 
-    ``to``: ``"dcp"``, or a producer's layout instead (``registry.WRITE_TARGETS``, planned by
-    its writer: :func:`_planned_target`): ``"megatron"``, a Megatron-core ``torch_dist`` run
-    directory from a Llama-family model, its vocabulary padded to a multiple of
+    ``to``: ``"dcp"``, or the name of a producer's layout instead (one of
+    :func:`ckptools.producers.registry.write_targets`, planned by its writer:
+    :func:`_planned_target`), which may pad the vocabulary to a multiple of
     ``make_vocab_size_divisible_by``.
 
     Example:

@@ -139,8 +139,10 @@ class ExportOptions:
         if self.merge_lora and self.dtype is not None:
             raise UsageError("--merge-lora merges in the weights' dtype: drop --dtype")
         if self.masters and (self.adapter or self.merge_lora or self.select is not None):
-            raise UsageError("--masters exports a Megatron model: drop --adapter, --merge-lora "
-                             "and --select")  # fmt: skip
+            raise UsageError(
+                f"--masters exports {' or '.join(declared('MASTERS_MODEL'))}: drop --adapter, "
+                "--merge-lora and --select"
+            )
 
 
 def select_tensors(

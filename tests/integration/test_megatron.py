@@ -153,6 +153,34 @@ def test_inspect_shows_the_run(case: str) -> None:
     assert f"iteration {truth['iteration']}, TP {truth['tp']} x PP {truth['pp']}" in text
 
 
+def test_inspect_shows_the_producers_facts_in_its_own_words() -> None:
+    """``inspect`` takes a producer's facts and their lines from the module its package declares
+    (``registry.inspected``): under its key in the JSON (null for any other checkpoint), in its
+    lines in the text, neither verb nor CLI naming it."""
+    from ckptools.producers import read_manifest, registry
+
+    (producer,) = registry.inspected()
+    run = str(FIXTURES / "tp2_pp1")
+    shown = _ok("inspect", run)
+    keys = list(shown)
+    assert keys[keys.index("step") + 1 : keys.index("optimizers")] == [producer.KEY] == ["megatron"]
+    assert shown["megatron"] == producer.facts(read_manifest(run))
+    assert producer.lines(shown["megatron"]) == [
+        "  megatron: iteration 10, TP 2 x PP 1 x DP 1, float32",
+        "  model: 2 layers, hidden 16, ffn 32, 4 heads in 2 query groups, vocab 112 rows, padded "
+        "(the true size is in the model's config.json, not in the run's args)",
+        "  optimizer sharding: dp_reshardable; entries: common 1, extra_state 8, model 9, "
+        "optimizer 12, rng 2",
+    ]
+    text = _invoke("inspect", run).output.splitlines()
+    at = text.index(producer.lines(shown["megatron"])[0])
+    assert text[at : at + 3] == producer.lines(shown["megatron"])
+    other = str(FIXTURES.parent / "dcp_single")
+    assert _ok("inspect", other)["megatron"] is None
+    lines = _invoke("inspect", other).output.splitlines()
+    assert not any(line.startswith("  megatron:") for line in lines)
+
+
 def test_iteration_picks_a_save_and_a_missing_one_lists_them() -> None:
     run = str(FIXTURES / "tp2_pp1")
     assert _ok("inspect", run, "--iteration", "10")["megatron"]["iteration"] == 10

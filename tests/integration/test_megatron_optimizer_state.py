@@ -177,6 +177,26 @@ def test_masters_of_a_checkpoint_without_a_distributed_optimizer_is_refused(tmp_
     assert "\n" not in line and "--masters" in line and "drop --masters" in line, line
 
 
+@pytest.mark.parametrize("option", [["--adapter"], ["--merge-lora"], ["--select", "model."]])
+def test_masters_with_a_lora_or_selection_option_is_refused_in_the_producers_words(
+    tmp_path: Path, option: list[str]
+) -> None:
+    """The refusal names what ``--masters`` exports as the producer's package declares it
+    (``MASTERS_MODEL``), before anything is read or written."""
+    from click.testing import CliRunner
+
+    from ckptools.cli.main import cli
+
+    out = tmp_path / "o"
+    args = ["consolidate", str(FIXTURES / "tp2_pp1"), str(out), "--masters", *option]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        "error: --masters exports a Megatron model: drop --adapter, --merge-lora and --select\n"
+    )
+    assert not out.exists()
+
+
 def test_buckets_that_do_not_add_up_are_refused_in_one_line(tmp_path: Path) -> None:
     """A save whose saved bucket sizes were altered (what a layout change in a future Megatron
     would look like) is refused before anything is written, naming the way forward."""

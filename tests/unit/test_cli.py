@@ -231,6 +231,34 @@ def test_list_of_a_directory_without_saves_says_what_it_looked_for(tmp_path: Pat
     assert result.output.startswith(f"{tmp_path}: no saves (looked for a CheckpointManager's")
 
 
+#: the command whose ``--help`` shows each place a producer's package fills (its ``HELP``)
+_HELP_PLACES = {
+    "reads": "ckpt", "consolidate --masters": "consolidate", "consolidate examples": "consolidate",
+    "shard --world-size": "shard", "shard --to": "shard", "shard examples": "shard",
+    "shard --make-vocab-size-divisible-by": "shard", "list saves": "list", "--iteration": "inspect",
+}  # fmt: skip
+
+
+def test_a_producers_words_in_the_help_are_its_packages(tmp_path: Path) -> None:
+    """Issue 37: what ``--help`` (and ``list``'s empty answer) says of one producer is written
+    by that producer's package (``HELP``, read through the registry), each where it goes."""
+    from ckptools.producers.registry import declared
+
+    said = declared("HELP")
+    assert {place for place, _ in said} == set(_HELP_PLACES)  # each place filled, none unknown
+    texts = {"ckpt": cli.get_help(click.Context(cli, info_name="ckpt"))}
+    for name, command in cli.commands.items():
+        texts[name] = command.get_help(click.Context(command, info_name=name))
+    empty = CliRunner().invoke(cli, ["list", str(tmp_path)]).output
+    for place, text in said:
+        if place == "reads":  # a row of the table: the family, an example
+            text = " ".join(text)
+        elif place == "list saves":  # the family, an example save's name
+            assert f", {text[0]} {text[1]}, " in empty, text
+            text = f"{text[0]} ({text[1]})"
+        assert " ".join(text.split()) in " ".join(texts[_HELP_PLACES[place]].split()), place
+
+
 def test_format_choices_are_every_registered_layout() -> None:
     """``--format`` lists every layout ckptools detects (a new family is forced by name too)."""
     import ckptools.producers  # noqa: F401  (registers the layouts)

@@ -122,6 +122,46 @@ def test_detection_order_is_the_layouts_priority() -> None:
         assert type(layout).__module__ == f"ckptools.producers.{base._MODULES[layout.name]}"
 
 
+def test_the_registry_knows_the_layouts_with_views() -> None:
+    """``registry.VIEWED`` (what ``ckptools.load`` probes to leave a producer's names to its
+    views) is exactly the layouts with a ``Layout.views``."""
+    from ckptools.producers import registry
+
+    with_views = tuple(x.name for x in base.layouts() if x.views is not None)
+    assert with_views == registry.VIEWED and with_views  # megatron's at least
+
+
+#: run in a fresh ``python -P``: ``ckptools.load``'s choice between ``dcp.load`` and reading
+#: through the producer, for each path given, and the layout modules imported before and after
+_LOAD_CHOICE = """
+import json, sys
+from ckptools.training import state
+before = sorted(m for m in sys.modules if m.startswith("ckptools.producers."))
+chosen = [state._written_by_dcp(p) for p in sys.argv[1:]]
+after = sorted(m for m in sys.modules if m.startswith("ckptools.producers."))
+print(json.dumps({"before": before, "chosen": chosen, "after": after}))
+"""
+
+
+def test_load_leaves_a_producers_own_names_to_its_views_asking_the_registry() -> None:
+    """``ckptools.load`` reads a DCP with ``dcp.load`` but a run whose layout has its own views
+    (a Megatron run, a save of it) through them; importing ``training.state`` probes nothing,
+    and asking imports only the layouts with views, no other family's modules."""
+    megatron = FIXTURES / "megatron" / "tp2_pp1"
+    paths = [FIXTURES / "dcp_single", megatron, megatron / "iter_0000010"]
+    run = subprocess.run(
+        [sys.executable, "-P", "-c", _LOAD_CHOICE, *map(str, paths)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, check=True,
+    )  # fmt: skip
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert found["chosen"] == [True, False, False]
+    assert "ckptools.producers.megatron.layout" not in found["before"]
+    new = {m.removeprefix("ckptools.producers.") for m in found["after"]} - {
+        m.removeprefix("ckptools.producers.") for m in found["before"]
+    }
+    assert new == {"megatron", "megatron.layout"}, sorted(new)
+
+
 def _loads(data: bytes) -> Any:
     return safe_pickle.restricted_loads(data, safe_pickle.ARCHIVE_GLOBALS, source="x.pkl")
 

@@ -10,10 +10,46 @@ import re
 ITER_SAVE = re.compile(r"^iter_(\d{7,})$")
 #: the run's record of its last save (``iter_*`` or ``release``)
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+#: ``Manifest.details`` keys of a save's run facts (``layout.RunArgs`` as a dict) and of how
+#: many entries each part of it holds (model, optimizer, rng, common...)
+DETAILS_KEY, PARTS_KEY = "megatron", "megatron_parts"
+#: the modules of what ``inspect`` shows of this family's checkpoints (``KEY``, ``facts``,
+#: ``lines``: :func:`ckptools.producers.registry.inspected`)
+FACTS = ("megatron.facts",)
+#: the module whose ``iteration_dir(run, n)`` is iteration ``n``'s save of a run (``--iteration``)
+ITERATIONS = ("megatron.layout",)
+#: what the CLI's help says of this family, by the place it goes
+#: (:func:`ckptools.cli.options.producers_say`): its own words, the one place they are written
+HELP = (
+    ("reads", ("Megatron-core torch_dist",
+               "ckpt consolidate megatron_run hf_model --config hf_config")),
+    ("consolidate --masters",
+     "Megatron save: write the distributed optimizer's fp32 masters instead of the stored "
+     "model weights (bf16 runs keep fp32 masters there)."),
+    ("consolidate examples",
+     "ckpt consolidate megatron_run hf_model --masters --config hf_config_dir"),
+    # a Megatron-core run loads at any TP / PP: the world size only says how many rank files
+    ("shard --world-size",
+     "for --to megatron, how many rank files hold the bytes, default 1: Megatron loads them at "
+     "any TP / PP"),
+    ("shard --to",
+     "megatron: a Megatron-core torch_dist run directory "
+     "(latest_checkpointed_iteration.txt + iter_0000001/) from a Llama-family model."),
+    ("shard --make-vocab-size-divisible-by",
+     "--to megatron: pad the vocabulary to a multiple of this (Megatron-LM's option of that "
+     "name times the tensor-parallel size it will load with)."),
+    ("shard examples", "ckpt shard ./Llama-3-8B megatron_run --to megatron"),
+    ("list saves", ("Megatron", "iter_0000010")),
+    ("--iteration",
+     "Read iteration N of a Megatron run directory (iter_000000N/) instead of the one "
+     "latest_checkpointed_iteration.txt names."),
+)  # fmt: skip
 SAVES = (ITER_SAVE,)
 RUN_RECORDS = (TRACKER_FILE,)
 #: what ``--masters`` takes from a save of this family (its views' ``with_masters``)
 MASTERS = ("a Megatron distributed optimizer's fp32 masters",)
+#: the model ``--masters`` exports from it (which LoRA options and ``--select`` do not apply to)
+MASTERS_MODEL = ("a Megatron model",)
 PARTS = (
     # a save's marker and a run's tracker: never a checkpoint alone
     (re.compile(r"^metadata\.json$"), "megatron"),

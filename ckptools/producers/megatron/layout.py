@@ -39,15 +39,14 @@ from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.producers.base import Chosen, Layout, NumberedSaves, directory_names, register
 from ckptools.producers.dcp.layout import METADATA_FILE, read_dcp_tree
-from ckptools.producers.megatron import ITER_SAVE, TRACKER_FILE
+from ckptools.producers.megatron import DETAILS_KEY as DETAILS_KEY  # the run's facts' key
+from ckptools.producers.megatron import ITER_SAVE, PARTS_KEY, TRACKER_FILE
 
 CONFIG_FILE = "metadata.json"
 BACKEND = "torch_dist"
 RELEASE = "release"
 ITER_DIR = ITER_SAVE
 COMMON_STATE = "common_state/shard_0_1"
-#: ``Manifest.details`` key of the run's facts (:class:`RunArgs` as a dict)
-DETAILS_KEY = "megatron"
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -318,7 +317,7 @@ def read_save(path: str, chosen: Chosen | None = None) -> Manifest:
     counts: dict[str, int] = {}
     for fqn in manifest:
         counts[kind_of(fqn)] = counts.get(kind_of(fqn), 0) + 1
-    details = {**manifest.details, DETAILS_KEY: facts.to_dict(), "megatron_parts": counts}
+    details = {**manifest.details, DETAILS_KEY: facts.to_dict(), PARTS_KEY: counts}
     # the optimizer's flat FQNs under one container, so that the model part is the rest
     paths = {
         fqn: ("optimizer", fqn[len("optimizer.") :])
@@ -461,4 +460,4 @@ class MegatronLayout(Layout):
         return read_save(inner, chosen)
 
 
-MEGATRON = register(MegatronLayout())  # the one instance (training.state probes with it too)
+MEGATRON = register(MegatronLayout())  # the one instance

@@ -1,0 +1,48 @@
+"""What ``inspect`` shows of a Megatron-core run: its facts, read from the manifest
+(``inspect --json``'s ``"megatron"``), and the text lines rendered from them.
+
+Declared by the family's package (``FACTS``) and found through
+:func:`ckptools.producers.registry.inspected`: the verb and the CLI never name the producer.
+Imports nothing beyond the manifest: asking costs no reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptools.core.manifest import Manifest
+from ckptools.producers.megatron import DETAILS_KEY, PARTS_KEY
+
+#: ``inspect --json``'s key of these facts (the run's facts' key in ``Manifest.details``)
+KEY = DETAILS_KEY
+
+
+def facts(m: Manifest) -> dict[str, Any] | None:
+    """A Megatron run's facts and what its entries are; None for any other checkpoint."""
+    found = m.details.get(KEY)
+    if found is None:
+        return None
+    return {**found, "parts": dict(m.details.get(PARTS_KEY) or {})}
+
+
+def lines(mg: dict[str, Any]) -> list[str]:
+    """``inspect``'s lines of the facts :func:`facts` gave (read back from its JSON)."""
+
+    def shown(key: str) -> str:
+        return "?" if mg.get(key) is None else str(mg[key])
+
+    groups = f"{shown('num_query_groups')} query groups"
+    vocab = (
+        f"vocab {shown('padded_vocab_size')} rows, padded (the true size is in the model's "
+        "config.json, not in the run's args)"
+        if mg.get("vocab_size") is None
+        else f"vocab {mg['vocab_size']} (padded {shown('padded_vocab_size')})"
+    )
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(mg["parts"].items()))
+    return [
+        f"  megatron: iteration {shown('iteration')}, TP {shown('tensor_parallel')} x PP "
+        f"{shown('pipeline_parallel')} x DP {shown('data_parallel')}, {shown('params_dtype')}",
+        f"  model: {shown('num_layers')} layers, hidden {shown('hidden_size')}, ffn "
+        f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, {vocab}",
+        f"  optimizer sharding: {mg['optimizer_sharding']}; entries: {parts}",
+    ]
