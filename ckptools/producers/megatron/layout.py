@@ -424,7 +424,6 @@ def _save_lacks(path: str) -> str | None:
 
 
 class MegatronLayout(Layout):
-    priority = 14
     name = "megatron"
     views = "megatron.views"
     description = (
