@@ -23,6 +23,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
+from ckptools.producers import registry
 from ckptools.producers.registry import MODULES, VIEWED
 
 
@@ -37,8 +38,8 @@ class Layout(ABC):
     name: str = ""
     #: one line for ``--help`` and error messages
     description: str = ""
-    #: detection order: lower first; wrappers (10) before the formats they contain (20+);
-    #: :data:`_MODULES` lists the layouts in this order (a test checks it)
+    #: detection order, lower first: what the layout's family declares (its package's
+    #: ``LAYOUTS``), set by :func:`register`; :data:`_MODULES` lists the layouts in this order
     priority: int = 50
 
     @abstractmethod
@@ -107,6 +108,7 @@ _REGISTRY: dict[str, Layout] = {}
 def register(layout: Layout) -> Layout:
     if layout.name not in _MODULES:
         raise ValueError(f"layout {layout.name!r} is not in _MODULES: detection would not try it")
+    layout.priority = registry.priority(layout.name)
     _REGISTRY[layout.name] = layout
     return layout
 

@@ -203,14 +203,18 @@ def test_module_and_function_sizes(module: str) -> None:
 
 
 def _registry_names() -> set[str]:
-    """The layout names of the registry (``producers/registry.py``'s ``MODULES``), read from
-    the source."""
-    tree = ast.parse(_source(MODULES["ckptools.producers.registry"]))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "MODULES":
-            assert node.value is not None
-            return set(ast.literal_eval(node.value))
-    raise AssertionError("producers/registry.py defines no MODULES")
+    """The layout names of the registry: what each family's package declares in its
+    ``LAYOUTS`` (``producers/<family>/__init__.py``), read from the source."""
+    names: set[str] = set()
+    for module, path in MODULES.items():
+        if module.startswith("ckptools.producers.") and path.endswith("__init__.py"):
+            for node in ast.walk(ast.parse(_source(path))):
+                if isinstance(node, ast.Assign) and any(
+                    getattr(t, "id", "") == "LAYOUTS" for t in node.targets
+                ):
+                    names |= {entry[0] for entry in ast.literal_eval(node.value)}
+    assert names, "no family package declares LAYOUTS"
+    return names
 
 
 def _strings(node: ast.expr) -> set[str]:

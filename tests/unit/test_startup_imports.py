@@ -159,7 +159,8 @@ def test_load_leaves_a_producers_own_names_to_its_views_asking_the_registry() ->
     new = {m.removeprefix("ckptools.producers.") for m in found["after"]} - {
         m.removeprefix("ckptools.producers.") for m in found["before"]
     }
-    assert new == {"megatron", "megatron.layout"}, sorted(new)
+    # (the family packages' __init__ modules are plain data the registry read already)
+    assert new == {"megatron.layout"}, sorted(new)
 
 
 def _loads(data: bytes) -> Any:

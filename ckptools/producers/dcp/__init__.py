@@ -9,6 +9,19 @@ from __future__ import annotations
 
 import re
 
+#: the layouts this package defines: (name, module, detection priority; lower first). The
+#: wrappers (10-13) come before the plain DCP they hold, so the outer directory a user has is
+#: recognised as what it is; the rank-local form (19) before "dcp", which would call a
+#: directory without a global .metadata uncommitted.
+LAYOUTS = (
+    ("trainer", "wrappers", 10),
+    ("accelerate", "wrappers", 11),
+    ("lightning", "wrappers", 12),
+    ("torchtitan", "wrappers", 13),
+    ("dcp_rank_local", "rank_local", 19),
+    ("dcp", "layout", 20),
+)
+
 #: transformers Trainer ``checkpoint-N``
 TRAINER_SAVE = re.compile(r"^checkpoint-(\d+)$")
 #: torchtitan's (and a script's ``dcp.save`` per step, and the CheckpointManager's) ``step-N``

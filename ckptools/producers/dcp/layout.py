@@ -536,7 +536,6 @@ def dcp_lacks(path: str) -> str | None:
 
 
 class DcpLayout(Layout):
-    priority = 20
     name = "dcp"
     description = "torch.distributed.checkpoint directory (.metadata + __<rank>_<n>.distcp)"
 

@@ -386,7 +386,6 @@ def rank_metadata_ranks(names: Sequence[str]) -> list[int]:
 
 
 class DcpRankLocalLayout(Layout):
-    priority = 19  # before "dcp", which would call the directory uncommitted
     name = LAYOUT
     description = (
         "DCP directory saved without global metadata (use_collectives=False): "

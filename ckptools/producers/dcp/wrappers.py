@@ -120,7 +120,6 @@ def _trainer_checkpoint_complete(path: str) -> bool:
 
 
 class TrainerLayout(Layout):
-    priority = 10
     name = "trainer"
     groups_follow_the_model = True
     description = "transformers Trainer checkpoint-N/ (FSDP sharded), or its output_dir"
@@ -155,7 +154,6 @@ class TrainerLayout(Layout):
 
 
 class AccelerateLayout(Layout):
-    priority = 11
     name = "accelerate"
     description = (
         "accelerate save_state with FSDP sharded state (pytorch_model_fsdp_0/, optimizer_0/)"
@@ -171,7 +169,6 @@ class AccelerateLayout(Layout):
 
 
 class LightningLayout(Layout):
-    priority = 12
     name = "lightning"
     description = "Lightning FSDPStrategy sharded checkpoint (DCP files + meta.pt)"
 
@@ -204,7 +201,6 @@ class LightningLayout(Layout):
 
 
 class TorchtitanLayout(Layout):
-    priority = 13
     name = "torchtitan"
     description = "torchtitan step-N/ DCP checkpoint, or the checkpoint folder holding them"
 

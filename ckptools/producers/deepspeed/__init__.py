@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import re
 
+#: the layouts this package defines: (name, module, detection priority; lower first)
+LAYOUTS = (("deepspeed", "layout", 25),)
+
 #: the tag names DeepSpeed's engines give their saves by default (``global_stepN``)
 TAG_SAVE = re.compile(r"^global_step(\d+)$")
 #: the run's record of its last save's tag

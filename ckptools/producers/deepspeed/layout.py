@@ -644,10 +644,6 @@ def _latest(root: str, names: list[str]) -> str | None:
 
 
 class DeepSpeedLayout(Layout):
-    # Before safetensors: a Trainer + DeepSpeed ``checkpoint-N`` holds both the 16-bit
-    # ``model.safetensors`` and ``global_stepN/``; the fp32 masters are the truth
-    # (``--format safetensors`` reads the other).
-    priority = 25
     name = "deepspeed"
     description = "DeepSpeed ZeRO 1/2/3 checkpoint (latest + tag dir, or a tag dir)"
 

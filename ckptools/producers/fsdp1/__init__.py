@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import re
 
+#: the layouts this package defines: (name, module, detection priority; lower first): before
+#: torch_save (25), since a one-rank verl directory is also a directory of .pt files
+LAYOUTS = (("verl", "verl", 22),)
+
 #: verl's trainer ``global_step_N``
 VERL_SAVE = re.compile(r"^global_step_(\d+)$")
 #: verl's record of its last save

@@ -332,8 +332,6 @@ def _save_ranks(path: str) -> int | None:
 
 
 class VerlLayout(Layout):
-    # Before torch_save (25): a one-rank verl directory is also a directory of .pt files.
-    priority = 22
     name = LAYOUT
     description = (
         "verl FSDPCheckpointManager per-rank files (*_world_size_W_rank_r.pt), or the "

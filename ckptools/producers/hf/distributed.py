@@ -325,7 +325,6 @@ def _first_shard(names: list[str]) -> str | None:
 
 
 class HfDistributedLayout(Layout):
-    priority = 25  # before "safetensors", which would read the slices as whole tensors
     name = LAYOUT
     description = (
         "transformers save_pretrained(distributed_checkpoint=True): "

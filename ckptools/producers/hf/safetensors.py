@@ -151,7 +151,6 @@ def read_safetensors(path: str) -> Manifest:
 
 
 class SafetensorsLayout(Layout):
-    priority = 30
     name = "safetensors"
     model_directory = True
     description = "Hugging Face safetensors file or model directory (sharded with an index)"

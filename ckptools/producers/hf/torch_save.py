@@ -495,9 +495,6 @@ def directory_reason(names: set[str]) -> str | None:
 
 
 class TorchSaveLayout(Layout):
-    # Before safetensors (30): a directory with a model.safetensors and a torch.save optimizer
-    # is a training checkpoint, which that layout would read as the model alone.
-    priority = 25
     name = "torch_save"
     model_directory = True
     description = (

@@ -6,6 +6,14 @@ from __future__ import annotations
 
 import re
 
+#: the layouts this package defines: (name, module, detection priority; lower first): a run
+#: directory and its iter_*/ saves hold DCP data, so before "dcp"
+LAYOUTS = (("megatron", "layout", 14),)
+#: ``shard --to NAME``: this package's writer module, which plans a save in its layout
+WRITE_TARGETS = (("megatron", "writer"),)
+#: its layouts whose stored names are not the model's (their ``views`` convert them)
+VIEWED = ("megatron",)
+
 #: Megatron-LM ``iter_0000010`` (7 digits at least)
 ITER_SAVE = re.compile(r"^iter_(\d{7,})$")
 #: the run's record of its last save (``iter_*`` or ``release``)

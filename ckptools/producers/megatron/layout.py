@@ -423,7 +423,6 @@ def _save_lacks(path: str) -> str | None:
 
 
 class MegatronLayout(Layout):
-    priority = 14
     name = "megatron"
     views = "megatron.views"
     description = (
