@@ -28,7 +28,7 @@ import io
 import pickle
 import reprlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,7 +320,7 @@ _DCP_RECORDS = (
     f"{_DCP}.filesystem._StorageInfo",
     f"{_DCP}.filesystem._StoragePrefix",
     f"{_DCP}._hf_utils._HFStorageInfo",
-    # Megatron-core's torch_dist adds every rank's plan to the metadata (``all_local_plans``)
+    # a producer's writer may add every rank's plan to the metadata (``all_local_plans``)
     f"{_DCP}.planner.SavePlan",
     f"{_DCP}.planner.WriteItem",
     f"{_DCP}.planner.TensorWriteData",
@@ -367,7 +367,7 @@ WEIGHTS_ONLY_GLOBALS: dict[str, Any] = {
 
 @dataclass(frozen=True, slots=True)
 class EnumValue:
-    """A member of an enum class a checkpoint names (Megatron's ``AttnBackend``), as data:
+    """A member of an enum class a checkpoint names (a producer's run options), as data:
     the class's qualified name and the member's value, never the class itself."""
 
     enum: str
@@ -385,35 +385,20 @@ def _enum_class(qualname: str) -> Callable[[Any], EnumValue]:
     return member
 
 
-# What Megatron-core's ``common_state`` and ``rng_state`` objects name: Megatron's own
-# ``safe_globals.SAFE_GLOBALS`` (the list it admits with ``weights_only=True``), as data:
-# namespaces and dataclasses as records, enums as :class:`EnumValue`.
-_MEGATRON_ENUMS = (
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphModule",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",
-    "megatron.core.enums.ModelType",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-    "signal.Signals",
-)
-_MEGATRON_RECORDS = (
-    "argparse.Namespace",
-    "types.SimpleNamespace",
-    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-)
-MEGATRON_GLOBALS: dict[str, Any] = {
-    **{q: _enum_class(q) for q in _MEGATRON_ENUMS},
-    **{q: _record_class(q) for q in _MEGATRON_RECORDS},
+# What training state objects name beside tensors, as data: namespaces as records, a signal
+# number as an :class:`EnumValue`. A producer's own classes (its enums and config dataclasses)
+# are admitted by its family (:func:`admit`).
+_TRAINING_STATE_GLOBALS: dict[str, Any] = {
+    "argparse.Namespace": _record_class("argparse.Namespace"),
+    "types.SimpleNamespace": _record_class("types.SimpleNamespace"),
+    "signal.Signals": _enum_class("signal.Signals"),
     "pathlib.PosixPath": _path,
 }
 
 # Globals a DCP object item may name: torch loads those with ``weights_only=False``, and
 # training state holds RNG states (numpy arrays), ``io.BytesIO`` and a few more builtins.
 ARCHIVE_GLOBALS: dict[str, Any] = {
-    **MEGATRON_GLOBALS,
+    **_TRAINING_STATE_GLOBALS,
     **WEIGHTS_ONLY_GLOBALS,
     "builtins.frozenset": pickle_budget.copying(frozenset, "frozenset"),
     "builtins.object": object,
@@ -463,6 +448,16 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if self._persistent is None:
             raise CorruptCheckpointError(f"{self._source}: unexpected persistent id in pickle")
         return self._persistent(pid)
+
+
+def admit(*, enums: Iterable[str] = (), records: Iterable[str] = ()) -> None:
+    """Add a producer family's classes to :data:`ARCHIVE_GLOBALS` as data-only stand-ins: each
+    of ``enums`` (qualified names) read as an :class:`EnumValue`, each of ``records`` as a
+    :class:`Record`. Never the class itself: nothing of the producer is imported or run.
+    Called by the producers' registry with what each family declares (``PICKLE_ENUMS``,
+    ``PICKLE_RECORDS``)."""
+    ARCHIVE_GLOBALS.update({q: _enum_class(q) for q in enums})
+    ARCHIVE_GLOBALS.update({q: _record_class(q) for q in records})
 
 
 def restricted_loads(

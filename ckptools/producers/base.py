@@ -22,6 +22,7 @@ from ckptools.errors import (
     UnknownFormatError,
     UsageError,
 )
+from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.producers import registry
 from ckptools.producers.registry import MODULES, VIEWED
@@ -102,6 +103,10 @@ class NumberedSaves:
 
 
 _MODULES = MODULES  # the registry (:mod:`ckptools.producers.registry`)
+# each family's pickled classes, as data-only stand-ins, before any of its files is read
+safe_pickle.admit(
+    enums=registry.declared("PICKLE_ENUMS"), records=registry.declared("PICKLE_RECORDS")
+)
 _REGISTRY: dict[str, Layout] = {}
 
 

@@ -11,6 +11,21 @@ import re
 LAYOUTS = (("megatron", "layout", 14),)
 #: ``shard --to NAME``: this package's writer module, which plans a save in its layout
 WRITE_TARGETS = (("megatron", "writer"),)
+#: What Megatron-core's ``common_state`` and ``rng_state`` objects name beside plain training
+#: state: Megatron's own ``safe_globals.SAFE_GLOBALS`` (what it admits with
+#: ``weights_only=True``), read as data (formats.safe_pickle.admit): enums as values, its
+#: optimizer config dataclass as a record
+PICKLE_ENUMS = (
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.enums.ModelType",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+)
+PICKLE_RECORDS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",)
 #: its layouts whose stored names are not the model's (their ``views`` convert them)
 VIEWED = ("megatron",)
 
