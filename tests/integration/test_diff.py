@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -234,24 +236,43 @@ def test_bad_tolerance_is_a_usage_error(produced: Callable[..., Produced]) -> No
     assert code == 2
 
 
+_ONE_CHANGED_ELEMENT = """
+import json, sys
+import torch
+import torch.distributed.checkpoint as dcp
+import ckptools
+
+a, b = sys.argv[1:]
+g = torch.Generator().manual_seed(0)
+state = {"model": {f"layers.{i}.w": torch.randn(8192, 8192, generator=g) for i in range(4)}}
+dcp.save(state, checkpoint_id=a, no_dist=True)
+# the same training state but for one element, saved as torch saves it (a flipped bit in the
+# file would be damage, which diff reports as verify does)
+state["model"]["layers.2.w"].view(torch.int32)[5000, 77] ^= 1 << 8
+dcp.save(state, checkpoint_id=b, no_dist=True)
+del state
+report = ckptools.diff(a, b)
+print(json.dumps({
+    "bytes": report.bytes_compared,
+    "differences": [[d.name, d.mismatched, list(d.first_index)] for d in report.differences],
+}))
+"""
+
+
 @pytest.mark.slow
 def test_one_changed_element_in_a_1gb_checkpoint(tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    g = torch.Generator().manual_seed(0)
-    state = {"model": {f"layers.{i}.w": torch.randn(8192, 8192, generator=g) for i in range(4)}}
+    # in a process of its own: the test worker never holds the 1 GiB state, whose peak every
+    # process it starts afterwards would report as its own (exec keeps the parent's high-water
+    # mark in the child's rusage: test_hostile_decoding measures its commands by it)
     a, b = tmp_path / "a", tmp_path / "b"
-    dcp.save(state, checkpoint_id=str(a), no_dist=True)
-    # the same training state but for one element, saved as torch saves it (a flipped bit in
-    # the file would be damage, which diff reports as verify does)
-    w = state["model"]["layers.2.w"]
-    w.view(torch.int32)[5000, 77] ^= 1 << 8
-    dcp.save(state, checkpoint_id=str(b), no_dist=True)
-    del state, w
-    report = ckptools.diff(str(a), str(b))
-    assert report.bytes_compared >= 2 * 2**30
-    [d] = report.differences
-    assert (d.name, d.mismatched, d.first_index) == ("layers.2.w", 1, (5000, 77))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_CHANGED_ELEMENT, str(a), str(b)],
+        capture_output=True, text=True, env=env, timeout=600, check=True,
+    )  # fmt: skip
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["bytes"] >= 2 * 2**30
+    assert found["differences"] == [["layers.2.w", 1, [5000, 77]]]
     assert os.path.getsize(b / "__0_0.distcp") > 2**30
 
 
