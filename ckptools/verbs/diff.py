@@ -40,6 +40,16 @@ from ckptools.io.storage import open_reader
 from ckptools.io.tunables import env_int
 from ckptools.verbs.tensor_compare import TensorDiff, compare
 
+# TensorDiff is read here by the CLI and verify: it stays importable from diff
+__all__ = [
+    "BLOCK_BYTES_ENV",
+    "DEFAULT_BLOCK_BYTES",
+    "DiffReport",
+    "TensorDiff",
+    "diff",
+    "resolve_block_bytes",
+]
+
 #: Bytes of one side's slab: with both sides and float64 temporaries (up to 8/itemsize × more)
 #: a comparison stays under ~200 MiB even for fp16/bf16 tensors.
 DEFAULT_BLOCK_BYTES = 16 * 2**20
