@@ -43,7 +43,6 @@ from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
 from ckptools.producers.base import (
-    Layout,
     NumberedSaves,
     directory_names,
     newest_numbered,
@@ -53,6 +52,7 @@ from ckptools.producers.deepspeed import TAG_SAVE
 from ckptools.producers.deepspeed import files as dsf
 from ckptools.producers.deepspeed.optimizer import ZeroState, optimizer_tree
 from ckptools.producers.deepspeed.partitions import Reading, read_zero3, read_zero12
+from ckptools.producers.probing import DirectoryLayout
 
 #: at most this many ranks are described one by one in the manifest's notes
 _NOTED_RANKS = 16
@@ -386,7 +386,7 @@ def _latest(root: str, names: list[str]) -> str | None:
         return None
 
 
-class DeepSpeedLayout(Layout):
+class DeepSpeedLayout(DirectoryLayout):
     # Before safetensors: a Trainer + DeepSpeed ``checkpoint-N`` holds both the 16-bit
     # ``model.safetensors`` and ``global_stepN/``; the fp32 masters are the truth
     # (``--format safetensors`` reads the other).
@@ -394,20 +394,17 @@ class DeepSpeedLayout(Layout):
     name = "deepspeed"
     description = "DeepSpeed ZeRO 1/2/3 checkpoint (latest + tag dir, or a tag dir)"
 
-    def probe(self, path: str) -> str | None:
-        listed = directory_names(path)
-        if listed is None:
-            return "not a directory"
-        names = set(listed)
-        if dsf.LATEST in names:
+    def probe_names(self, path: str, names: list[str]) -> str | None:
+        found = set(names)
+        if dsf.LATEST in found:
             try:
-                tag_rel, _, _ = dsf.find_tag(path, names, peek=True)
-                names = set(storage.listdir(storage.join(path, tag_rel)))
+                tag_rel, _, _ = dsf.find_tag(path, found, peek=True)
+                found = set(storage.listdir(storage.join(path, tag_rel)))
             except UnsafeCheckpointError:
                 return None  # ours, and hostile: reading it says so in one line
             except (OSError, ValueError) as e:
                 return f"its 'latest' names no readable tag directory ({e})"
-        if any(dsf.OPTIM_RE.match(n) for n in names):
+        if any(dsf.OPTIM_RE.match(n) for n in found):
             return None
         return "no 'latest' tag file and no *_optim_states.pt rank files"
 
