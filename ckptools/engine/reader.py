@@ -73,30 +73,22 @@ def resolve_chunk(
     prefetch_archive(reader, chunk.file, chunk.offset, chunk.length, with_data=reading_data)
     archive = torch_archive.read_archive(reader, chunk.file, chunk.offset, chunk.length)
     ref = torch_archive.load_tensor_pickle(reader, archive)
-    where = f"{reader.root}/{chunk.file}@{chunk.offset}"
     if not isinstance(ref, safe_pickle.TensorRef):
-        raise CorruptCheckpointError(
-            f"{where}: item for {tensor.fqn!r} holds no tensor", path=chunk.file, fqn=tensor.fqn
-        )
+        raise _bad_item(reader, tensor, chunk, "holds no tensor")
     if ref.dtype != tensor.dtype or ref.shape != chunk.sizes:
-        raise CorruptCheckpointError(
-            f"{where}: item for {tensor.fqn!r} holds a {ref.dtype} tensor of shape "
-            f"{list(ref.shape)}; metadata says {tensor.dtype} {list(chunk.sizes)}",
-            path=chunk.file,
-            fqn=tensor.fqn,
-            rank=chunk.rank,
+        raise _bad_item(
+            reader,
+            tensor,
+            chunk,
+            f"holds a {ref.dtype} tensor of shape {list(ref.shape)}; metadata says "
+            f"{tensor.dtype} {list(chunk.sizes)}",
         )
     rec = archive.record(f"data/{ref.storage.key}")
     itemsize = dtypes.dtype(ref.dtype).itemsize
     problem = ref.expansion_problem(itemsize)
     if problem or ref.storage_offset * itemsize + ref.span_bytes(itemsize) > rec.size:
-        raise CorruptCheckpointError(
-            f"{where}: item for {tensor.fqn!r} "
-            + (problem or f"reaches past its storage record data/{ref.storage.key}"),
-            path=chunk.file,
-            fqn=tensor.fqn,
-            rank=chunk.rank,
-        )
+        what = problem or f"reaches past its storage record data/{ref.storage.key}"
+        raise _bad_item(reader, tensor, chunk, what)
     start = torch_archive.record_data_offset(reader, archive, rec) + ref.storage_offset * itemsize
     span = chunk.numel * itemsize if ref.is_contiguous else rec.size - ref.storage_offset * itemsize
     whole_record = ref.is_contiguous and ref.storage_offset == 0 and span == rec.size
@@ -106,6 +98,18 @@ def resolve_chunk(
         encoding="raw",
         strides=None if ref.is_contiguous else ref.strides,
         crc32=rec.crc32 if whole_record else None,
+    )
+
+
+def _bad_item(
+    reader: Reader, tensor: TensorEntry, chunk: Chunk, what: str
+) -> CorruptCheckpointError:
+    """The one-line error for a DCP item of ``tensor`` that is not what the metadata says."""
+    return CorruptCheckpointError(
+        f"{reader.root}/{chunk.file}@{chunk.offset}: item for {tensor.fqn!r} {what}",
+        path=chunk.file,
+        fqn=tensor.fqn,
+        rank=chunk.rank,
     )
 
 

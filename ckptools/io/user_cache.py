@@ -9,12 +9,18 @@ reader never sees half of it and concurrent writers (the ranks of one job) leave
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from ckptools.io import progress
 from ckptools.io.durable import replace_synced
 
-__all__ = ["CACHE_DIR_ENV", "cache_dir", "read", "write"]
+__all__ = ["CACHE_DIR_ENV", "Miss", "cache_dir", "entry", "kept", "read", "write"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -57,3 +63,41 @@ def write(data: bytes, *parts: str) -> str | None:
     except OSError as e:  # DiskFullError is an OSError too
         log.debug("cache entry %s not written: %s", path, e)
         return None
+
+
+class Miss(Exception):
+    """A cache entry that is absent, damaged or not this one's: derived again."""
+
+
+def entry(raw: bytes, fmt: int, key: str) -> dict[str, Any]:
+    """The JSON entry ``raw``, written as ``{"format": fmt, "key": key, ...}``; :class:`Miss`
+    when it is no JSON object, or another format's or key's."""
+    try:
+        found = json.loads(raw)
+    except ValueError as e:
+        raise Miss from e
+    if not isinstance(found, dict) or found.get("format") != fmt or found.get("key") != key:
+        raise Miss
+    return found
+
+
+def kept(
+    parts: tuple[str, ...],
+    decode: Callable[[bytes], T],
+    derive: Callable[[], T],
+    encode: Callable[[T], bytes],
+    status: str,
+    quiet: bool,
+) -> T:
+    """The entry at ``parts`` decoded, or (absent, or ``decode`` raises :class:`Miss`)
+    derived under the status line ``status`` (unless ``quiet``) and written there."""
+    raw = read(*parts)
+    if raw is not None:
+        try:
+            return decode(raw)
+        except Miss:
+            log.info("cache entry %s is damaged: derived again", "/".join(parts))
+    with progress.status(status + f"(first run; kept in {cache_dir()})", quiet=quiet):
+        value = derive()
+    write(encode(value), *parts)
+    return value

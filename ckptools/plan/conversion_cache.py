@@ -21,18 +21,17 @@ cached: they are raised each time.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from ckptools.io import progress, user_cache
+from ckptools.io import user_cache
+from ckptools.io.user_cache import Miss
 from ckptools.plan.conversion_lookup import lookup_names, mapping_source, mentioned
 from ckptools.plan.conversions import KeyMap, Piece, Shapes, rules_for
 
 __all__ = ["FORMAT", "keymap_for"]
 
-log = logging.getLogger(__name__)
 
 #: The entry format; an entry of another format is derived again.
 FORMAT = 1
@@ -107,42 +106,33 @@ def _body_digest(body: Any) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-class _Miss(Exception):
-    """A cache entry that is absent, damaged or not this one's."""
-
-
 def _ints(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(type(v) is int for v in value):
-        raise _Miss
+        raise Miss
     return tuple(value)
 
 
 def _decode(raw: bytes, key: str) -> KeyMap | None:
-    try:
-        entry = json.loads(raw)
-    except ValueError as e:
-        raise _Miss from e
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
-        raise _Miss
+    entry = user_cache.entry(raw, FORMAT, key)
     body = entry.get("keymap")
     if entry.get("sha256") != _body_digest(body):
-        raise _Miss
+        raise Miss
     if body is None:
         return None
     if not isinstance(body, dict) or not isinstance(body.get("mapping"), str):
-        raise _Miss
+        raise Miss
     shapes, rows = body.get("memory_shapes"), body.get("pieces")
     if not isinstance(shapes, dict) or not isinstance(rows, list):
-        raise _Miss
+        raise Miss
     pieces = []
     for row in rows:
         if not isinstance(row, list) or len(row) != 7:
-            raise _Miss
+            raise Miss
         disk, memory, offsets, sizes, stack_dim, rule, fused = row
         if not (isinstance(disk, str) and isinstance(memory, str) and isinstance(rule, str)):
-            raise _Miss
+            raise Miss
         if stack_dim is not None and type(stack_dim) is not int:
-            raise _Miss
+            raise Miss
         pieces.append(Piece(disk, memory, _ints(offsets), _ints(sizes), stack_dim, rule,
                             _ints(fused)))  # fmt: skip
     memory_shapes = {str(k): _ints(v) for k, v in shapes.items()}
@@ -184,14 +174,11 @@ def keymap_for(
     if key is None:
         return _derive(config, shapes, direction)
     parts = ("conversions", _segment(version), _segment(model_class), f"{key}.json")
-    raw = user_cache.read(*parts)
-    if raw is not None:
-        try:
-            return _decode(raw, key)
-        except _Miss:
-            log.info("conversion cache entry %s is damaged: derived again", "/".join(parts))
-    text = f"ckptools: reading transformers {version}'s conversion rules for {model_class} "
-    with progress.status(text + f"(first run; kept in {user_cache.cache_dir()})", quiet=quiet):
-        keymap = _derive(config, shapes, direction)
-    user_cache.write(_encode(key, keymap), *parts)
-    return keymap
+    return user_cache.kept(
+        parts,
+        lambda raw: _decode(raw, key),
+        lambda: _derive(config, shapes, direction),
+        lambda keymap: _encode(key, keymap),
+        f"ckptools: reading transformers {version}'s conversion rules for {model_class} ",
+        quiet,
+    )

@@ -18,17 +18,16 @@ that builds (remote code, transformers not installed) cannot be checked: it is u
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptools.io import progress, user_cache
+from ckptools.io import user_cache
+from ckptools.io.user_cache import Miss
 
 __all__ = ["Misfit", "misfit"]
 
-log = logging.getLogger(__name__)
 
 FORMAT = 2
 _EXAMPLES = 2
@@ -128,28 +127,18 @@ def _encode(key: str, expected: _Expected | None) -> bytes:
     return json.dumps({"format": FORMAT, "key": key, "expected": body}).encode()
 
 
-class _Miss(Exception):
-    pass
-
-
 def _strings(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _Miss
+        raise Miss
     return tuple(value)
 
 
 def _decode(raw: bytes, key: str) -> _Expected | None:
-    try:
-        entry = json.loads(raw)
-    except ValueError as e:
-        raise _Miss from e
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
-        raise _Miss
-    body = entry.get("expected")
+    body = user_cache.entry(raw, FORMAT, key).get("expected")
     if body is None:
         return None
     if not isinstance(body, dict):
-        raise _Miss
+        raise Miss
     return _Expected(
         frozenset(_strings(body.get("required"))),
         frozenset(_strings(body.get("optional"))),
@@ -161,11 +150,11 @@ def _decode(raw: bytes, key: str) -> _Expected | None:
 
 def _shapes(value: Any) -> dict[str, tuple[int, ...]]:
     if not isinstance(value, dict):
-        raise _Miss
+        raise Miss
     out = {}
     for name, dims in value.items():
         if not isinstance(dims, list) or not all(type(d) is int for d in dims):
-            raise _Miss
+            raise Miss
         out[str(name)] = tuple(dims)
     return out
 
@@ -186,17 +175,14 @@ def _expected(config: Mapping[str, Any], quiet: bool) -> _Expected | None:
     version = _version()
     key = hashlib.sha256(f"ckptools-model-names/{FORMAT}\0{version}\0{text}".encode()).hexdigest()
     parts = ("model-names", _segment(version), _segment(_model_class(config)), f"{key}.json")
-    raw = user_cache.read(*parts)
-    if raw is not None:
-        try:
-            return _decode(raw, key)
-        except _Miss:
-            log.info("model names cache entry %s is damaged: built again", "/".join(parts))
-    text = f"ckptools: checking the config's model ({_model_class(config)}) against the tensors "
-    with progress.status(text + f"(first run; kept in {user_cache.cache_dir()})", quiet=quiet):
-        expected = _build(config)
-    user_cache.write(_encode(key, expected), *parts)
-    return expected
+    return user_cache.kept(
+        parts,
+        lambda raw: _decode(raw, key),
+        lambda: _build(config),
+        lambda expected: _encode(key, expected),
+        f"ckptools: checking the config's model ({_model_class(config)}) against the tensors ",
+        quiet,
+    )
 
 
 def misfit(

@@ -276,7 +276,7 @@ def test_bucket_state_tiles_every_model_tensor_for_either_layer_spec(
     model = _model(2, 4)
     buffers = _saved(model, 2, 2, 2, order)
     state = buckets.bucket_state(
-        model, buffers, tp=2, pp=2, dp=2, num_layers=4, tied=False, dtype="float32", itemsize=4
+        model, buffers, buckets.Parallelism(2, 2, 2, 4, False), dtype="float32", itemsize=4
     )
     assert set(state) == set(mo.KINDS)
     for t in model:
@@ -291,11 +291,7 @@ def test_bucket_state_refuses_buckets_of_another_model_in_one_line() -> None:
         buckets.bucket_state(
             _model(2, 4, hidden=16),
             buffers,
-            tp=2,
-            pp=2,
-            dp=2,
-            num_layers=4,
-            tied=False,
+            buckets.Parallelism(tp=2, pp=2, dp=2, num_layers=4, tied=False),
             dtype="float32",
             itemsize=4,
         )

@@ -39,10 +39,11 @@ print(json.dumps({
 #: the layout modules detecting a DCP directory imports: those tried before "dcp" and theirs
 #: the producers' modules a DCP's detection reaches (the packages, and before DCP's own
 #: modules the wrappers' and Megatron's probes); every family's package (its ``__init__``:
-#: the names it declares, read by the config search's numbered-save test), none of their readers
+#: the names it declares, read by the config search's numbered-save test), none of their readers;
+#: ``probing`` is the directory probe dcp_rank_local's layout shares, as small as ``base``
 _DCP_LAYOUTS = {
-    "base", "registry", "numbered", "part_files", "dcp", "dcp.wrappers", "dcp.rank_local",
-    "dcp.layout", "megatron", "megatron.layout", "deepspeed", "fsdp1", "hf",
+    "base", "probing", "registry", "numbered", "part_files", "dcp", "dcp.wrappers",
+    "dcp.rank_local", "dcp.layout", "megatron", "megatron.layout", "deepspeed", "fsdp1", "hf",
 }  # fmt: skip
 
 

@@ -41,8 +41,9 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, Tenso
 from ckptools.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ckptools.formats.torch_archive import read_archive
 from ckptools.io import storage
-from ckptools.producers.base import Layout, directory_names, register
+from ckptools.producers.base import register
 from ckptools.producers.dcp.layout import RANK_METADATA_FILE, rank_of, read_dcp
+from ckptools.producers.probing import DirectoryLayout
 
 LAYOUT = "dcp_rank_local"
 #: Missing ranks named one by one, at most: a name such as ``__999999999.metadata`` must not
@@ -385,17 +386,14 @@ def rank_metadata_ranks(names: Sequence[str]) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := RANK_METADATA_FILE.match(n)))
 
 
-class DcpRankLocalLayout(Layout):
+class DcpRankLocalLayout(DirectoryLayout):
     name = LAYOUT
     description = (
         "DCP directory saved without global metadata (use_collectives=False): "
         "__<rank>.metadata + __<rank>_<n>.distcp"
     )
 
-    def probe(self, path: str) -> str | None:
-        names = directory_names(path)
-        if names is None:
-            return "not a directory"
+    def probe_names(self, path: str, names: list[str]) -> str | None:
         if ".metadata" in names:
             return "has a global .metadata (a plain DCP directory)"
         if not rank_metadata_ranks(names):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import re
 
-#: the layouts this package defines: (name, module, detection priority; lower first)
+#: the layouts this package defines: (name, module, detection priority; lower first): before
+#: safetensors (30), since a Trainer + DeepSpeed ``checkpoint-N`` holds both the 16-bit
+#: ``model.safetensors`` and ``global_stepN/``, and the fp32 masters are the truth
+#: (``--format safetensors`` reads the other)
 LAYOUTS = (("deepspeed", "layout", 25),)
 
 #: the tag names DeepSpeed's engines give their saves by default (``global_stepN``)

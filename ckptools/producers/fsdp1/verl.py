@@ -66,7 +66,6 @@ from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
 from ckptools.producers.base import (
-    Layout,
     NumberedSaves,
     digest,
     directory_names,
@@ -78,6 +77,7 @@ from ckptools.producers.base import (
 from ckptools.producers.fsdp1 import VERL_SAVE, VERL_TRACKER
 from ckptools.producers.fsdp1.optim import flat_optimizer
 from ckptools.producers.fsdp1.rank_pickles import OPTIMIZER, Merged
+from ckptools.producers.probing import NOT_A_DIRECTORY, DirectoryLayout
 
 LAYOUT = "verl"
 CONFIG = "fsdp_config.json"
@@ -249,10 +249,12 @@ def _rank_of(rel: str) -> int | None:
 
 def _reason(path: str) -> str | None:
     """Why ``path`` is not one verl checkpoint directory (None when it is)."""
-    listed = directory_names(path)
-    if listed is None:
-        return "not a directory"
-    names = set(listed)
+    names = directory_names(path)
+    return NOT_A_DIRECTORY if names is None else _names_reason(names)
+
+
+def _names_reason(names: list[str]) -> str | None:
+    """Why a directory holding ``names`` is not one verl checkpoint directory."""
     if CONFIG not in names:
         return f"no {CONFIG}"
     if not any(RANK_FILE.match(n) for n in names):
@@ -331,18 +333,17 @@ def _save_ranks(path: str) -> int | None:
     return None
 
 
-class VerlLayout(Layout):
+class VerlLayout(DirectoryLayout):
     name = LAYOUT
     description = (
         "verl FSDPCheckpointManager per-rank files (*_world_size_W_rank_r.pt), or the "
         "global_step_N/ (actor/, critic/) and the run directory holding them"
     )
 
-    def probe(self, path: str) -> str | None:
-        reason = _reason(path)
+    def probe_names(self, path: str, names: list[str]) -> str | None:
+        reason = _names_reason(names)
         if reason is None or _roles(path):
             return None
-        names = directory_names(path) or []
         if any(STEP_DIR.match(n) for n in names):
             return None  # reading it says which global_step_N is complete
         return f"{reason}, no actor/ holding one, no global_step_N/"

@@ -39,7 +39,8 @@ from ckptools.core.manifest import Chunk, FileInfo, Manifest, TensorEntry
 from ckptools.errors import CkptError, CorruptCheckpointError, IncompleteCheckpointError
 from ckptools.formats import safetensors_header
 from ckptools.io import storage
-from ckptools.producers.base import Layout, digest, directory_names, register
+from ckptools.producers.base import digest, register
+from ckptools.producers.probing import DirectoryLayout
 
 LAYOUT = "transformers_distributed"
 #: the header metadata key torch's writer puts the slices' offsets under
@@ -324,17 +325,14 @@ def _first_shard(names: list[str]) -> str | None:
     return shards[0] if shards else None
 
 
-class HfDistributedLayout(Layout):
+class HfDistributedLayout(DirectoryLayout):
     name = LAYOUT
     description = (
         "transformers save_pretrained(distributed_checkpoint=True): "
         "shard-<rank>-model-*.safetensors with DCP_SHARDING_INFO"
     )
 
-    def probe(self, path: str) -> str | None:
-        names = directory_names(path)
-        if names is None:
-            return "not a directory"
+    def probe_names(self, path: str, names: list[str]) -> str | None:
         first = _first_shard(names)
         if first is None:
             return "no shard-<rank>-model-*.safetensors files"

@@ -41,6 +41,19 @@ class Buckets:
     pieces: Mapping[tuple[int, str], Sequence[StoredPiece]]
 
 
+@dataclass(frozen=True, slots=True)
+class Parallelism:
+    """How the run that saved the buckets was split: tensor- and pipeline-parallel sizes, the
+    data-parallel size when the save records it, the transformer layers, and whether the output
+    layer is tied to the embedding (it then lies in the first and the last stage)."""
+
+    tp: int
+    pp: int
+    dp: int | None
+    num_layers: int
+    tied: bool
+
+
 def bucket_numels(value: Any, what: str, where: str) -> tuple[int, ...]:
     """The one buffer's bucket sizes from a saved ``per_bucket_numel(_unpadded)`` object
     (a list, per gradient buffer, of ``{(param dtype, grad dtype): [numel, ...]}``).
@@ -70,12 +83,8 @@ def bucket_numels(value: Any, what: str, where: str) -> tuple[int, ...]:
 def bucket_state(
     model: Sequence[ModelTensor],
     buffers: Mapping[int, Buckets],
+    split: Parallelism,
     *,
-    tp: int,
-    pp: int,
-    dp: int | None,
-    num_layers: int,
-    tied: bool,
     dtype: str,
     itemsize: int,
     where: str = "optimizer",
@@ -90,15 +99,14 @@ def bucket_state(
             pieces do not tile a model tensor.
         UnsupportedCheckpointError: a model this placement does not know.
     """
+    tp, pp = split.tp, split.pp
     if set(buffers) != set(range(tp * pp)):
         raise CorruptCheckpointError(
             f"{where}: the optimizer's buckets are saved for model-parallel ranks "
             f"{sorted(buffers)}, not the {tp * pp} of TP {tp} x PP {pp}",
             fqn=where,
         )
-    placed = _placement(
-        model, buffers, tp=tp, pp=pp, dp=dp, num_layers=num_layers, tied=tied, where=where
-    )
+    placed = _placement(model, buffers, split, where)
     kinds = sorted({k for b in buffers.values() for _, k in b.pieces}, key=KINDS.index)
     shapes = {t.fqn: t.shape for t in model}
     out: dict[str, dict[str, TensorEntry]] = {}
@@ -133,29 +141,26 @@ def bucket_state(
 
 
 def _placement(
-    model: Sequence[ModelTensor],
-    buffers: Mapping[int, Buckets],
-    *,
-    tp: int,
-    pp: int,
-    dp: int | None,
-    num_layers: int,
-    tied: bool,
-    where: str,
+    model: Sequence[ModelTensor], buffers: Mapping[int, Buckets], split: Parallelism, where: str
 ) -> dict[int, list[ParamRange]]:
     """The ranges of the first layer order whose ranges fall on the stored chunk boundaries
     of every buffer."""
     first_problem: str | None = None
     for order in LAYER_ORDERS:
         staged = stage_params(
-            model, tp=tp, pp=pp, num_layers=num_layers, layer_order=order, tied=tied
+            model,
+            tp=split.tp,
+            pp=split.pp,
+            num_layers=split.num_layers,
+            layer_order=order,
+            tied=split.tied,
         )
         placed: dict[int, list[ParamRange]] = {}
         problem = None
         for group, buf in sorted(buffers.items()):
             here = f"{where} dp_group_idx_{group}"
             try:
-                ranges = place_params(staged[group], buf.unpadded, buf.padded, dp, where=here)
+                ranges = place_params(staged[group], buf.unpadded, buf.padded, split.dp, where=here)
             except CorruptCheckpointError as e:
                 problem = str(e)
                 break

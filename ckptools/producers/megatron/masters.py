@@ -157,14 +157,11 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
         for f in model_keys(manifest).values()
     ]
     assert dtype is not None
+    tied = args.get("untie_embeddings_and_output_weights") is False
     return buckets.bucket_state(
         model,
         buffers,
-        tp=tp,
-        pp=pp,
-        dp=dp if isinstance(dp, int) else None,
-        num_layers=num_layers,
-        tied=args.get("untie_embeddings_and_output_weights") is False,
+        buckets.Parallelism(tp, pp, dp if isinstance(dp, int) else None, num_layers, tied),
         dtype=dtype,
         itemsize=dtypes.dtype(dtype).itemsize,
         where=where,
