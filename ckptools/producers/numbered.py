@@ -2,8 +2,8 @@
 patterns (``SAVES``, group 1 the step), read from there.
 
 Kept apart from the layouts that read those saves: finding a model's ``config.json`` above a
-checkpoint (:func:`ckptools.views.export.find_model_files`) asks whether a directory is one numbered
-save, and must not import every producer's reader for that (issue 27: start-up).
+checkpoint (:func:`ckptools.views.model_config.find_model_files`) asks whether a directory is
+one numbered save, and must not import every producer's reader for that (issue 27: start-up).
 """
 
 from __future__ import annotations

@@ -48,18 +48,17 @@ from ckptools.plan.conversion_entries import split_fqn
 from ckptools.plan.conversions import Piece
 from ckptools.plan.safetensors import runs
 from ckptools.training.state import state_to_save, write_model_config
-from ckptools.verbs.consolidate import (
+from ckptools.views import lora
+from ckptools.views.export import (
     DEFAULT_MAX_SHARD_SIZE,
     CastDType,
     Export,
     ExportOptions,
-    find_model_files,
-    model_config,
     plan_export,
     tie_setting,
     write_index,
 )
-from ckptools.views import lora
+from ckptools.views.model_config import find_model_files, model_config
 
 if TYPE_CHECKING:
     from torch import nn

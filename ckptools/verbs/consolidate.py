@@ -38,18 +38,20 @@ from ckptools.views.export import (
     CastDType,
     Export,
     ExportOptions,
-    config_misfit,
-    find_model_files,
-    fitting_model_files,
-    model_config,
     plan_export,
     same_storage,
     same_written_bytes,
     select_tensors,
     tie_setting,
     tied_candidates,
-    with_dtype,
     write_index,
+)
+from ckptools.views.model_config import (
+    config_misfit,
+    find_model_files,
+    fitting_model_files,
+    model_config,
+    with_dtype,
 )
 from ckptools.views.producer import views_of
 

@@ -14,7 +14,7 @@ tensor, as ``consolidate`` and ``verify`` report it, not "1 element differs".
 Values are compared in slabs of whole dim-0 rows read straight from each side's stored chunks
 (however each side is sharded), so memory is bounded by :data:`DEFAULT_BLOCK_BYTES` per side plus
 float64 temporaries of the same number of elements, never by the tensor's size: one tensor's
-comparison is :mod:`ckptools.verbs.tensor_compare`.
+comparison is :mod:`ckptools.views.tensor_compare`.
 
 Example:
     >>> import ckptools
@@ -38,7 +38,7 @@ from ckptools.formats.stream_transforms import require_decodable
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
 from ckptools.io.tunables import env_int
-from ckptools.verbs.tensor_compare import TensorDiff, compare
+from ckptools.views.tensor_compare import TensorDiff, compare
 
 # TensorDiff is read here by the CLI and verify: it stays importable from diff
 __all__ = [
@@ -142,7 +142,8 @@ def _tied_aliases(
     ``config.json``, or in ``config``): what ``consolidate`` and ``save_pretrained`` write, and
     what ``from_pretrained`` fills from the input embedding. Empty unless such a name exists.
     """
-    from ckptools.views.export import find_model_files, tie_setting, tied_candidates
+    from ckptools.views.export import tie_setting, tied_candidates
+    from ckptools.views.model_config import find_model_files
 
     pairs = [(o, i) for o, i in tied_candidates(names, manifest) if o not in other and i in other]
     if not pairs or not tie_setting(find_model_files(other_path, config)):
@@ -283,7 +284,7 @@ def diff(
     if names_a.keys() != names_b.keys():
         names_a, names_b = _lora_views((a, b), (ma, mb), (names_a, names_b), notes)
     if config is not None or keep_in_memory_names or names_a.keys() != names_b.keys():
-        from ckptools.verbs.consolidate import find_model_files, model_config
+        from ckptools.views.model_config import find_model_files, model_config
 
         # a DCP has no config.json of its own: the other side's names the model
         cfg_a, cfg_b = (model_config(find_model_files(s, config)) for s in (a, b))

@@ -18,7 +18,7 @@ none, and the result lists what was kept), ``drop`` leaves it out. Either way it
 The source is read once: its manifest gives each DCP directory as a part (with its own
 manifest) and the files beside the data (``aux_files``), found in the layout's one walk; the
 options are validated once (:class:`ReshardOptions`). Under torchrun it is read once per job,
-by rank 0, which hands every other rank what writing its files needs (:func:`_carry_out`;
+by rank 0, which hands every other rank what writing its files needs (:func:`.carry_out`;
 the writing: :mod:`ckptools.verbs.dcp_output`).
 """
 
@@ -28,39 +28,30 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from importlib import import_module
-from typing import Any, Literal
+from typing import Any
 
 from ckptools.core.keys import model_keys
 from ckptools.core.manifest import MODEL_FILES_DIR, Manifest, Part
-from ckptools.engine import collective
 from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UsageError
 from ckptools.formats.stream_transforms import require_decodable
-from ckptools.io import storage, tunables
+from ckptools.io import storage
 from ckptools.io.out_rules import check_out
-from ckptools.io.resume import fingerprint
 from ckptools.io.staging import IN_PROGRESS
 from ckptools.plan.dcp import DcpPlan, plan_dcp
 from ckptools.plan.training import training_layout
 from ckptools.producers import read_manifest
 from ckptools.producers.optimizer_state import optimizer_alone
 from ckptools.producers.registry import WRITE_TARGETS, write_targets
-from ckptools.verbs import dcp_output
-from ckptools.verbs.consolidate import model_config
-from ckptools.verbs.dcp_output import Share
+from ckptools.verbs.dcp_run import RankState, ReshardOptions, Run, carry_out
+from ckptools.verbs.dcp_run import ReshardResult as ReshardResult
 from ckptools.verify.checksums import CHECKSUM_FILE
-from ckptools.views.export import (
-    config_misfit,
-    fitting_model_files,
-    select_tensors,
-    suggested_optimizer_order,
-    untied_head,
-)
+from ckptools.views.export import select_tensors, suggested_optimizer_order, untied_head
+from ckptools.views.model_config import config_misfit, fitting_model_files, model_config
 from ckptools.views.producer import views_of
 
-RankState = Literal["keep", "drop"]
 #: files a framework writes once per rank, which no resharding can split
 RANK_STATE_FILES = re.compile(
     r"^((rng_state|random_states)_\d+\.(pth|pkl|pt)|extra_state_world_size_\d+_rank_\d+\.pt)$"
@@ -75,95 +66,6 @@ MODEL_ONLY_FORMATS = frozenset({"safetensors"})
 #: what a model is published as: ``shard`` takes these
 PUBLISHED_FORMATS = frozenset({"safetensors", "torch_save"})
 _OWN_RECORDS = frozenset({CHECKSUM_FILE, ".ckptools-complete", IN_PROGRESS})
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReshardOptions:
-    """Every option of :func:`reshard` and :func:`shard` (the CLI's options have the same
-    names), validated once, on construction.
-
-    Attributes:
-        world_size: ranks of the target layout.
-        rank_state: ``"keep"`` or ``"drop"`` per-rank state that cannot be split (reshard).
-        param_order: the parameters' FQNs in the order the optimizer was given them, for an
-            integer-keyed optimizer state that does not say (reshard of a non-DCP source).
-        drop_optimizer: leave a non-DCP source's optimizer state out (reshard).
-        config: the model's ``config.json`` (a file or its directory) for a non-DCP source
-            whose optimizer is keyed by integer ids: the model it builds gives their order
-            (reshard; default: the checkpoint's own).
-        prefix: the key prefix of every tensor (shard).
-        overwrite: replace an existing OUT.
-        dry_run: plan only; write nothing.
-        workers: copy threads as given (None: :func:`ckptools.io.tunables.workers`).
-        quiet: no progress bar.
-        format: force the source layout instead of detecting it.
-        distributed: split the output files over the ranks of a job
-            (:mod:`ckptools.engine.collective`).
-        worker_count: the copy threads, resolved (derived).
-
-    Raises:
-        UsageError: a world size below 1 or above :func:`ckptools.io.tunables.max_world_size`,
-            an unknown ``rank_state``, bad ``workers``.
-    """
-
-    world_size: int
-    rank_state: RankState = "keep"
-    param_order: tuple[str, ...] | None = None
-    drop_optimizer: bool = False
-    config: str | None = None
-    prefix: str = "model."
-    overwrite: bool = False
-    dry_run: bool = False
-    workers: int | None = None
-    quiet: bool = False
-    format: str | None = None
-    distributed: bool = True
-    worker_count: int = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise UsageError(f"world size must be at least 1, got {self.world_size}")
-        limit = tunables.max_world_size()
-        if self.world_size > limit:
-            # before planning: the plan keeps a list per rank and walks the ranks per tensor
-            raise UsageError(
-                f"world size {self.world_size} is above the limit of {limit} ranks (each rank "
-                f"is a file); if it is meant, raise {tunables.MAX_WORLD_SIZE_ENV}"
-            )
-        if self.rank_state not in ("keep", "drop"):
-            raise UsageError(f"rank_state must be 'keep' or 'drop', got {self.rank_state!r}")
-        object.__setattr__(self, "worker_count", tunables.workers(self.workers))
-
-
-@dataclass(frozen=True)
-class ReshardResult:
-    """What :func:`reshard` / :func:`shard` wrote (or, with ``dry_run``, would write)."""
-
-    src: str
-    out: str
-    world_size: int
-    parts: dict[str, dict[str, Any]]  # DCP subdirectory ("" for the root) -> plan summary
-    bytes_written: int
-    seconds: float
-    dry_run: bool
-    rank_state: str
-    rank_state_items: tuple[str, ...] = ()
-    copied_files: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "src": self.src,
-            "out": self.out,
-            "world_size": self.world_size,
-            "dry_run": self.dry_run,
-            "parts": self.parts,
-            "bytes": self.bytes_written,
-            "seconds": round(self.seconds, 3),
-            "rank_state": {"policy": self.rank_state, "items": list(self.rank_state_items)},
-            "copied_files": list(self.copied_files),
-            "notes": list(self.notes),
-        }
 
 
 @storage.accepts_storage_options
@@ -209,7 +111,7 @@ def reshard(
         dry_run: plan only; write nothing.
         distributed: under torchrun, or called by every rank of an initialised process group,
             rank 0 alone reads ``src`` and plans, and the output files are split over the
-            ranks (:func:`_carry_out`; every rank must call it); False: this process reads and
+            ranks (:func:`.carry_out`; every rank must call it); False: this process reads and
             writes everything alone.
         storage_options: fsspec options for URL paths (credentials, endpoint...), a mapping
             or its JSON text; see :func:`ckptools.io.storage.storage_options`.
@@ -224,11 +126,11 @@ def reshard(
         param_order=None if param_order is None else tuple(param_order),
         drop_optimizer=drop_optimizer, config=config,
     )  # fmt: skip
-    return _carry_out("reshard", options, started, lambda: _planned_reshard(src, out, options))
+    return carry_out("reshard", options, started, lambda: _planned_reshard(src, out, options))
 
 
-def _planned_reshard(src: str, out: str, options: ReshardOptions) -> _Run:
-    """:func:`reshard`'s reading and planning (one process does it: see :func:`_carry_out`)."""
+def _planned_reshard(src: str, out: str, options: ReshardOptions) -> Run:
+    """:func:`reshard`'s reading and planning (one process does it: see :func:`.carry_out`)."""
     manifest = _read_source(
         src, out, options, lambda format: format not in MODEL_ONLY_FORMATS,
         "is not a training checkpoint; use `ckpt shard` to make a DCP checkpoint from it",
@@ -255,7 +157,7 @@ def _planned_reshard(src: str, out: str, options: ReshardOptions) -> _Run:
     copied = tuple(_carried_files(manifest, options, rank_items))
     notes = list(manifest.notes)
     _note_rank_state(notes, manifest, options, rank_items)
-    return _Run(
+    return Run(
         kind="reshard", src=src, out=out, options=options, parts=plans,
         source=manifest, source_root=manifest.root, copied=copied,
         rank_items=tuple(rank_items), notes=notes,
@@ -312,9 +214,7 @@ def _note_not_carried(notes: list[str], manifest: Manifest) -> None:
         notes.append(f"{len(left)} file(s) of the source were not carried over: {shown}")
 
 
-def _planned_training_state(
-    src: str, out: str, manifest: Manifest, options: ReshardOptions
-) -> _Run:
+def _planned_training_state(src: str, out: str, manifest: Manifest, options: ReshardOptions) -> Run:
     """:func:`reshard`'s plan of a source that is not DCP: one DCP named as ``get_state_dict`` +
     ``dcp.save`` name it, from :func:`ckptools.plan.training.training_layout`."""
     suggested = (
@@ -336,7 +236,7 @@ def _planned_training_state(
     notes = [*manifest.notes, *layout.notes]
     _note_rank_state(notes, manifest, options, rank_items)
     _note_not_carried(notes, manifest)
-    return _Run(
+    return Run(
         kind="reshard", src=src, out=out, options=options, parts={"": (manifest, plan)},
         source=manifest, source_root=manifest.data_dir(), copied=copied,
         rank_items=tuple(rank_items), notes=notes,
@@ -437,13 +337,13 @@ def shard(
     if to not in write_targets():
         raise UsageError(f"--to {to!r}: choose {' or '.join(write_targets())}")
     if to not in WRITE_TARGETS:  # dcp: ckptools' own writer; the others are producers'
-        return _carry_out(
+        return carry_out(
             "shard", options, started,
             lambda: _planned_shard(src, out, options, config, keep_stored_names),
         )  # fmt: skip
     writer = import_module(f"ckptools.producers.{WRITE_TARGETS[to]}")
     writer.check_options(make_vocab_size_divisible_by)
-    return _carry_out(
+    return carry_out(
         "shard", options, started,
         lambda: _planned_target(writer, src, out, options, config, make_vocab_size_divisible_by),
     )  # fmt: skip
@@ -451,8 +351,8 @@ def shard(
 
 def _planned_shard(
     src: str, out: str, options: ReshardOptions, config: str | None, keep_stored_names: bool
-) -> _Run:
-    """:func:`shard`'s reading and planning (one process does it: see :func:`_carry_out`)."""
+) -> Run:
+    """:func:`shard`'s reading and planning (one process does it: see :func:`.carry_out`)."""
     manifest = _read_source(
         src, out, options, lambda format: format in PUBLISHED_FORMATS,
         "is already sharded; use `ckpt reshard`",
@@ -495,7 +395,7 @@ def _planned_shard(
             f"{len(manifest.objects)} non-tensor value(s) of the source were not carried over "
             f"(e.g. {next(iter(manifest.objects))!r})"
         )
-    return _Run(
+    return Run(
         kind="shard", src=src, out=out, options=options, parts={"": (source, plan)},
         source=manifest, source_root=manifest.data_dir(), notes=notes,
         fingerprint_options={"prefix": prefix, "in_memory": keymap is not None},
@@ -504,9 +404,9 @@ def _planned_shard(
 
 def _planned_target(
     writer: Any, src: str, out: str, options: ReshardOptions, config: str | None, divisor: int
-) -> _Run:
+) -> Run:
     """``shard --to NAME``'s reading and planning for a producer's writer (one process: see
-    :func:`_carry_out`): the whole model at ``src``, its config found by the one rule, planned
+    :func:`.carry_out`): the whole model at ``src``, its config found by the one rule, planned
     as the producer saves it (``writer.planned``), committed as one rename."""
     manifest = _read_source(
         src, out, options, lambda format: format in PUBLISHED_FORMATS, writer.REFUSED
@@ -526,7 +426,7 @@ def _planned_target(
             f"--config ({needed})"
         )
     planned = writer.planned(manifest, tensors, cfg, src, options.world_size, divisor)
-    return _Run(
+    return Run(
         kind="shard", src=src, out=out, options=options,
         parts={planned.sub: (planned.source, planned.plan)},
         source=manifest, source_root=manifest.data_dir(), notes=planned.notes,
@@ -546,100 +446,11 @@ def _shard_config(
     quiet: bool = False,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The model's config.json by the one rule every verb uses
-    (:func:`ckptools.views.export.fitting_model_files`: ``config``, else beside ``src`` then up to
-    its run directory; used only where it fits ``shapes``), and the note of one that does not."""
+    (:func:`ckptools.views.model_config.fitting_model_files`: ``config``, else beside ``src``
+    then up to its run directory; used only where it fits ``shapes``), and the note of one that
+    does not."""
     files, misfit = fitting_model_files(
         src, config, shapes, manifest.details.get(MODEL_FILES_DIR),
         data_dir=manifest.data_dir(), quiet=quiet,
     )  # fmt: skip
     return model_config(files), misfit
-
-
-def _carry_out(
-    kind: str, options: ReshardOptions, started: float, planned: Callable[[], _Run]
-) -> ReshardResult:
-    """Plan (``planned`` reads the source and plans every part) and write, or only plan.
-
-    A dry run plans here and writes nothing, whatever the job. Otherwise one process plans and
-    writes everything, or, in a job of several ranks (:func:`ckptools.engine.collective.current`),
-    rank 0 alone reads the source and plans, and hands every other rank its share
-    (:func:`ckptools.verbs.dcp_output.shares`, through
-    :meth:`~ckptools.engine.collective.Ranks.scatter_from_root`): the items of the files it writes
-    and what writing and reporting them need. The source is parsed once per job, not once per
-    process (a 405B model's 1,024-rank ``.metadata``: ~20 s of CPU and ~2 GiB of memory in
-    each). Then every rank writes its files (:func:`ckptools.verbs.dcp_output.write`).
-    An error of rank 0's while reading or planning reaches every rank, and every rank raises
-    before anything is created.
-    """
-    if options.dry_run:
-        return _result(planned().share(), options, 0, (), started)
-    ranks = collective.current(options.distributed)
-    if ranks.world_size == 1:
-        share = planned().share()
-    else:
-        share = ranks.scatter_from_root(
-            lambda: dcp_output.shares(planned().share(), ranks.world_size), kind
-        )
-    notes = [f"written by {ranks.world_size} ranks"] if ranks.world_size > 1 else []
-    written, kept = dcp_output.write(
-        ranks, share, overwrite=options.overwrite, workers=options.worker_count,
-        quiet=options.quiet,
-    )  # fmt: skip
-    if kept:
-        notes.append(f"resumed: {kept} file(s) written by an interrupted run were kept")
-    return _result(share, options, written, notes, started)
-
-
-def _result(
-    share: Share, options: ReshardOptions, written: int, notes: Sequence[str], started: float
-) -> ReshardResult:
-    return ReshardResult(
-        src=share.src,
-        out=share.out,
-        world_size=options.world_size,
-        parts=dict(share.summary),
-        bytes_written=written,
-        seconds=time.perf_counter() - started,
-        dry_run=options.dry_run,
-        rank_state=options.rank_state,
-        rank_state_items=share.rank_items,
-        copied_files=share.copied,
-        notes=(*share.notes, *notes),
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Run:
-    """One planned reshard or shard, on the process that read the source."""
-
-    kind: str  # "reshard" or "shard": the fingerprint's command
-    src: str
-    out: str
-    options: ReshardOptions
-    parts: Mapping[str, tuple[Manifest, DcpPlan]]  # DCP subdirectory -> (source, plan)
-    source: Manifest
-    source_root: str  # what the parts' file paths and ``copied`` are relative to
-    copied: tuple[str, ...] = ()
-    made: Mapping[str, bytes] = field(default_factory=dict)  # files written after the markers
-    rank_items: tuple[str, ...] = ()
-    notes: list[str]
-    checksums: bool = False
-    #: the command's own options that shape the output, besides the world size and the plan,
-    #: which every fingerprint includes
-    fingerprint_options: Mapping[str, Any]
-
-    def share(self) -> Share:
-        """All of it: what one process writes, or rank 0 of a job, which shares it out
-        (:func:`ckptools.verbs.dcp_output.shares`)."""
-        summary = {sub: plan.to_dict() for sub, (_, plan) in self.parts.items()}
-        identity = "" if self.options.dry_run else fingerprint(
-            self.kind,
-            self.source,
-            {"world_size": self.options.world_size, "plan": summary, **self.fingerprint_options},
-        )  # fmt: skip
-        return Share(
-            kind=self.kind, src=self.src, out=self.out, parts=self.parts,
-            source_root=self.source_root, copied=self.copied, made=self.made,
-            checksums=self.checksums, identity=identity, summary=summary,
-            rank_items=self.rank_items, notes=tuple(self.notes),
-        )  # fmt: skip

@@ -1,10 +1,11 @@
-"""Whether a model ``config.json`` fits a checkpoint's tensors: the names ``from_pretrained``
-would expect of the model it builds, against the names the checkpoint holds.
+"""Whether a model ``config.json`` fits a checkpoint's tensors: the names ``from_pretrained`` would
+expect of the model it builds, against the names the checkpoint holds.
 
-A config found beside a checkpoint (or above it, :func:`ckptools.views.export.find_model_files`) may
-belong to another model: copied into OUT it makes a directory whose ``from_pretrained`` builds
-a random model (every expected weight "missing", every stored one "unexpected"). The expected
-names are those of the transformers model the config names, built on ``meta``
+A config found beside a checkpoint (or above it,
+:func:`ckptools.views.model_config.find_model_files`) may belong to another model: copied into
+OUT it makes a directory whose ``from_pretrained`` builds a random model (every expected weight
+"missing", every stored one "unexpected"). The expected names are those of the transformers
+model the config names, built on ``meta``
 (:func:`ckptools.plan.conversion_lookup.model_param_order`'s way: transformers' own classes
 only): its ``state_dict`` keys, a tied alias (``lm_head.weight`` of a model tying it) optional,
 and transformers' own ``_keys_to_ignore_on_load_missing`` / ``_unexpected`` patterns honoured.

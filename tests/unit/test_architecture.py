@@ -48,7 +48,7 @@ LAYERS: dict[str, int] = {
     "ckptools.__main__": 9,
 }
 MAX_TOP_LEVEL_MODULES = 3
-MAX_MODULE_LINES = 700
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 100
 
 
