@@ -119,7 +119,7 @@ def test_fsdp2_uneven_and_empty_shards(
 ) -> None:
     p = produced("fsdp2", world_size=world_size)
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True)
+    ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     ref = p.reference()
     got = _read_dir(out)
     _assert_bit_exact(got, ref["model"])
@@ -134,10 +134,10 @@ def test_fsdp2_nested_app_and_optimizer_select(
     p = produced("fsdp2", world_size=2, nested_app=True)
     ref = p.reference()
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True)
+    ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     _assert_bit_exact(_read_dir(out), ref["model"])
     opt_out = str(tmp_path / "optim")
-    ckptools.consolidate(str(p.path), opt_out, select="app.optim", quiet=True)
+    ckptools.consolidate(str(p.path), opt_out, select="app.optim", quiet=True, weights_only=True)
     _assert_bit_exact(_read_dir(opt_out), _flatten(ref["optim"]))
 
 
@@ -155,7 +155,9 @@ def test_tp_fsdp_dim1_sharded(
         any(o != 0 for o in c.offsets[1:]) for t in manifest.tensors.values() for c in t.chunks
     ), "expected chunks sharded on dim 1 (RowwiseParallel)"
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True, workers=2, memory_budget=budget)
+    ckptools.consolidate(
+        str(p.path), out, quiet=True, workers=2, memory_budget=budget, weights_only=True
+    )
     _assert_bit_exact(_read_dir(out), p.reference()["model"])
 
 
@@ -394,7 +396,7 @@ def test_every_layout_consolidates_bit_exactly(
 ) -> None:
     p = produced(name)
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True)
+    ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     _assert_bit_exact(_read_dir(out), p.reference()["model"])
 
 
@@ -435,7 +437,7 @@ def test_byte_path_never_imports_torch(produced: Callable[..., Produced], tmp_pa
 
 
 def _consolidate_on_rank(rank: int, world_size: int, src: str, out: str, **kw: Any) -> Any:
-    return ckptools.consolidate(src, out, quiet=True, **kw).to_dict()
+    return ckptools.consolidate(src, out, quiet=True, **kw, weights_only=True).to_dict()
 
 
 @pytest.mark.distributed
@@ -464,7 +466,7 @@ def _failing_on_rank1(rank: int, world_size: int, src: str, out: str) -> str:
 
         chunk_copier.ChunkCopier.copy_chunk = boom  # type: ignore[method-assign]
     try:
-        ckptools.consolidate(src, out, quiet=True)
+        ckptools.consolidate(src, out, quiet=True, weights_only=True)
     except (OSError, CkptError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
