@@ -60,6 +60,14 @@ from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary, t
     "global_step2, up to its run directory's parent). Its config.json must set model_type.",
 )
 @click.option(
+    "--weights-only",
+    is_flag=True,
+    default=False,
+    help="Write the weights alone when no config.json (given, beside SRC or above it) fits "
+    "them: OUT then holds model.safetensors only, which from_pretrained cannot load. Without "
+    "it that is refused (not needed with --adapter, --select, or a config the producer makes).",
+)
+@click.option(
     "--keep-in-memory-names",
     is_flag=True,
     default=False,

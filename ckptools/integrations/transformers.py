@@ -145,6 +145,9 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc]
                 max_shard_size=self.max_shard_size,
                 dtype=self.dtype,
                 config=config,
+                # a save must not stop the training: with no config (a model that is no
+                # PreTrainedModel, none beside the checkpoint) OUT holds the weights, as noted
+                weights_only=True,
                 overwrite=self.overwrite,
                 quiet=True,
             )

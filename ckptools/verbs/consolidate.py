@@ -83,6 +83,7 @@ class ConsolidateOptions(ExportOptions):
 
     Attributes:
         dry_run: plan only; write nothing.
+        weights_only: write the weights alone where no config.json fits them (refused without).
         workers: copy threads as given (None: :func:`ckptools.io.tunables.workers`).
         memory_budget: copy buffers as given (None: :func:`ckptools.io.tunables.memory_budget`).
         format: force the source layout instead of detecting it.
@@ -93,6 +94,7 @@ class ConsolidateOptions(ExportOptions):
     """
 
     dry_run: bool = False
+    weights_only: bool = False
     workers: int | None = None
     memory_budget: str | int | None = None
     format: str | None = None
@@ -192,6 +194,7 @@ def consolidate(
     config: str | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
+    weights_only: bool = False,
     workers: int | None = None,
     memory_budget: str | int | None = None,
     format: str | None = None,
@@ -208,12 +211,10 @@ def consolidate(
 ) -> ConsolidateResult:
     """Write the checkpoint at ``src`` as a Hugging Face safetensors model directory ``out``.
 
-    Bit-exact unless ``dtype`` is given: every tensor keeps its stored dtype and bytes. Writes
-    ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files and
-    ``model.safetensors.index.json`` when the model is larger than ``max_shard_size``; copies
-    ``config.json`` and tokenizer files from ``config`` or from beside the checkpoint. The
-    directory appears atomically: files go to ``<out>.tmp-<id>/``, the index is written last,
-    then the directory is renamed; any failure (including Ctrl-C) removes the temporary directory.
+    Bit-exact unless ``dtype`` is given. Writes ``model.safetensors`` (above ``max_shard_size``,
+    ``model-0000k-of-0000n.safetensors`` files and their index, written last) and copies
+    ``config.json`` and tokenizer files from ``config`` or from beside the checkpoint. OUT
+    appears atomically: ``<out>.tmp-<id>/`` renamed; any failure (Ctrl-C too) removes it.
 
     Args:
         src: a checkpoint in any layout :func:`ckptools.read_manifest` reads.
@@ -225,6 +226,7 @@ def consolidate(
         config: a ``config.json`` file or a directory with config and tokenizer files.
         overwrite: replace an existing ``out``.
         dry_run: plan only; write nothing.
+        weights_only: write the weights alone where no ``config.json`` fits them (refused).
         workers: copy threads (default ``CKPTOOLS_WORKERS``, else up to 4).
         memory_budget: bytes of copy buffers (default ``CKPTOOLS_MEMORY_BUDGET`` or 256 MiB).
         format: force the source layout instead of detecting it.
@@ -248,7 +250,7 @@ def consolidate(
         A :class:`ConsolidateResult`; ``to_dict()`` gives plain JSON-able data.
 
     Raises:
-        UsageError: ``out`` exists (without ``overwrite``), a bad size, selection or config.
+        UsageError: ``out`` exists (without ``overwrite``); a bad size, selection or config.
         CkptError: the checkpoint is missing, damaged, unsafe or unsupported.
 
     Example:
@@ -259,9 +261,9 @@ def consolidate(
     """
     started = time.perf_counter()
     options = ConsolidateOptions(
-        max_shard_size=max_shard_size, dtype=dtype, select=select, key=key,
+        max_shard_size=max_shard_size, dtype=dtype, select=select, key=key, quiet=quiet,
         strip_prefix=strip_prefix, config=config, overwrite=overwrite, dry_run=dry_run,
-        workers=workers, memory_budget=memory_budget, format=format, quiet=quiet,
+        weights_only=weights_only, workers=workers, memory_budget=memory_budget, format=format,
         distributed=distributed, keep_in_memory_names=keep_in_memory_names, adapter=adapter,
         merge_lora=merge_lora, lora_alpha=lora_alpha, adapter_config=adapter_config,
         adapter_name=adapter_name, masters=masters)  # fmt: skip
@@ -303,6 +305,36 @@ def _checked_shapes(
     return None if lora.scan(shapes, shapes) is not None else shapes
 
 
+def _weights_alone(
+    src: str, out: str, options: ConsolidateOptions, misfit: str | None, *, has_config: bool
+) -> list[str]:
+    """No config for the model (none found, or ``misfit``: the one found does not fit): the
+    note that OUT holds the weights only, with ``weights_only``; else the UsageError that
+    from_pretrained could not load OUT, naming the ways out (a dry run plans anyway, saying so).
+    """
+    weights_only = "or --weights-only to write the weights alone"
+    if misfit is not None:
+        kept = f"{misfit} ({out} holds the weights only)"
+        refused = f"{misfit}, {weights_only}"
+    elif not has_config:
+        kept = (
+            f"no config.json beside {src} or above it: {out} holds the weights only "
+            "(--weights-only), which from_pretrained cannot load"
+        )
+        refused = (
+            f"no config.json beside {src} or above it, so from_pretrained could not load {out}: "
+            f"give the model's config with --config CONFIG.json (or a directory holding it), "
+            f"{weights_only}"
+        )
+    else:
+        return []
+    if options.weights_only:
+        return [kept]
+    if options.dry_run:
+        return [f"{refused} (without --dry-run the run would stop here)"]
+    raise UsageError(refused)
+
+
 @dataclass(frozen=True)
 class _Run:
     """One consolidation, planned: what every writing step and the result need."""
@@ -331,7 +363,7 @@ class _Run:
         tie = tie_setting(model_files)
         export = plan_export(manifest, options, tie, model_config(model_files),
                              check=not options.dry_run)  # fmt: skip
-        notes = [] if misfit is None else [f"{misfit} ({out} holds the weights only)"]
+        notes: list[str] = []
         views = views_of(manifest)
         if views is not None and not options.adapter:
             # the config named the run's tensors: the HF model they became must be its model
@@ -358,18 +390,8 @@ class _Run:
             notes.append(views.NO_TOKENIZER)
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
-        if (
-            not options.adapter
-            and options.select is None
-            and not has_config
-            and export.config is None
-            and misfit is None
-        ):
-            notes.append(
-                f"no config.json beside {src} or above it: {out} holds the weights only, which "
-                "from_pretrained cannot load; give the model's config with --config "
-                "CONFIG.json (or a directory holding it)"
-            )
+        if not options.adapter and options.select is None and export.config is None:
+            notes.extend(_weights_alone(src, out, options, misfit, has_config=has_config))
         return cls(
             src=src, out=out, options=options, manifest=manifest, model_files=model_files,
             tie=tie, export=export, started=started, notes=notes,

@@ -114,7 +114,7 @@ def test_consolidate_equals_zero_to_fp32_and_live_masters(
 
     path = zero(world, stage, dtype)
     out = tmp_path / "hf"
-    result = ckptools.consolidate(path, str(out), quiet=True)
+    result = ckptools.consolidate(path, str(out), quiet=True, weights_only=True)
     ours = _load_dir(out)
     theirs = _zero_to_fp32(path)
     assert theirs, "zero_to_fp32 returned nothing"

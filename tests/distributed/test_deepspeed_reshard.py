@@ -215,7 +215,7 @@ def test_inspect_and_consolidate_keep_to_the_model(
     model = set(model_keys(manifest))
     assert "head.weight" in model and not any(n.startswith("optimizer") for n in model)
     assert "optimizer.state.embed.weight.exp_avg_sq" in manifest.tensors
-    result = ckptools.consolidate(path, str(tmp_path / "hf"), quiet=True)
+    result = ckptools.consolidate(path, str(tmp_path / "hf"), quiet=True, weights_only=True)
     assert result.to_dict()["tensors"] == len(model)
     assert ckptools.verify(path, quiet=True).ok
 

@@ -64,7 +64,9 @@ def test_consolidate_reads_the_tag_asked_for(run_dir: str, tmp_path: Path) -> No
     import torch
 
     out = tmp_path / "hf"
-    code, _, err = _ckpt("consolidate", run_dir, str(out), "--tag", EARLIER_TAG, "-q")
+    code, _, err = _ckpt(
+        "consolidate", run_dir, str(out), "--tag", EARLIER_TAG, "-q", "--weights-only"
+    )
     assert code == 0, err
     ours = _tensors(out)
     theirs = torch.load(os.path.join(run_dir, f"zero_to_fp32-{EARLIER_TAG}.pt"), weights_only=True)

@@ -57,6 +57,7 @@ def _same_as_consolidate(
             max_shard_size=_SHARD,
             dtype=dtype,  # type: ignore[arg-type]
             quiet=True,
+            weights_only=True,
         )
         result = ckptools.save_pretrained(
             model,
@@ -114,7 +115,11 @@ def test_plain_module_without_process_group(tmp_path: Path) -> None:
     training.train_step(model, opt, 0)
     ckptools.save(str(tmp_path / "ck"), model)
     ckptools.consolidate(
-        str(tmp_path / "ck"), str(tmp_path / "a"), max_shard_size=_SHARD, quiet=True
+        str(tmp_path / "ck"),
+        str(tmp_path / "a"),
+        max_shard_size=_SHARD,
+        quiet=True,
+        weights_only=True,
     )
     result = ckptools.save_pretrained(model, tmp_path / "b", max_shard_size=_SHARD)
     assert result.world_size == 1 and len(result.files) > 2

@@ -226,7 +226,16 @@ def test_consolidate_is_byte_identical(
     produced: Callable[..., Produced], tmp_path: Path, nodes: int, nproc: int
 ) -> None:
     src = str(produced("fsdp2", world_size=4, optimizer=False).path)
-    args = ["consolidate", src, "{out}", "--max-shard-size", "4KB", "--json", "-q"]
+    args = [
+        "consolidate",
+        src,
+        "{out}",
+        "--max-shard-size",
+        "4KB",
+        "--json",
+        "-q",
+        "--weights-only",
+    ]
     single = tmp_path / "single"
     _, expected = _one_process([a.replace("{out}", str(single)) for a in args])
     assert len(expected["files"]) >= 3  # several output files, so the ranks' shares differ
@@ -400,7 +409,7 @@ def test_unwritable_destination_fails_every_rank(
     # OUT's own name fits (255 bytes), the staging directory's `<out>.tmp-<id>` does not: only
     # rank 0, which makes it, finds out (every rank checks OUT itself before any work)
     out = tmp_path / ("o" * 250)
-    extra = ["--world-size", "3"] if command != "consolidate" else []
+    extra = ["--world-size", "3"] if command != "consolidate" else ["--weights-only"]
     launch = torchrun(
         [command, str(source.path), str(out), *extra, "-q"], tmp_path, nproc=2, failing=True
     )
@@ -536,6 +545,8 @@ def test_consolidate_to_an_object_store_under_torchrun_is_refused_on_every_rank(
     # Ranks write byte ranges of shared files, which no object can take: a usage error, decided
     # alike on every rank before anything is written (memory:// is an fsspec store too).
     src = str(produced("fsdp2", world_size=4, optimizer=False).path)
-    launch = torchrun(["consolidate", src, "memory://bucket/hf", "-q"], tmp_path, failing=True)
+    launch = torchrun(
+        ["consolidate", src, "memory://bucket/hf", "-q", "--weights-only"], tmp_path, failing=True
+    )
     _assert_all_failed(launch, 2)
     assert all("local or shared directory" in s for s in launch.stderr)

@@ -88,7 +88,11 @@ def test_ctrl_c_mid_write_says_where_the_files_are_kept_and_a_rerun_resumes(
     out = tmp_path / "hf"
     args = [str(src.path), str(out), "--max-shard-size", "3MB", "--dtype", "bfloat16",
             "--workers", "1"]  # fmt: skip
-    proc = _start(["consolidate", *args], env={"CKPTOOLS_MEMORY_BUDGET": "64KB"}, importtime=False)
+    proc = _start(
+        ["consolidate", *args, "--weights-only"],
+        env={"CKPTOOLS_MEMORY_BUDGET": "64KB"},
+        importtime=False,
+    )
     journal = f"{out.name}.tmp-*/{resume.JOURNAL_PREFIX}*.json"
     while proc.poll() is None and not any(tmp_path.glob(journal)):
         time.sleep(0.002)
@@ -103,7 +107,7 @@ def test_ctrl_c_mid_write_says_where_the_files_are_kept_and_a_rerun_resumes(
         "again to resume (or delete it)"
     ]
     again = subprocess.run(
-        [sys.executable, "-m", "ckptools", "consolidate", *args],
+        [sys.executable, "-m", "ckptools", "consolidate", *args, "--weights-only"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
@@ -112,7 +116,7 @@ def test_ctrl_c_mid_write_says_where_the_files_are_kept_and_a_rerun_resumes(
     assert not kept.exists()
     clean = tmp_path / "clean"
     ckptools.consolidate(str(src.path), str(clean), max_shard_size="3MB", dtype="bfloat16",
-                         quiet=True)  # fmt: skip
+                         quiet=True, weights_only=True)  # fmt: skip
     names = sorted(os.listdir(clean))
     assert sorted(os.listdir(out)) == names
     assert all(filecmp.cmp(clean / n, out / n, shallow=False) for n in names)

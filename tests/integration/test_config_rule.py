@@ -20,7 +20,9 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
+import ckptools
 from ckptools.cli.main import cli
+from ckptools.errors import UsageError
 from tests.conftest import Produced
 from tests.support.producers import hf_config_dict
 
@@ -35,14 +37,22 @@ def test_a_config_beside_that_does_not_fit_is_named_and_not_copied(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
     """A Llama config beside a checkpoint of other names would make ``from_pretrained`` build a
-    random Llama (every weight missing): named in a note with the counts, not copied; the same
-    config given with --config is refused in one line."""
+    random Llama (every weight missing): refused in one line naming it with the counts,
+    --config and --weights-only, nothing written; with --weights-only the weights alone, the
+    config named in a note and not copied; the same config given with --config is refused."""
     src = tmp_path / "ckpt"
     shutil.copytree(produced("single").path, src)
     (src / "config.json").write_text(json.dumps(hf_config_dict()))
     (src / "tokenizer.json").write_text("{}")
     out = tmp_path / "out"
-    result = _invoke("consolidate", str(src), str(out))
+    refused = _invoke("consolidate", str(src), str(out))
+    assert refused.exit_code == 2, refused.output
+    # one error line (a first run may say it checks the config's model, once, before it)
+    [line] = [n for n in refused.output.splitlines() if n.startswith("error:")]
+    assert str(src / "config.json") in line and "21 missing" in line, line
+    assert "--config" in line and "--weights-only" in line, line
+    assert list(tmp_path.glob("out*")) == []
+    result = _invoke("consolidate", str(src), str(out), "--weights-only")
     assert result.exit_code == 0, result.output
     [note] = [line for line in result.output.splitlines() if "does not fit" in line]
     assert str(src / "config.json") in note and "--config" in note, note
@@ -54,6 +64,50 @@ def test_a_config_beside_that_does_not_fit_is_named_and_not_copied(
     assert given.exit_code == 2, given.output
     assert len(given.output.strip().splitlines()) == 1 and "does not fit" in given.output
     assert not (tmp_path / "o2").exists()
+
+
+def test_no_config_is_refused_naming_config_and_weights_only(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """The Llama FSDP2 job's DCP with no config.json beside it or above it: from_pretrained
+    could not load OUT, so consolidate stops before writing anything, in one line naming
+    --config and --weights-only (exit 2; neither OUT nor OUT.tmp-* exists). --weights-only
+    writes the weights alone (exit 0, a note says so); --dry-run plans, saying it would stop;
+    --select (a sub-tree, no model) needs no config."""
+    src = tmp_path / "run" / "ckpt"
+    shutil.copytree(produced("fsdp2", world_size=2).path, src)
+    out = tmp_path / "out"
+    refused = _invoke("consolidate", str(src), str(out))
+    assert refused.exit_code == 2, refused.output
+    # one error line (a first run may say it checks the config's model, once, before it)
+    [line] = [n for n in refused.output.splitlines() if n.startswith("error:")]
+    assert "no config.json" in line and str(src) in line, line
+    assert "--config CONFIG.json" in line and "--weights-only" in line, line
+    assert list(tmp_path.glob("out*")) == []
+    with pytest.raises(UsageError, match="--weights-only"):
+        ckptools.consolidate(str(src), str(out), quiet=True)
+    assert list(tmp_path.glob("out*")) == []
+
+    planned = _invoke("consolidate", str(src), str(out), "--dry-run")
+    assert planned.exit_code == 0, planned.output
+    assert "without --dry-run the run would stop here" in planned.output, planned.output
+    assert list(tmp_path.glob("out*")) == []
+
+    written = _invoke("consolidate", str(src), str(out), "--weights-only")
+    assert written.exit_code == 0, written.output
+    assert "weights only" in written.output and "from_pretrained" in written.output
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    reference = ckptools.consolidate(str(src), str(tmp_path / "lib"), weights_only=True, quiet=True)
+    assert reference.config_files == ()
+    ours, theirs = (
+        load_file(out / "model.safetensors"),
+        load_file(tmp_path / "lib" / "model.safetensors"),
+    )
+    assert ours.keys() == theirs.keys() and "lm_head.weight" in ours
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+    selected = _invoke("consolidate", str(src), str(tmp_path / "sel"), "--select", "*", "-q")
+    assert selected.exit_code == 0, selected.output
 
 
 def test_a_config_that_fits_is_copied_and_loads(
@@ -149,7 +203,8 @@ def test_reshard_of_a_megatron_run_finds_the_config_consolidate_finds(
     assert _invoke("consolidate", str(src), str(tmp_path / "hf"), "-q").exit_code == 0
     result = _invoke("reshard", str(src), str(tmp_path / "dcp"), "--world-size", "2", "-q")
     assert result.exit_code == 0, result.output
-    back = _invoke("consolidate", str(tmp_path / "dcp"), str(tmp_path / "hf2"), "-q")
+    back = _invoke("consolidate", str(tmp_path / "dcp"), str(tmp_path / "hf2"), "-q",
+                   "--config", str(project / "config.json"))  # fmt: skip
     assert back.exit_code == 0, back.output
     a, b = (
         load_file(tmp_path / "hf" / "model.safetensors"),

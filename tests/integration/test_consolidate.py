@@ -79,7 +79,7 @@ def test_single_process_every_dtype_and_shape_kind(
 ) -> None:
     p = produced("single")
     out = str(tmp_path / "hf")
-    result = ckptools.consolidate(str(p.path), out, quiet=True)
+    result = ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     expected = _flatten(p.reference()["model"])
     got = _read_dir(out)
     _assert_bit_exact(got, expected)
@@ -106,7 +106,9 @@ def test_tiny_blocks_and_threads_stay_bit_exact(
     monkeypatch.setattr(os, "copy_file_range", refuse)
     p = produced("fsdp2", world_size=3, optimizer=False)
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True, workers=workers, memory_budget=budget)
+    ckptools.consolidate(
+        str(p.path), out, quiet=True, workers=workers, memory_budget=budget, weights_only=True
+    )
     _assert_bit_exact(_read_dir(out), p.reference()["model"])
 
 
@@ -117,7 +119,7 @@ def test_fsdp2_uneven_and_empty_shards(
 ) -> None:
     p = produced("fsdp2", world_size=world_size)
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True)
+    ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     ref = p.reference()
     got = _read_dir(out)
     _assert_bit_exact(got, ref["model"])
@@ -132,10 +134,10 @@ def test_fsdp2_nested_app_and_optimizer_select(
     p = produced("fsdp2", world_size=2, nested_app=True)
     ref = p.reference()
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True)
+    ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     _assert_bit_exact(_read_dir(out), ref["model"])
     opt_out = str(tmp_path / "optim")
-    ckptools.consolidate(str(p.path), opt_out, select="app.optim", quiet=True)
+    ckptools.consolidate(str(p.path), opt_out, select="app.optim", quiet=True, weights_only=True)
     _assert_bit_exact(_read_dir(opt_out), _flatten(ref["optim"]))
 
 
@@ -153,21 +155,23 @@ def test_tp_fsdp_dim1_sharded(
         any(o != 0 for o in c.offsets[1:]) for t in manifest.tensors.values() for c in t.chunks
     ), "expected chunks sharded on dim 1 (RowwiseParallel)"
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True, workers=2, memory_budget=budget)
+    ckptools.consolidate(
+        str(p.path), out, quiet=True, workers=2, memory_budget=budget, weights_only=True
+    )
     _assert_bit_exact(_read_dir(out), p.reference()["model"])
 
 
 def test_torch_save_file(produced: Callable[..., Produced], tmp_path: Path) -> None:
     p = produced("torch_save")
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True)
+    ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     _assert_bit_exact(_read_dir(out), p.reference()["model"])
 
 
 def test_dtype_cast_floating_only(produced: Callable[..., Produced], tmp_path: Path) -> None:
     p = produced("single")
     out = str(tmp_path / "hf")
-    result = ckptools.consolidate(str(p.path), out, dtype="bfloat16", quiet=True)
+    result = ckptools.consolidate(str(p.path), out, dtype="bfloat16", quiet=True, weights_only=True)
     expected = {
         k: v.to(torch.bfloat16) if v.is_floating_point() else v
         for k, v in _flatten(p.reference()["model"]).items()
@@ -231,7 +235,7 @@ def test_tied_without_config_keeps_both_and_reports_the_pair(tmp_path: Path) -> 
     ckpt, _ = _llama_checkpoint(tmp_path, tied=True)
     os.remove(tmp_path / "run" / "config.json")
     out = str(tmp_path / "hf")
-    result = ckptools.consolidate(ckpt, out, quiet=True)
+    result = ckptools.consolidate(ckpt, out, quiet=True, weights_only=True)
     got = _read_dir(out)
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
     assert result.tied == (("lm_head.weight", "model.embed_tokens.weight"),)
@@ -292,7 +296,7 @@ def test_interrupted_run_leaves_nothing(
     monkeypatch.setattr(chunk_copier.ChunkCopier, "copy_chunk", failing)
     out = str(tmp_path / "hf")
     with pytest.raises(type(exc)):
-        ckptools.consolidate(str(p.path), out, quiet=True, workers=workers)
+        ckptools.consolidate(str(p.path), out, quiet=True, workers=workers, weights_only=True)
     _no_leftovers(out)
     assert os.listdir(tmp_path) == []
 
@@ -305,14 +309,18 @@ def test_existing_out_refused_then_overwritten(
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(UsageError, match="already exists"):
-        ckptools.consolidate(str(p.path), str(out), quiet=True)
+        ckptools.consolidate(str(p.path), str(out), quiet=True, weights_only=True)
     # --overwrite replaces an earlier output, never a directory holding the user's files
     with pytest.raises(UsageError, match=r"would delete keep\.txt, which ckptools did not write"):
-        ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True)
+        ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True, weights_only=True)
     assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()
-    ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True)  # empty: replaced
-    ckptools.consolidate(str(p.path), str(out), quiet=True, overwrite=True)  # its own output
+    ckptools.consolidate(
+        str(p.path), str(out), quiet=True, overwrite=True, weights_only=True
+    )  # empty: replaced
+    ckptools.consolidate(
+        str(p.path), str(out), quiet=True, overwrite=True, weights_only=True
+    )  # its own output
     assert sorted(os.listdir(out)) == ["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
@@ -348,20 +356,33 @@ def test_cli_json_and_text(produced: Callable[..., Produced], tmp_path: Path) ->
     p = produced("single")
     out = str(tmp_path / "hf")
     runner = CliRunner()
-    r = runner.invoke(cli, ["consolidate", str(p.path), out, "--json", "--max-shard-size", "1KB"])
+    r = runner.invoke(
+        cli,
+        ["consolidate", str(p.path), out, "--json", "--max-shard-size", "1KB", "--weights-only"],
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data["out"] == out and data["index"] == "model.safetensors.index.json"
     assert data["bytes_written"] == sum(
         os.path.getsize(os.path.join(out, f["name"])) for f in data["files"]
     )
-    r = runner.invoke(cli, ["consolidate", str(p.path), out])
+    r = runner.invoke(cli, ["consolidate", str(p.path), out, "--weights-only"])
     assert r.exit_code == 2 and "already exists" in r.output
-    r = runner.invoke(cli, ["consolidate", str(p.path), str(tmp_path / "x"), "--dry-run"])
+    r = runner.invoke(
+        cli, ["consolidate", str(p.path), str(tmp_path / "x"), "--dry-run", "--weights-only"]
+    )
     assert r.exit_code == 0 and "would write: model.safetensors" in r.output
     assert not os.path.exists(tmp_path / "x")
     r = runner.invoke(
-        cli, ["consolidate", str(p.path), str(tmp_path / "y"), "--max-shard-size", "5XB"]
+        cli,
+        [
+            "consolidate",
+            str(p.path),
+            str(tmp_path / "y"),
+            "--max-shard-size",
+            "5XB",
+            "--weights-only",
+        ],
     )
     assert r.exit_code == 2 and "not a size" in r.output
 
@@ -375,7 +396,7 @@ def test_every_layout_consolidates_bit_exactly(
 ) -> None:
     p = produced(name)
     out = str(tmp_path / "hf")
-    ckptools.consolidate(str(p.path), out, quiet=True)
+    ckptools.consolidate(str(p.path), out, quiet=True, weights_only=True)
     _assert_bit_exact(_read_dir(out), p.reference()["model"])
 
 
@@ -386,13 +407,13 @@ def test_malicious_checkpoints_never_run_code(tmp_path: Path, how: str) -> None:
     sentinel = malicious_metadata(str(tmp_path / "meta"), how=how)  # type: ignore[arg-type]
     out = str(tmp_path / "hf-meta")
     with pytest.raises(UnsafeCheckpointError):
-        ckptools.consolidate(str(tmp_path / "meta"), out, quiet=True)
+        ckptools.consolidate(str(tmp_path / "meta"), out, quiet=True, weights_only=True)
     assert not os.path.exists(sentinel)
     _no_leftovers(out)
     # An object entry is not exported (safetensors holds tensors), so it is never even decoded.
     sentinel = malicious_object(str(tmp_path / "obj"), how=how)  # type: ignore[arg-type]
     out = str(tmp_path / "hf-obj")
-    result = ckptools.consolidate(str(tmp_path / "obj"), out, quiet=True)
+    result = ckptools.consolidate(str(tmp_path / "obj"), out, quiet=True, weights_only=True)
     assert not os.path.exists(sentinel)
     assert result.skipped_objects == 2
     assert torch.equal(_read_dir(out)["w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
@@ -406,7 +427,8 @@ def test_byte_path_never_imports_torch(produced: Callable[..., Produced], tmp_pa
     p = produced("fsdp2", world_size=2, optimizer=False)
     code = (
         "import sys, ckptools\n"
-        f"ckptools.consolidate({str(p.path)!r}, {str(tmp_path / 'hf')!r}, quiet=True)\n"
+        f"ckptools.consolidate({str(p.path)!r}, {str(tmp_path / 'hf')!r}, quiet=True,"
+        " weights_only=True)\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -415,7 +437,7 @@ def test_byte_path_never_imports_torch(produced: Callable[..., Produced], tmp_pa
 
 
 def _consolidate_on_rank(rank: int, world_size: int, src: str, out: str, **kw: Any) -> Any:
-    return ckptools.consolidate(src, out, quiet=True, **kw).to_dict()
+    return ckptools.consolidate(src, out, quiet=True, **kw, weights_only=True).to_dict()
 
 
 @pytest.mark.distributed
@@ -444,7 +466,7 @@ def _failing_on_rank1(rank: int, world_size: int, src: str, out: str) -> str:
 
         chunk_copier.ChunkCopier.copy_chunk = boom  # type: ignore[method-assign]
     try:
-        ckptools.consolidate(src, out, quiet=True)
+        ckptools.consolidate(src, out, quiet=True, weights_only=True)
     except (OSError, CkptError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"

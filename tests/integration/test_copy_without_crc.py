@@ -75,7 +75,7 @@ def test_consolidate_of_a_source_without_crcs_computes_none(
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
     asked = _no_crc(monkeypatch)
     out = tmp_path / "out"
-    ckptools.consolidate(str(src), str(out), quiet=True)
+    ckptools.consolidate(str(src), str(out), quiet=True, weights_only=True)
     assert not asked
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert sorted(f.keys()) == sorted(state)
@@ -103,7 +103,7 @@ def test_kernel_copies_make_no_block_buffer(
     monkeypatch.setattr(chunk_copier.ChunkCopier, "buffer", counting)
     asked = _no_crc(monkeypatch)
     out = tmp_path / "out"
-    ckptools.consolidate(str(p.path), str(out), quiet=True, workers=2)
+    ckptools.consolidate(str(p.path), str(out), quiet=True, workers=2, weights_only=True)
     assert not made
     assert asked  # the CRCs were checked, in place
     got = load_file(str(out / "model.safetensors"))

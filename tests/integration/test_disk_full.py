@@ -65,7 +65,7 @@ def _limit_file_size() -> None:
 @pytest.mark.parametrize(
     ("argv", "written"),
     [
-        (["consolidate"], "model.safetensors"),  # created at its final size: ftruncate
+        (["consolidate", "--weights-only"], "model.safetensors"),  # final size at once: ftruncate
         (["reshard", "--world-size", "1"], "__0_0.distcp"),  # grows: copy_file_range, pwrite
     ],
 )
@@ -120,7 +120,9 @@ class _FillingDisk:
 
 
 def _consolidate(src: Produced, out: Path) -> object:
-    return ckptools.consolidate(str(src.path), str(out), max_shard_size=SHARD, quiet=True)
+    return ckptools.consolidate(
+        str(src.path), str(out), max_shard_size=SHARD, quiet=True, weights_only=True
+    )
 
 
 def _reshard(src: Produced, out: Path) -> object:
@@ -130,7 +132,7 @@ def _reshard(src: Produced, out: Path) -> object:
 def _shard(src: Produced, out: Path) -> object:
     hf = out.parent / "hf"
     if not hf.exists():
-        ckptools.consolidate(str(src.path), str(hf), quiet=True)
+        ckptools.consolidate(str(src.path), str(hf), quiet=True, weights_only=True)
     return ckptools.shard(str(hf), str(out), world_size=3, quiet=True)
 
 

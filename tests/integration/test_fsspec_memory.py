@@ -43,8 +43,10 @@ def test_consolidate_and_reshard_on_memory_fs(mem_root: str, tmp_path: Path) -> 
     _put(FIXTURES / "fsdp2_ws2", src)
     assert ckptools.inspect(src).manifest.world_size == 2
     local = tmp_path / "hf"
-    ckptools.consolidate(str(FIXTURES / "fsdp2_ws2"), str(local), max_shard_size=800, quiet=True)
-    ckptools.consolidate(src, f"{mem_root}/hf", max_shard_size=800, quiet=True)
+    ckptools.consolidate(
+        str(FIXTURES / "fsdp2_ws2"), str(local), max_shard_size=800, quiet=True, weights_only=True
+    )
+    ckptools.consolidate(src, f"{mem_root}/hf", max_shard_size=800, quiet=True, weights_only=True)
     got = _get(f"{mem_root}/hf")
     assert got == {p.name: p.read_bytes() for p in local.iterdir()}
 

@@ -551,7 +551,7 @@ def test_small_expanded_view_is_written_out_whole(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     state = {"w": torch.arange(3.0).expand(4, 3), "position_ids": torch.arange(5).expand(1, 5)}
     torch.save(state, path)
-    ckptools.consolidate(str(path), str(tmp_path / "hf"), quiet=True)
+    ckptools.consolidate(str(path), str(tmp_path / "hf"), quiet=True, weights_only=True)
     out = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert set(out) == set(state)
     for k, v in state.items():
@@ -584,7 +584,7 @@ def test_dcp_item_holding_an_expanded_view_is_refused(
     _edit_metadata(dcp_ckpt, edit)
     before = _digest(dcp_ckpt)
     for args in (
-        ("consolidate", str(dcp_ckpt), str(tmp_path / "hf")),
+        ("consolidate", str(dcp_ckpt), str(tmp_path / "hf"), "--weights-only"),
         ("reshard", str(dcp_ckpt), str(tmp_path / "re"), "--world-size", "2"),
     ):
         msg = _one_line_error(*args)

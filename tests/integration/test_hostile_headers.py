@@ -241,7 +241,7 @@ def test_valid_file_with_many_dtypes_is_bit_exact(st_file: Path, tmp_path: Path)
     # The other side of the rules: what safetensors writes (0-dim, empty, 1-byte dtypes, the
     # header padded with spaces) is accepted, and comes through consolidate unchanged.
     out = tmp_path / "out"
-    ckptools.consolidate(str(st_file), str(out))
+    ckptools.consolidate(str(st_file), str(out), weights_only=True)
     assert ckptools.verify(str(st_file), quiet=True).ok
     want, got = load_file(str(st_file)), load_file(str(out / "model.safetensors"))
     assert set(want) == set(got)
@@ -366,7 +366,7 @@ def test_distcp_item_one_byte_off(tmp_path: Path, fqn: str, delta: int) -> None:
     _edit_metadata(src, edit)
     before = _tree_digest(src)
     with pytest.raises(CkptError) as e:
-        ckptools.consolidate(str(src), str(tmp_path / "out"))
+        ckptools.consolidate(str(src), str(tmp_path / "out"), weights_only=True)
     assert "__0_0.distcp" in str(e.value) and "\n" not in str(e.value)
     assert not ckptools.verify(str(src), quiet=True).ok
     assert _tree_digest(src) == before and not (tmp_path / "out").exists()

@@ -182,7 +182,7 @@ def test_links_inside_the_checkpoint_are_fine(tmp_path: Path) -> None:
     os.replace(ckpt / "__0_0.distcp", ckpt / "data.bin")
     (ckpt / "__0_0.distcp").symlink_to("data.bin")
     (ckpt.parent / "alias").symlink_to(ckpt)
-    result = ckptools.consolidate(str(tmp_path / "alias"), str(tmp_path / "out"))
+    result = ckptools.consolidate(str(tmp_path / "alias"), str(tmp_path / "out"), weights_only=True)
     assert result.tensors == 3
 
 
@@ -447,7 +447,16 @@ def test_stale_staging_dirs_are_removed_live_ones_kept(tmp_path: Path) -> None:
     rng = random.Random(19)
     for _ in range(3):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ckptools", "consolidate", str(src), str(out), "--quiet"]
+            [
+                sys.executable,
+                "-m",
+                "ckptools",
+                "consolidate",
+                str(src),
+                str(out),
+                "--quiet",
+                "--weights-only",
+            ]
         )
         before, deadline = set(tmp_path.glob("out.tmp-*")), time.monotonic() + 10
         while proc.poll() is None and time.monotonic() < deadline:
@@ -461,14 +470,14 @@ def test_stale_staging_dirs_are_removed_live_ones_kept(tmp_path: Path) -> None:
             shutil.rmtree(out)
     live, live_tmp = _holder(out, "live")
     try:
-        ckptools.consolidate(str(src), str(out))
+        ckptools.consolidate(str(src), str(out), weights_only=True)
         left = sorted(str(p) for p in tmp_path.glob("out.tmp-*"))
         assert left == sorted([live_tmp, other]), left  # the dead runs' removed, these kept
     finally:
         assert live.stdin is not None
         live.stdin.close()
         live.wait()
-    ckptools.consolidate(str(src), str(out), overwrite=True)
+    ckptools.consolidate(str(src), str(out), overwrite=True, weights_only=True)
     assert [str(p) for p in tmp_path.glob("out.tmp-*")] == [other]
     assert out.is_dir()
 

@@ -60,15 +60,16 @@ class Sweep:
     window: tuple[float, float] = (0.05, 1.1)  # when, in clean-run durations
 
 
+#: the source is the tiny FSDP2 job without its config: its weights are what is swept
 SWEEPS = {
-    "consolidate": Sweep("consolidate", ("--max-shard-size", "3MB")),  # 8 files, each journaled
+    "consolidate": Sweep("consolidate", ("--max-shard-size", "3MB", "--weights-only")),  # 8 files
     "reshard": Sweep("reshard", ("--world-size", "5")),
     # Ctrl-C while copying on the buffered path (a cast, 64 KB blocks), where a piece told to
     # stop returns between blocks: the file it was copying must not be journaled as complete.
     # (Ctrl-C before the copy is the SIGKILL sweeps' ground; a cast run takes ~5 s.)
     "consolidate-ctrl-c": Sweep(
         "consolidate",
-        ("--max-shard-size", "3MB", "--dtype", "bfloat16"),
+        ("--max-shard-size", "3MB", "--dtype", "bfloat16", "--weights-only"),
         signal.SIGINT,
         (("CKPTOOLS_MEMORY_BUDGET", "64KB"),),
         kills=8,

@@ -24,20 +24,23 @@ from tests.support.producers import hf_config_dict
 def test_no_config_is_said_naming_the_flag(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
-    """Without a config.json beside SRC or above it OUT holds the weights only: the result
-    says so and names --config; with one, nothing is said."""
+    """Without a config.json beside SRC or above it, --weights-only writes the weights only:
+    the result says so (from_pretrained cannot load it); with one, nothing is said. (Without
+    --weights-only it is refused: tests/integration/test_config_rule.py.)"""
     src = tmp_path / "run" / "ckpt"
     shutil.copytree(produced("fsdp2", world_size=2).path, src)
-    result = ckptools.consolidate(str(src), str(tmp_path / "bare"), quiet=True)
+    result = ckptools.consolidate(str(src), str(tmp_path / "bare"), weights_only=True, quiet=True)
     assert result.config_files == ()
     [note] = [n for n in result.notes if "config.json" in n]
-    assert "from_pretrained" in note and "--config" in note
-    r = CliRunner().invoke(cli, ["consolidate", str(src), str(tmp_path / "bare2")])
-    assert r.exit_code == 0 and "--config" in r.output, r.output
+    assert "from_pretrained" in note and "weights only" in note
+    r = CliRunner().invoke(
+        cli, ["consolidate", str(src), str(tmp_path / "bare2"), "--weights-only"]
+    )
+    assert r.exit_code == 0 and "weights only" in r.output, r.output
     (tmp_path / "run" / "config.json").write_text(json.dumps(hf_config_dict()))
     result = ckptools.consolidate(str(src), str(tmp_path / "with"), quiet=True)
     assert result.config_files == ("config.json",)
-    assert not [n for n in result.notes if "--config" in n]
+    assert not [n for n in result.notes if "--config" in n or "weights only" in n]
 
 
 @pytest.mark.parametrize("as_directory", [False, True])
@@ -67,8 +70,8 @@ def test_torchtitan_step_finds_the_run_config(
 ) -> None:
     """torchtitan keeps ``step-N/`` in ``<dump>/checkpoint/``: the config in the dump folder
     is found from ``step-N`` as from the folder holding the steps. (An HF Llama config does
-    not fit torchtitan's own names, ``layers.0.attention.wq.weight``: found, it is named in a
-    note and not copied.)"""
+    not fit torchtitan's own names, ``layers.0.attention.wq.weight``: found, it is named in the
+    refusal and, with ``weights_only``, in a note, and not copied.)"""
     p = produced("torchtitan")  # .../checkpoint/step-2
     dump = tmp_path / "outputs"
     shutil.copytree(p.path.parent, dump / "checkpoint")
@@ -76,7 +79,10 @@ def test_torchtitan_step_finds_the_run_config(
     (dump / "config.json").write_text(config)
     for src in (dump / "checkpoint", dump / "checkpoint" / "step-2"):
         out = tmp_path / f"out-{src.name}"
-        result = ckptools.consolidate(str(src), str(out), quiet=True)
+        with pytest.raises(UsageError, match="--weights-only"):  # no config fits: refused
+            ckptools.consolidate(str(src), str(out), quiet=True)
+        assert not out.exists()
+        result = ckptools.consolidate(str(src), str(out), weights_only=True, quiet=True)
         assert result.config_files == (), src
         [note] = [n for n in result.notes if "does not fit" in n]
         assert note.startswith(f"{dump / 'config.json'} (found for {src})"), note

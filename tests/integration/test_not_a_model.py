@@ -83,7 +83,7 @@ def test_a_model_beside_its_optimizer_is_still_the_model(tmp_path: Path) -> None
     optimizer.step()
     src = tmp_path / "ckpt.pt"
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, src)
-    ckptools.consolidate(str(src), str(tmp_path / "out"), quiet=True)
+    ckptools.consolidate(str(src), str(tmp_path / "out"), quiet=True, weights_only=True)
     from safetensors.torch import load_file
 
     got = load_file(str(tmp_path / "out" / "model.safetensors"))

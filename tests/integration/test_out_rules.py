@@ -76,9 +76,16 @@ def test_consolidate_refuses_an_out_inside_its_source(
     else:
         fixture = {"dcp": "dcp_single", "hf": "hf_sharded"}[source]
         src = Path(shutil.copytree(FIXTURES / fixture, tmp_path / fixture))
-    args = ["consolidate", str(src), str(src / "hf")]
+    args = ["consolidate", str(src), str(src / "hf"), "--weights-only"]
     if existing:  # an earlier consolidation's output, put there by hand: part of SRC now
-        _ok(["consolidate", str(FIXTURES / "dcp_single"), str(tmp_path / "elsewhere")])
+        _ok(
+            [
+                "consolidate",
+                str(FIXTURES / "dcp_single"),
+                str(tmp_path / "elsewhere"),
+                "--weights-only",
+            ]
+        )
         shutil.copytree(tmp_path / "elsewhere", src / "hf")
         args.append("--overwrite")
     before = _digest(src)
@@ -87,7 +94,9 @@ def test_consolidate_refuses_an_out_inside_its_source(
     assert "write the output somewhere else" in text
     assert _digest(src) == before
     with pytest.raises(UsageError, match="lies inside the source checkpoint"):
-        ckptools.consolidate(str(src), str(src / "hf"), overwrite=existing, quiet=True)
+        ckptools.consolidate(
+            str(src), str(src / "hf"), overwrite=existing, quiet=True, weights_only=True
+        )
     assert _digest(src) == before
 
 
@@ -120,11 +129,13 @@ def test_callback_output_stays_out_of_later_conversions(
         str(p.relative_to(tmp_path / "resharded")) for p in (tmp_path / "resharded").rglob("*")
     ]
     assert not any(p == "hf" or p.startswith("hf/") for p in carried), carried
-    _ok(["consolidate", str(checkpoint), str(tmp_path / "again")])
+    _ok(["consolidate", str(checkpoint), str(tmp_path / "again"), "--weights-only"])
     assert os.listdir(tmp_path / "again") == ["model.safetensors"]  # nothing of hf/ copied
 
     before = _digest(checkpoint)
-    text = _refused(["consolidate", str(checkpoint), str(checkpoint / "hf"), "--overwrite"])
+    text = _refused(
+        ["consolidate", str(checkpoint), str(checkpoint / "hf"), "--overwrite", "--weights-only"]
+    )
     assert "lies inside the source checkpoint" in text
     assert _digest(checkpoint) == before
 
@@ -165,19 +176,23 @@ def test_overwrite_replaces_an_earlier_output_of_the_same_kind(tmp_path: Path) -
     src = str(FIXTURES / "dcp_single")
     hf, dcp, empty = tmp_path / "hf", tmp_path / "dcp", tmp_path / "empty"
     empty.mkdir()
-    _ok(["consolidate", src, str(empty), "--overwrite"])  # an empty directory
-    _ok(["consolidate", src, str(hf)])
-    _ok(["consolidate", src, str(hf), "--overwrite"])
+    _ok(["consolidate", src, str(empty), "--overwrite", "--weights-only"])  # an empty directory
+    _ok(["consolidate", src, str(hf), "--weights-only"])
+    _ok(["consolidate", src, str(hf), "--overwrite", "--weights-only"])
     _ok(["reshard", src, str(dcp), "--world-size", "2"])
     _ok(["reshard", src, str(dcp), "--world-size", "3", "--overwrite"])
     assert sorted(os.listdir(dcp)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     # another kind's output is not this writer's to replace
-    assert "would delete .metadata" in _refused(["consolidate", src, str(dcp), "--overwrite"])
+    assert "would delete .metadata" in _refused(
+        ["consolidate", src, str(dcp), "--overwrite", "--weights-only"]
+    )
     text = _refused(["reshard", src, str(hf), "--world-size", "2", "--overwrite"])
     assert "would delete model.safetensors" in text
     # a file is nobody's output
     (tmp_path / "model.txt").write_text("mine")
-    text = _refused(["consolidate", src, str(tmp_path / "model.txt"), "--overwrite"])
+    text = _refused(
+        ["consolidate", src, str(tmp_path / "model.txt"), "--overwrite", "--weights-only"]
+    )
     assert "--overwrite would delete this file, which ckptools did not write" in text
 
 
@@ -208,18 +223,18 @@ def test_unusable_out_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     busy = tmp_path / "busy"
     busy.mkdir()
     monkeypatch.chdir(busy)
-    assert "OUT is an empty path" in _refused(["consolidate", src, ""])
+    assert "OUT is an empty path" in _refused(["consolidate", src, "", "--weights-only"])
     assert "OUT is an empty path" in _refused(["reshard", src, "", "--world-size", "2"])
-    text = _refused(["consolidate", src, ".", "--overwrite"])
+    text = _refused(["consolidate", src, ".", "--overwrite", "--weights-only"])
     assert text.startswith("error: .: is the current directory")
     text = _refused(["reshard", src, "..", "--overwrite", "--world-size", "2"])
     assert text.startswith("error: ..: holds the current directory")
     (tmp_path / "somefile.txt").write_text("mine")
     below = str(tmp_path / "somefile.txt" / "out")
-    text = _refused(["consolidate", src, below])
+    text = _refused(["consolidate", src, below, "--weights-only"])
     assert f"{tmp_path / 'somefile.txt'} is not a directory" in text
     assert "File exists" not in text
     for proc in ("/proc/out", "/proc/self/nothing/out"):
-        text = _refused(["consolidate", src, proc])
+        text = _refused(["consolidate", src, proc, "--weights-only"])
         assert "cannot create" in text and "choose another OUT" in text
     assert os.listdir(busy) == []

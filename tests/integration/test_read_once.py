@@ -98,7 +98,9 @@ def test_consolidate_opens_each_metadata_once(
 ) -> None:
     src, markers = sources[name]
     with _metadata_opens(monkeypatch, src) as opens:
-        ckptools.consolidate(str(src), str(tmp_path / "hf"), quiet=True, distributed=False)
+        ckptools.consolidate(
+            str(src), str(tmp_path / "hf"), quiet=True, distributed=False, weights_only=True
+        )
     # consolidate reads the model part only, but detection and the manifest cover every part
     assert dict(opens) == dict.fromkeys(markers, 1)
 

@@ -126,7 +126,7 @@ def _refused(args: list[str], src: Path, out: Path, fqn: str) -> None:
 @pytest.mark.parametrize(
     ("verb", "extra"),
     [
-        ("consolidate", []),  # whole dim-0 shards: kernel copies, checked in place
+        ("consolidate", ["--weights-only"]),  # whole dim-0 shards: kernel copies, checked in place
         ("reshard", ["--world-size", "4"]),  # records split in two: ranges combined
         ("reshard", ["--world-size", "1"]),  # merged: whole records
     ],
@@ -143,9 +143,9 @@ def test_damaged_record_stops_the_copy(
 @pytest.mark.parametrize(
     ("verb", "extra", "budget"),
     [
-        ("consolidate", [], None),
+        ("consolidate", ["--weights-only"], None),
         # blocks of one or two rows: each record read in parts, their CRCs combined
-        ("consolidate", [], "512"),
+        ("consolidate", ["--weights-only"], "512"),
         ("reshard", ["--world-size", "2"], None),
     ],
 )
@@ -172,7 +172,7 @@ def test_damaged_record_cast_on_the_way(produced: Callable[..., Produced], tmp_p
     src = tmp_path / "src"
     shutil.copytree(produced("fsdp2", world_size=2, optimizer=True).path, src)
     fqn = _damage(src, lambda t, c, r: t.dtype == "float32" and t.fqn.startswith("model."), "last")
-    _refused(["consolidate", "--dtype", "bfloat16"], src, tmp_path / "out", fqn)
+    _refused(["consolidate", "--dtype", "bfloat16", "--weights-only"], src, tmp_path / "out", fqn)
 
 
 def test_damaged_record_copied_in_part_by_this_process(
@@ -320,7 +320,7 @@ def test_damaged_torch_save_record_stops_the_copy(
     assert chunk.crc32 is not None
     flip_bit(src / "model.pt", chunk.offset + chunk.length // 2, 2)
     before = _tree_digest(src)
-    extra = ["--world-size", "2"] if verb == "reshard" else []
+    extra = ["--world-size", "2"] if verb == "reshard" else ["--weights-only"]
     out = tmp_path / "out"
     result = CliRunner().invoke(cli_main, [verb, str(src / "model.pt"), str(out), *extra, "-q"])
     assert result.exit_code == 1, result.output
@@ -379,7 +379,7 @@ def test_damage_at_a_window_boundary_is_caught(
 
     monkeypatch.setattr(LocalReader, "crc32", spy)
     clean = tmp_path / "clean"
-    ckptools.consolidate(str(src), str(clean), quiet=True)
+    ckptools.consolidate(str(src), str(clean), quiet=True, weights_only=True)
     assert checked_copy.WINDOW_BYTES in windows  # the record went through the windowed path
     ref = p.reference()
     got = load_file(str(clean / "model.safetensors"))
@@ -389,6 +389,6 @@ def test_damage_at_a_window_boundary_is_caught(
     edge = checked_copy.WINDOW_BYTES  # the second window's first byte
     flip_bit(src / raw.file, raw.offset + (edge - 1 if side == "before" else edge), 3)
     with pytest.raises(CorruptCheckpointError, match="CRC-32") as caught:
-        ckptools.consolidate(str(src), str(tmp_path / "out"), quiet=True)
+        ckptools.consolidate(str(src), str(tmp_path / "out"), quiet=True, weights_only=True)
     assert raw.file in str(caught.value) and repr(tensor.fqn) in str(caught.value)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))

@@ -52,7 +52,9 @@ _KILLER = textwrap.dedent(
     resume.Journal.record = record_then_die
     command, src, out = sys.argv[1:4]
     if command == "consolidate":
-        ckptools.consolidate(src, out, max_shard_size=sys.argv[5], quiet=True, workers=1)
+        ckptools.consolidate(
+            src, out, max_shard_size=sys.argv[5], quiet=True, workers=1, weights_only=True
+        )
     else:
         ckptools.reshard(src, out, world_size=int(sys.argv[5]), quiet=True, workers=1)
     """
@@ -119,7 +121,9 @@ def src(produced: Callable[..., Produced]) -> Produced:
 
 def test_killed_consolidate_resumes_and_matches(src: Produced, tmp_path: Path) -> None:
     clean = tmp_path / "clean"
-    ckptools.consolidate(str(src.path), str(clean), max_shard_size=SHARD, quiet=True)
+    ckptools.consolidate(
+        str(src.path), str(clean), max_shard_size=SHARD, quiet=True, weights_only=True
+    )
     names = sorted(os.listdir(clean))
     shards = [n for n in names if n.endswith(".safetensors")]
     assert len(shards) >= 4
@@ -127,7 +131,9 @@ def test_killed_consolidate_resumes_and_matches(src: Produced, tmp_path: Path) -
     out = tmp_path / "out"
     staging = _killed_run("consolidate", src.path, out, 2, SHARD)
     kept = {n: (staging / n).stat() for n in shards if (staging / n).exists()}
-    result = ckptools.consolidate(str(src.path), str(out), max_shard_size=SHARD, quiet=True)
+    result = ckptools.consolidate(
+        str(src.path), str(out), max_shard_size=SHARD, quiet=True, weights_only=True
+    )
     assert any("resumed: 2 file(s)" in n for n in result.notes), result.notes
     assert not staging.exists()  # renamed onto OUT
     assert sorted(os.listdir(out)) == names  # no journal left in the model directory
@@ -153,16 +159,22 @@ def test_killed_reshard_resumes_and_loads(src: Produced, tmp_path: Path) -> None
 
 def test_a_changed_file_or_option_is_not_trusted(src: Produced, tmp_path: Path) -> None:
     clean = tmp_path / "clean"
-    ckptools.consolidate(str(src.path), str(clean), max_shard_size=SHARD, quiet=True)
+    ckptools.consolidate(
+        str(src.path), str(clean), max_shard_size=SHARD, quiet=True, weights_only=True
+    )
     out = tmp_path / "out"
     staging = _killed_run("consolidate", src.path, out, 2, SHARD)
     journaled = [n for n in os.listdir(staging) if n.endswith(".safetensors")]
 
     # Another option: a different conversion; the interrupted one's directory is left alone.
-    other = ckptools.consolidate(str(src.path), str(out), max_shard_size="3KB", quiet=True)
+    other = ckptools.consolidate(
+        str(src.path), str(out), max_shard_size="3KB", quiet=True, weights_only=True
+    )
     assert not any("resumed" in n for n in other.notes)
     assert staging.exists()
-    ckptools.consolidate(str(src.path), str(out), max_shard_size=SHARD, quiet=True, overwrite=True)
+    ckptools.consolidate(
+        str(src.path), str(out), max_shard_size=SHARD, quiet=True, overwrite=True, weights_only=True
+    )
     # (the overwrite run resumed from the staging directory: it is gone now)
     assert not staging.exists()
     _same_files(clean, out, sorted(os.listdir(clean)))
@@ -175,7 +187,9 @@ def test_a_changed_file_or_option_is_not_trusted(src: Produced, tmp_path: Path) 
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))  # same size, new mtime
-    result = ckptools.consolidate(str(src.path), str(out2), max_shard_size=SHARD, quiet=True)
+    result = ckptools.consolidate(
+        str(src.path), str(out2), max_shard_size=SHARD, quiet=True, weights_only=True
+    )
     assert any("resumed: 1 file(s)" in n for n in result.notes), result.notes
     _same_files(clean, out2, sorted(os.listdir(clean)))
 
@@ -217,10 +231,14 @@ def test_a_running_conversion_is_not_resumed_by_another(src: Produced, tmp_path:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(UsageError, match="another ckptools run is writing it"):
-            ckptools.consolidate(str(src.path), str(out), max_shard_size=SHARD, quiet=True)
+            ckptools.consolidate(
+                str(src.path), str(out), max_shard_size=SHARD, quiet=True, weights_only=True
+            )
     finally:
         os.close(fd)
-    ckptools.consolidate(str(src.path), str(out), max_shard_size=SHARD, quiet=True)
+    ckptools.consolidate(
+        str(src.path), str(out), max_shard_size=SHARD, quiet=True, weights_only=True
+    )
     assert (out / "model.safetensors.index.json").exists()
 
 
@@ -291,5 +309,5 @@ def test_a_run_killed_while_writing_its_first_journal_part_leaves_nothing(
     dead.mkdir()
     (dead / f"{resume.JOURNAL_PREFIX}0.json.tmp-1234abcd").write_bytes(b'{"format": 1, "fin')
     (dead / "model.safetensors").write_bytes(b"\0" * 100)
-    ckptools.consolidate(str(src.path), str(out), quiet=True)
+    ckptools.consolidate(str(src.path), str(out), quiet=True, weights_only=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

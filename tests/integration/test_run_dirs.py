@@ -95,7 +95,7 @@ def test_deepspeed_save_missing_a_rank_file_is_incomplete_and_reading_takes_the_
     assert any("names global_step2, which is not whole" in n for n in notes), notes
     # what was read is global_step1: DeepSpeed's own converter of that tag agrees
     hf = tmp_path / "hf"
-    code, _, err = _ckpt("consolidate", str(run), str(hf), "-q")
+    code, _, err = _ckpt("consolidate", str(run), str(hf), "-q", "--weights-only")
     assert code == 0, err
     import torch
     from safetensors.torch import load_file
@@ -150,7 +150,7 @@ def test_manager_root_reads_the_latest_save_in_numeric_order(tmp_path: Path) -> 
     notes = json.loads(out)["notes"]
     assert any(f"{root}: using step-14, the newest complete of 3" in n for n in notes), notes
     hf = tmp_path / "hf"
-    assert _ckpt("consolidate", str(root), str(hf), "-q")[0] == 0
+    assert _ckpt("consolidate", str(root), str(hf), "-q", "--weights-only")[0] == 0
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(str(hf / "model.safetensors"))["weight"], model.weight)

@@ -186,7 +186,9 @@ def test_save_pretrained_to_s3_equals_consolidate(s3_bucket: str, tmp_path: Any)
     model, opt = _model()
     ckptools.save(str(tmp_path / "dcp"), model, opt)
     local = tmp_path / "hf"
-    ckptools.consolidate(str(tmp_path / "dcp"), str(local), max_shard_size=2000, quiet=True)
+    ckptools.consolidate(
+        str(tmp_path / "dcp"), str(local), max_shard_size=2000, quiet=True, weights_only=True
+    )
     out = f"{s3_bucket}/hf"
     result = ckptools.save_pretrained(model, out, max_shard_size=2000)
     names = sorted(p.name for p in local.iterdir())

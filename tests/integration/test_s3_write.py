@@ -41,17 +41,23 @@ def test_consolidate_s3_to_local_and_to_s3_is_byte_identical(
     fsdp2_on_s3: str, s3_bucket: str, tmp_path: Path
 ) -> None:
     local = tmp_path / "local"
-    ckptools.consolidate(str(FIXTURES / "fsdp2_ws2"), str(local), max_shard_size=800, quiet=True)
+    ckptools.consolidate(
+        str(FIXTURES / "fsdp2_ws2"), str(local), max_shard_size=800, quiet=True, weights_only=True
+    )
     names = sorted(os.listdir(local))
     assert "model.safetensors.index.json" in names and len(names) > 2
 
     from_s3 = tmp_path / "from_s3"
-    ckptools.consolidate(fsdp2_on_s3, str(from_s3), max_shard_size=800, quiet=True)
+    ckptools.consolidate(
+        fsdp2_on_s3, str(from_s3), max_shard_size=800, quiet=True, weights_only=True
+    )
     assert sorted(os.listdir(from_s3)) == names
     _same_files(local, from_s3, names)
 
     out = f"{s3_bucket}/hf"
-    result = ckptools.consolidate(fsdp2_on_s3, out, max_shard_size=800, quiet=True)
+    result = ckptools.consolidate(
+        fsdp2_on_s3, out, max_shard_size=800, quiet=True, weights_only=True
+    )
     assert sorted(objects(out)) == names  # no in-progress note, no spool leftovers
     got = tmp_path / "s3_to_s3"
     download(out, str(got))
@@ -90,14 +96,14 @@ def test_reshard_s3_to_s3_loads_with_dcp(fsdp2_on_s3: str, s3_bucket: str, tmp_p
 
 def test_shard_to_s3_and_back(s3_bucket: str, tmp_path: Path) -> None:
     hf = tmp_path / "hf"
-    ckptools.consolidate(str(FIXTURES / "fsdp2_ws2"), str(hf), quiet=True)
+    ckptools.consolidate(str(FIXTURES / "fsdp2_ws2"), str(hf), quiet=True, weights_only=True)
     upload(str(hf), f"{s3_bucket}/hf")
     out = f"{s3_bucket}/dcp4"
     ckptools.shard(f"{s3_bucket}/hf", out, world_size=4, quiet=True)
     assert sorted(objects(out)) == [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
     assert ckptools.diff(out, str(FIXTURES / "fsdp2_ws2")).identical
     back = tmp_path / "back"
-    ckptools.consolidate(out, str(back), quiet=True)
+    ckptools.consolidate(out, str(back), quiet=True, weights_only=True)
     _same_files(hf, back, ["model.safetensors"])
 
 
@@ -132,7 +138,7 @@ def test_failed_upload_leaves_no_marker_and_a_rerun_finishes(
     monkeypatch.setattr(storage, "put_file", flaky)
     monkeypatch.setattr(commit, "discard", lambda *args, **kwargs: None)
     with pytest.raises(OSError, match="injected"):
-        ckptools.consolidate(fsdp2_on_s3, out, max_shard_size=800, quiet=True)
+        ckptools.consolidate(fsdp2_on_s3, out, max_shard_size=800, quiet=True, weights_only=True)
     left = objects(out)
     assert commit.IN_PROGRESS in left
     assert not any(name in commit.MARKER_NAMES for name in left)
@@ -142,9 +148,9 @@ def test_failed_upload_leaves_no_marker_and_a_rerun_finishes(
     monkeypatch.undo()
 
     # The rerun needs no --overwrite: the prefix holds only an interrupted ckptools write.
-    ckptools.consolidate(fsdp2_on_s3, out, max_shard_size=800, quiet=True)
+    ckptools.consolidate(fsdp2_on_s3, out, max_shard_size=800, quiet=True, weights_only=True)
     local = tmp_path / "local"
-    ckptools.consolidate(fsdp2_on_s3, str(local), max_shard_size=800, quiet=True)
+    ckptools.consolidate(fsdp2_on_s3, str(local), max_shard_size=800, quiet=True, weights_only=True)
     got = tmp_path / "got"
     names = download(out, str(got))
     assert names == sorted(os.listdir(local))
@@ -184,7 +190,9 @@ def test_consolidate_from_s3_reads_about_the_output_bytes(s3_bucket: str, tmp_pa
     dcp.save(state, checkpoint_id=str(src), no_dist=True)
     upload(str(src), f"{s3_bucket}/dcp")
     with GetCounter() as counter:
-        result = ckptools.consolidate(f"{s3_bucket}/dcp", str(tmp_path / "hf"), quiet=True)
+        result = ckptools.consolidate(
+            f"{s3_bucket}/dcp", str(tmp_path / "hf"), quiet=True, weights_only=True
+        )
     ratio = counter.bytes / result.bytes_written
     print(f"bytes read from S3 per output byte: {ratio:.4f} ({counter.requests} GETs)")
     assert result.bytes_written > 6 * 2**20

@@ -76,11 +76,15 @@ def test_consolidate_shard_consolidate_is_byte_identical(
 ) -> None:
     p = produced("fsdp2", world_size=3, optimizer=True)
     first = tmp_path / "hf1"
-    ckptools.consolidate(str(p.path), str(first), max_shard_size="100KB", quiet=True)
+    ckptools.consolidate(
+        str(p.path), str(first), max_shard_size="100KB", quiet=True, weights_only=True
+    )
     sharded = tmp_path / "dcp"
     ckptools.shard(str(first), str(sharded), world_size=4, quiet=True)
     second = tmp_path / "hf2"
-    ckptools.consolidate(str(sharded), str(second), max_shard_size="100KB", quiet=True)
+    ckptools.consolidate(
+        str(sharded), str(second), max_shard_size="100KB", quiet=True, weights_only=True
+    )
     names = sorted(f.name for f in first.iterdir())
     assert names == sorted(f.name for f in second.iterdir())
     for name in names:
@@ -135,7 +139,7 @@ def test_many_ranks_under_a_low_open_files_limit(
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (40, hard))\n"
         "ckptools.reshard(sys.argv[1], sys.argv[2], world_size=64, quiet=True)\n"
-        "ckptools.consolidate(sys.argv[2], sys.argv[3], quiet=True)\n"
+        "ckptools.consolidate(sys.argv[2], sys.argv[3], quiet=True, weights_only=True)\n"
     )
     wide, hf = tmp_path / "ws64", tmp_path / "hf"
     subprocess.run([sys.executable, "-c", code, str(src.path), str(wide), str(hf)], check=True)

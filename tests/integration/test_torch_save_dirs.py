@@ -95,7 +95,7 @@ def test_net_container_and_bare_directory(tmp_path: Path) -> None:
     assert report["model_part"]["prefix"] == "net."
     assert report["optimizers"][0]["keyed"] == "empty"
     out = tmp_path / "hf"
-    ckptools.consolidate(str(tmp_path / "ckpt"), str(out), quiet=True)
+    ckptools.consolidate(str(tmp_path / "ckpt"), str(out), quiet=True, weights_only=True)
     _assert_equal(_output(out), sd)
 
 

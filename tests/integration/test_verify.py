@@ -487,7 +487,7 @@ def test_consolidate_reshard_and_verify_agree_on_a_300_chunk_tiling(tmp_path: Pa
     good = tmp_path / "good"
     full = _dcp_of_boxes(good, "model.w", _grid_boxes(overlap=False))
     assert verify(str(good), quiet=True).ok
-    ckptools.consolidate(str(good), str(tmp_path / "good-hf"), quiet=True)
+    ckptools.consolidate(str(good), str(tmp_path / "good-hf"), quiet=True, weights_only=True)
     assert torch.equal(load_file(str(tmp_path / "good-hf" / "model.safetensors"))["model.w"], full)
     ckptools.reshard(str(good), str(tmp_path / "good-2"), world_size=2, quiet=True)
     assert verify(str(tmp_path / "good-2"), quiet=True).ok
@@ -500,7 +500,7 @@ def test_consolidate_reshard_and_verify_agree_on_a_300_chunk_tiling(tmp_path: Pa
     assert [(f.kind, f.fqn) for f in report.findings] == [("tiling", "model.w")]
     assert "overlap" in report.findings[0].message
     for name, run in [
-        ("bad-hf", lambda out: ckptools.consolidate(str(bad), out, quiet=True)),
+        ("bad-hf", lambda out: ckptools.consolidate(str(bad), out, quiet=True, weights_only=True)),
         ("bad-2", lambda out: ckptools.reshard(str(bad), out, world_size=2, quiet=True)),
     ]:
         out = tmp_path / name
