@@ -390,7 +390,9 @@ class _Run:
             notes.append(views.NO_TOKENIZER)
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
-        if not options.adapter and options.select is None and export.config is None:
+        # a --select'ed sub-tree is not a model; --key names the model's own state dict
+        model = options.select is None or options.key is not None
+        if not options.adapter and model and export.config is None:
             notes.extend(_weights_alone(src, out, options, misfit, has_config=has_config))
         return cls(
             src=src, out=out, options=options, manifest=manifest, model_files=model_files,

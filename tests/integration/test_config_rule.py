@@ -110,6 +110,28 @@ def test_no_config_is_refused_naming_config_and_weights_only(
     assert selected.exit_code == 0, selected.output
 
 
+def test_key_names_the_model_so_the_config_rule_holds(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """``--key model_state_dict`` names the model's own state dict in a torch.save training
+    checkpoint: its export must load with from_pretrained as any other, so without a config it
+    is refused as the plain export is (it once wrote the weights alone and exited 0, silently)."""
+    weights = torch.load(produced("torch_save").path, weights_only=True)
+    src = tmp_path / "run" / "train.pt"
+    src.parent.mkdir()
+    torch.save({"model_state_dict": weights, "epoch": 3}, src)
+    refused = _invoke("consolidate", str(src), str(tmp_path / "out"), "--key", "model_state_dict")
+    assert refused.exit_code == 2, refused.output
+    assert "--weights-only" in refused.output and "--config" in refused.output, refused.output
+    assert list(tmp_path.glob("out*")) == []
+    written = _invoke(
+        "consolidate", str(src), str(tmp_path / "out"), "--key", "model_state_dict",
+        "--weights-only", "-q",
+    )  # fmt: skip
+    assert written.exit_code == 0, written.output
+    assert load_file(tmp_path / "out" / "model.safetensors").keys() == weights.keys()
+
+
 def test_a_config_that_fits_is_copied_and_loads(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
