@@ -359,9 +359,9 @@ def _planned_shard(
     )  # fmt: skip
     prefix = options.prefix
     path = tuple(p for p in prefix.split(".") if p)
-    # a torch.save training checkpoint: its model part only (`ckpt reshard` keeps the rest)
-    model = model_keys(manifest) if manifest.format == "torch_save" else None
-    tensors = {f: f for f in manifest.tensors} if model is None else dict(model)
+    # the model part: a torch.save training checkpoint's model only (`ckpt reshard` keeps the
+    # rest); every tensor of a model directory, whose names are flat
+    tensors = dict(model_keys(manifest))
     left = len(manifest.tensors) - len(tensors)
     source, keymap = manifest, None
     notes = list(manifest.notes)
@@ -411,8 +411,7 @@ def _planned_target(
     manifest = _read_source(
         src, out, options, lambda format: format in PUBLISHED_FORMATS, writer.REFUSED
     )
-    tensors = dict(model_keys(manifest)) if manifest.format == "torch_save" else {
-        f: f for f in manifest.tensors}  # fmt: skip
+    tensors = dict(model_keys(manifest))
     shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
     needed = writer.CONFIG_NEEDED
     files, _ = fitting_model_files(

@@ -82,21 +82,21 @@ def _peft_defaults() -> dict[str, Any] | None:
     except (OSError, metadata.PackageNotFoundError):
         return _derive_peft_defaults()  # not keyed: asked each time
     key = h.hexdigest()
-    raw = user_cache.read("peft-defaults", f"{key}.json")
-    if raw is not None:
-        try:
-            entry = json.loads(raw)
-            if isinstance(entry, dict) and entry.get("key") == key:
-                defaults = entry.get("defaults")
-                if isinstance(defaults, dict):
-                    return defaults
-        except ValueError:
-            pass
-    defaults = _derive_peft_defaults()
-    if defaults is not None:
-        entry = {"key": key, "defaults": defaults}
-        user_cache.write(json.dumps(entry, default=str).encode(), "peft-defaults", f"{key}.json")
-    return defaults
+
+    def decode(raw: bytes) -> dict[str, Any] | None:
+        defaults = user_cache.entry(raw, _DEFAULTS_FORMAT, key).get("defaults")
+        if not isinstance(defaults, dict):
+            raise user_cache.Miss
+        return defaults
+
+    def encode(defaults: dict[str, Any] | None) -> bytes:
+        entry = {"format": _DEFAULTS_FORMAT, "key": key, "defaults": defaults}
+        return json.dumps(entry, default=str).encode()
+
+    return user_cache.kept(
+        ("peft-defaults", f"{key}.json"), decode, _derive_peft_defaults, encode,
+        "reading peft's LoraConfig defaults ", quiet=True,
+    )  # fmt: skip
 
 
 def _derive_peft_defaults() -> dict[str, Any] | None:
