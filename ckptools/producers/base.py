@@ -40,7 +40,7 @@ class Layout(ABC):
     #: one line for ``--help`` and error messages
     description: str = ""
     #: detection order, lower first: what the layout's family declares (its package's
-    #: ``LAYOUTS``), set by :func:`register`; :data:`_MODULES` lists the layouts in this order
+    #: ``LAYOUTS``), set by :func:`register`; ``registry.MODULES`` lists them in that order
     priority: int = 50
 
     @abstractmethod
@@ -102,7 +102,6 @@ class NumberedSaves:
     label: Callable[[str], str] | None = None
 
 
-_MODULES = MODULES  # the registry (:mod:`ckptools.producers.registry`)
 # each family's pickled classes, as data-only stand-ins, before any of its files is read
 safe_pickle.admit(
     enums=registry.declared("PICKLE_ENUMS"), records=registry.declared("PICKLE_RECORDS")
@@ -111,8 +110,10 @@ _REGISTRY: dict[str, Layout] = {}
 
 
 def register(layout: Layout) -> Layout:
-    if layout.name not in _MODULES:
-        raise ValueError(f"layout {layout.name!r} is not in _MODULES: detection would not try it")
+    if layout.name not in MODULES:
+        raise ValueError(
+            f"layout {layout.name!r} is declared by no family's LAYOUTS: detection would not try it"
+        )
     layout.priority = registry.priority(layout.name)
     _REGISTRY[layout.name] = layout
     return layout
@@ -123,7 +124,7 @@ def _layout(name: str) -> Layout:
     found = _REGISTRY.get(name)
     if found is None:
         # by name: each layout module imports this one to register itself
-        importlib.import_module(f"ckptools.producers.{_MODULES[name]}")
+        importlib.import_module(f"ckptools.producers.{MODULES[name]}")
         found = _REGISTRY[name]
     return found
 
@@ -131,7 +132,7 @@ def _layout(name: str) -> Layout:
 def layout_of(manifest: Manifest) -> Layout | None:
     """The registered layout that read ``manifest`` (its ``layout``), None when none did (a
     DCP's producer, ``fsdp2``; a manifest ckptools made)."""
-    return _layout(manifest.layout) if manifest.layout in _MODULES else None
+    return _layout(manifest.layout) if manifest.layout in MODULES else None
 
 
 def viewed_by(path: str) -> Layout | None:
@@ -147,7 +148,7 @@ def viewed_by(path: str) -> Layout | None:
 
 def _in_order() -> Iterator[Layout]:
     """Every layout in detection order, each module imported when the walk reaches it."""
-    for name in _MODULES:
+    for name in MODULES:
         yield _layout(name)
 
 
@@ -168,7 +169,7 @@ def detect(path: str, format: str | None = None) -> Layout:
     if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory", path=path)
     if format is not None:
-        if format in _MODULES:
+        if format in MODULES:
             layout = _layout(format)
             reason = layout.probe(path)
             if reason is not None:
@@ -181,7 +182,7 @@ def detect(path: str, format: str | None = None) -> Layout:
                     f"{path}: not a {format} checkpoint: {reason}{_part_hint(path)}", path=path
                 )
             return layout
-        names = ", ".join(_MODULES)
+        names = ", ".join(MODULES)
         raise UnknownFormatError(f"unknown format {format!r}; choose one of: {names}")
     _refuse_one_part(path)
     if directory_names(path) == []:

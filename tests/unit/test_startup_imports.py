@@ -17,7 +17,7 @@ import pytest
 
 from ckptools.errors import DecodingLimitError
 from ckptools.formats import pickle_patterns, pickle_scan, safe_pickle
-from ckptools.producers import base
+from ckptools.producers import base, registry
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -118,9 +118,9 @@ def test_a_strided_dcp_is_copied_and_compared_without_torch(tmp_path: Path) -> N
 
 def test_detection_order_is_the_layouts_priority() -> None:
     every = base.layouts()  # imports every layout module
-    assert [x.name for x in sorted(every, key=lambda x: x.priority)] == list(base._MODULES)
+    assert [x.name for x in sorted(every, key=lambda x: x.priority)] == list(registry.MODULES)
     for layout in every:
-        assert type(layout).__module__ == f"ckptools.producers.{base._MODULES[layout.name]}"
+        assert type(layout).__module__ == f"ckptools.producers.{registry.MODULES[layout.name]}"
 
 
 def test_the_registry_knows_the_layouts_with_views() -> None:
