@@ -1,8 +1,9 @@
 """The output protocol: stage, write the shares, seal, checksums, commit.
 
 Every writer of a checkpoint or model directory (``consolidate``, ``reshard``, ``shard``,
-:func:`ckptools.save_pretrained`) runs the same steps, by one process or by every rank of a job
-(:class:`~ckptools.engine.collective.Ranks`: one process is rank 0 of 1), whatever OUT is:
+:func:`ckptools.save_pretrained`, :class:`ckptools.CheckpointManager`) runs the same
+steps, by one process or by every rank of a job (:class:`~ckptools.engine.collective.Ranks`:
+one process is rank 0 of 1), whatever OUT is:
 
 1. **stage** (:func:`staged`, rank 0): the OUT rules (:func:`ckptools.io.out_rules.check_out`),
    then a staging location (:mod:`ckptools.io.staging`: ``<out>.tmp-<id>/`` beside a local OUT,
@@ -17,8 +18,10 @@ Every writer of a checkpoint or model directory (``consolidate``, ``reshard``, `
 4. **checksums** where the writer writes them
    (:func:`ckptools.verify.checksums.write_checksums`, every rank hashing a share);
 5. **commit** (rank 0): fsync and rename, or, on an object store, the in-progress note
-   removed; a writer whose ranks share local files (:attr:`Output.spool`) stages an
-   object-store OUT in a local spool and uploads it here (data, then markers).
+   removed (or the writer's own ``publish``: the manager's marker, which must follow the
+   checksum manifest it records, then its rename and retention); a writer whose ranks share
+   local files (:attr:`Output.spool`) stages an object-store OUT in a local spool and uploads
+   it here (data, then markers).
 
 A failure anywhere, on any rank, removes the staging location (rank 0), so nothing that looks
 complete is ever left; Ctrl-C keeps it where the writer resumes (it holds a journal), for the
@@ -62,6 +65,12 @@ class Output:
         checked: the OUT rules already ran (before planning, on every rank).
         spool: the ranks share local files: an object-store OUT is staged in a local spool
             and uploaded at the commit.
+        location: the writer's own staging location, made by rank 0 after the OUT rules
+            (:class:`ckptools.CheckpointManager`: ``root/.tmp-step-<N>-<id>/``, which its
+            ``clean_stale`` rolls forward or removes); None: :mod:`ckptools.io.staging`'s.
+        publish: the writer's own commit of the sealed, checksummed location (the manager:
+            its marker, which records the checksum manifest, then the rename and retention);
+            None: fsync and rename, or upload.
     """
 
     out: str
@@ -72,6 +81,8 @@ class Output:
     identity: str = ""
     checked: bool = False
     spool: bool = False
+    location: Callable[[], str] | None = None
+    publish: Callable[[str], None] | None = None
 
     @property
     def spooled(self) -> bool:
@@ -87,6 +98,8 @@ class Stage(Generic[P]):
 
 
 def _location(output: Output) -> str:
+    if output.location is not None:
+        return output.location()
     if output.spooled:
         return spool.make_spool_dir("ckptools-pretrained-")
     if output.identity:
@@ -109,21 +122,36 @@ def staged(ranks: Ranks, output: Output, fill: Callable[[str], P]) -> Iterator[S
     When the body raises on any rank (which every rank then does, the body's steps being
     collective), rank 0 discards the staging location."""
 
-    def prepare() -> Stage[P]:
-        if not output.checked:
-            check_out(output.out, kind=output.kind, overwrite=output.overwrite, src=output.src)
-        tmp = _location(output)
-        try:
-            return Stage(tmp, fill(tmp))
-        except BaseException as e:
-            _discard(output, tmp, e)
-            raise
-
     def discard(stage: Stage[P], error: BaseException) -> None:
         _discard(output, stage.tmp, error)
 
-    with ranks.staged(prepare, discard, output.what) as stage:
+    with ranks.staged(lambda: _prepare(output, fill), discard, output.what) as stage:
         yield stage
+
+
+def begin(ranks: Ranks, output: Output, fill: Callable[[str], P]) -> Stage[P]:
+    """Step 1 alone, collective, for a writer whose shares finish on another thread (the
+    manager's asynchronous save), which calls :func:`abandon` when they fail: what
+    :func:`staged` does around a block."""
+    return ranks.from_root(lambda: _prepare(output, fill), output.what)
+
+
+def abandon(ranks: Ranks, output: Output, stage: Stage[P], error: BaseException) -> None:
+    """After ``error`` on any rank (which every rank learned through a collective step):
+    rank 0 discards :func:`begin`'s staging location."""
+    if ranks.is_root:
+        _discard(output, stage.tmp, error)
+
+
+def _prepare(output: Output, fill: Callable[[str], P]) -> Stage[P]:
+    if not output.checked:
+        check_out(output.out, kind=output.kind, overwrite=output.overwrite, src=output.src)
+    tmp = _location(output)
+    try:
+        return Stage(tmp, fill(tmp))
+    except BaseException as e:
+        _discard(output, tmp, e)
+        raise
 
 
 def journal(ranks: Ranks, output: Output, stage: Stage[P]) -> Journal:
@@ -162,6 +190,9 @@ def commit(
 
 
 def _publish(output: Output, tmp: str) -> None:
+    if output.publish is not None:
+        output.publish(tmp)
+        return
     staging.fsync_dir(tmp)
     if output.spooled:
         staging.upload_dir(tmp, output.out, output.overwrite)  # data, markers, the commit

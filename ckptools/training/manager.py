@@ -32,8 +32,9 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -47,7 +48,7 @@ from ckptools.engine import collective
 from ckptools.engine.collective import Ranks
 from ckptools.errors import CkptError, UsageError
 from ckptools.io import space, storage
-from ckptools.io.out_rules import check_replaceable
+from ckptools.outputs import protocol
 from ckptools.training import store
 from ckptools.training.retention import RetentionPolicy
 from ckptools.training.state import (
@@ -275,40 +276,49 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
         self.wait()
-        tmp = self._start(step, model)
+        output = self._output(step, dict(metrics or {}))
+        final = output.out
         state = state_to_save(model, optimizer, extra)
-        metrics = dict(metrics or {})
-        final = store.step_dir(self.root, step)
+        fill = self._filler(model)
         if self._executor is None:
-            with warnings.catch_warnings(), space.translated(tmp):  # a full disk: one line
+            with protocol.staged(self._ranks, output, fill) as stage:
+                with warnings.catch_warnings(), space.translated(stage.tmp):  # a full disk
+                    warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                    dcp_save(
+                        state,
+                        checkpoint_id=checkpoint_id(stage.tmp),
+                        storage_writer=storage_writer(stage.tmp),
+                        process_group=self._pg,
+                        no_dist=not self._distributed,
+                    )
+                self._commit(step, output, stage, self._ranks)
+            return final
+        stage = protocol.begin(self._ranks, output, fill)
+        try:
+            staged = self._stage(state)
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-                dcp_save(
-                    state,
-                    checkpoint_id=checkpoint_id(tmp),
-                    storage_writer=storage_writer(tmp),
-                    process_group=self._pg,
+                upload = dcp_async_save(
+                    staged,
+                    checkpoint_id=checkpoint_id(stage.tmp),
+                    storage_writer=storage_writer(stage.tmp),
+                    process_group=self._async_pg,
+                    async_stager=_PreStaged(),  # type: ignore[arg-type]
                     no_dist=not self._distributed,
                 )
-            self._commit(step, tmp, metrics, self._ranks)
-            return final
-        staged = self._stage(state)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-            upload = dcp_async_save(
-                staged,
-                checkpoint_id=checkpoint_id(tmp),
-                storage_writer=storage_writer(tmp),
-                process_group=self._async_pg,
-                async_stager=_PreStaged(),  # type: ignore[arg-type]
-                no_dist=not self._distributed,
-            )
+        except BaseException as e:  # every rank stages; torch's errors reach every rank
+            protocol.abandon(self._ranks, output, stage, e)
+            raise
         upload_future: Future[Any] = (
             upload if isinstance(upload, Future) else upload.upload_completion
         )
 
         def finish() -> None:
-            upload_future.result()
-            self._commit(step, tmp, metrics, self._async_ranks)
+            try:
+                self._commit(step, output, stage, self._async_ranks, upload_future.result)
+            except BaseException as e:
+                protocol.abandon(self._async_ranks, output, stage, e)
+                raise
 
         with self._lock:
             self._pending = self._executor.submit(finish)
@@ -327,47 +337,82 @@ class CheckpointManager:
         staged[EXTRA_KEY] = copy.deepcopy(state[EXTRA_KEY])
         return staged
 
-    def _start(self, step: int, model: nn.Module) -> str:
-        """Rank 0 prepares a fresh temporary directory; every rank learns its name (or rank 0's
-        error)."""
+    def _output(self, step: int, metrics: Mapping[str, Any]) -> protocol.Output:
+        """``root/step-<step>/`` through the output protocol: the same step saved again
+        replaces its checkpoint, never a directory of other files; staged in
+        ``root/.tmp-step-<step>-<id>/`` once what crashed saves left is cleaned; published by
+        the marker (written after the checksum manifest, whose size it records), the rename
+        and retention."""
+        final = store.step_dir(self.root, step)
 
-        def prepare() -> str:
+        def location() -> str:
             store.clean_stale(self.root)
-            # the same step saved again replaces its checkpoint, never a directory of other files
-            check_replaceable(store.step_dir(self.root, step), kind="dcp", overwrite=True)
             tmp = store.new_tmp_dir(self.root, step)
             store.create_tmp_dir(tmp)
-            written = write_model_config(model, tmp)
-            if written:
-                log.debug("wrote %s into %s", written, tmp)
             return tmp
 
-        return self._ranks.from_root(prepare, f"preparing checkpoint step {step}")
-
-    def _commit(self, step: int, tmp: str, metrics: Mapping[str, Any], ranks: Ranks) -> None:
-        """After every rank has written: rank 0 seals and renames; all learn the outcome."""
-
-        def seal() -> None:
-            try:
-                if storage.is_url(tmp):
-                    check_saved(tmp)  # a remote writer that lost data must not be committed
-                if self.checksums:
-                    _write_checksums(tmp)
-                store.write_marker(tmp, step=step, world_size=ranks.world_size, metrics=metrics)
-                store.commit(tmp, store.step_dir(self.root, step))
+        def publish(tmp: str) -> None:
+            with self._failing_commit(step, tmp):
+                world_size = self._ranks.world_size
+                store.write_marker(tmp, step=step, world_size=world_size, metrics=metrics)
+                store.commit(tmp, final)
                 decision = store.prune(self.root, self.policy).decision
                 if decision.delete:
                     log.info("retention deleted steps %s", list(decision.delete))
-            except Exception as e:
-                log.exception("committing step %d failed", step)
-                raise CkptError(
-                    f"committing checkpoint step {step} in {self.root} failed on rank 0: "
-                    f"{type(e).__name__}: {e}",
-                    path=tmp,
-                ) from e
 
-        ranks.from_all(lambda: None, f"writing checkpoint step {step}")  # the barrier
-        ranks.from_root(seal, f"committing checkpoint step {step} in {self.root}")
+        what = f"checkpoint step {step} in {self.root}"
+        return protocol.Output(
+            out=final, kind="dcp", overwrite=True, what=what, location=location, publish=publish
+        )
+
+    @staticmethod
+    def _filler(model: nn.Module) -> Callable[[str], None]:
+        """What rank 0 writes into the staging location first: the model's ``config.json``."""
+
+        def fill(tmp: str) -> None:
+            written = write_model_config(model, tmp)
+            if written:
+                log.debug("wrote %s into %s", written, tmp)
+
+        return fill
+
+    @contextmanager
+    def _failing_commit(self, step: int, tmp: str) -> Iterator[None]:
+        """Rank 0's sealing and committing: any failure one line naming the step and root."""
+        try:
+            yield
+        except Exception as e:
+            log.exception("committing step %d failed", step)
+            raise CkptError(
+                f"committing checkpoint step {step} in {self.root} failed on rank 0: "
+                f"{type(e).__name__}: {e}",
+                path=tmp,
+            ) from e
+
+    def _commit(
+        self,
+        step: int,
+        output: protocol.Output,
+        stage: protocol.Stage[None],
+        ranks: Ranks,
+        written: Callable[[], object] = lambda: None,
+    ) -> None:
+        """Once ``written`` returns on every rank (the barrier; an asynchronous save's upload),
+        rank 0 seals (a remote writer's files checked, the checksum manifest) and publishes;
+        every rank learns the outcome."""
+
+        def seal() -> None:
+            with self._failing_commit(step, stage.tmp):
+                if storage.is_url(stage.tmp):
+                    check_saved(stage.tmp)  # a remote writer that lost data is not committed
+                if self.checksums:
+                    _write_checksums(stage.tmp)
+
+        def wait_written() -> None:
+            written()
+
+        ranks.from_all(wait_written, f"writing {output.what}")
+        protocol.commit(ranks, output, stage, seal)
 
     def wait(self) -> None:
         """Wait for the pending asynchronous save, if any. Collective when ``async_save``.

@@ -245,3 +245,5 @@ def test_the_training_managers_save_on_a_full_disk_is_one_line(tmp_path: Path) -
         r"limit \(ulimit -f\): [\d.]+ [KMGT]?B free on /\S*",
         message,
     ), message
+    # the output protocol discards the failed save's staging location: nothing is left behind
+    assert not os.path.exists(path) and sorted(os.listdir(root)) == []

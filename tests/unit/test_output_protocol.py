@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ckptools"
-WRITERS = ["verbs/consolidate.py", "verbs/dcp_output.py", "training/pretrained.py"]
+WRITERS = [
+    "verbs/consolidate.py", "verbs/dcp_output.py", "training/pretrained.py", "training/manager.py",
+]  # fmt: skip
 # io.staging's steps, the resume journal and the collective's prepare-or-discard, which only
 # the protocol calls (the OUT rules, io.out_rules.check_out, a verb may also apply before it
 # plans: a dry run reports them)
