@@ -299,15 +299,26 @@ def load_source(
     config = _model_config(model)
     found = ranks.from_all(lambda: _fill(path, state, with_optimizer, param_order, config), "load")
     extra, bytes_read = found[ranks.rank]
-    if optimizer is not None:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state[MODEL],
-            optim_state_dict=state[OPTIM],
-            options=options,
-        )
-    else:
-        set_state_dict(model, [], model_state_dict=state[MODEL], optim_state_dict={})
+    set_loaded_state(model, optimizer, state, options)
     log.info("load read %d bytes of %s on rank %d", bytes_read, path, ranks.rank)
     return extra
+
+
+def set_loaded_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: Mapping[str, Any],
+    options: StateDictOptions,
+) -> None:
+    """Put a loaded ``{"model": ..., "optim"?: ...}`` state (``get_state_dict``'s form, filled
+    by ``dcp.load`` or by :func:`load_source`) into ``model`` and ``optimizer``."""
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state[MODEL], optim_state_dict={})
+        return
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state[MODEL],
+        optim_state_dict=state[OPTIM],
+        options=options,
+    )

@@ -52,7 +52,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -68,7 +67,7 @@ from ckptools.errors import (
 from ckptools.io import storage
 from ckptools.producers.base import viewed_by
 from ckptools.producers.dcp.layout import RANK_METADATA_FILE
-from ckptools.training.load_source import load_source
+from ckptools.training.load_source import load_source, set_loaded_state
 
 if TYPE_CHECKING:
     from torch import nn
@@ -419,16 +418,7 @@ def load(
             process_group=process_group,
             no_dist=_no_dist(),
         )
-    if optimizer is not None:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state[MODEL_KEY],
-            optim_state_dict=state[OPTIM_KEY],
-            options=_options(),
-        )
-    else:
-        set_state_dict(model, [], model_state_dict=state[MODEL_KEY], optim_state_dict={})
+    set_loaded_state(model, optimizer, state, _options())
     loaded: dict[str, Any] = state[EXTRA_KEY]
     for key, target in (extra or {}).items():
         if isinstance(target, Stateful) and key in loaded:
