@@ -24,3 +24,7 @@ PICKLE_RECORDS = (
 )
 #: ``inspect``'s facts of them (``float8_training`` in ``--json``)
 FACTS = ("compressed.float8_training",)
+#: ``ckpt --help``'s row (cli/options.producers_say): reshard writes plain items out of them
+HELP = (
+    ("reads", ("torchao float8 training DCP", "ckpt reshard f8_ckpt plain_ckpt --world-size 8")),
+)
