@@ -450,14 +450,21 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self._persistent(pid)
 
 
-def admit(*, enums: Iterable[str] = (), records: Iterable[str] = ()) -> None:
+def admit(
+    *,
+    enums: Iterable[str] = (),
+    records: Iterable[str] = (),
+    wrappers: Iterable[tuple[str, str]] = (),
+) -> None:
     """Add a producer family's classes to :data:`ARCHIVE_GLOBALS` as data-only stand-ins: each
     of ``enums`` (qualified names) read as an :class:`EnumValue`, each of ``records`` as a
-    :class:`Record`. Never the class itself: nothing of the producer is imported or run.
-    Called by the producers' registry with what each family declares (``PICKLE_ENUMS``,
-    ``PICKLE_RECORDS``)."""
+    :class:`Record`, each of ``wrappers`` (qualified name, attribute) as the plain tensor that
+    tensor subclass holds in that attribute (:class:`torch_rebuild.WrapperClass`). Never the
+    class itself: nothing of the producer is imported or run. Called by the producers' registry
+    with what each family declares (``PICKLE_ENUMS``, ``PICKLE_RECORDS``, ``PICKLE_WRAPPERS``)."""
     ARCHIVE_GLOBALS.update({q: _enum_class(q) for q in enums})
     ARCHIVE_GLOBALS.update({q: _record_class(q) for q in records})
+    ARCHIVE_GLOBALS.update({q: torch_rebuild.wrapper_class(q, a) for q, a in wrappers})
 
 
 def restricted_loads(

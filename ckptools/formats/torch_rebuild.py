@@ -109,6 +109,8 @@ def _rebuild_parameter(
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # torch: ``func(*args)``, then ``as_subclass(new_type)`` and the Python attributes set from
     # ``state``. The data is the inner rebuild's; attributes (``_has_been_cloned``) are dropped.
+    if isinstance(new_type, type) and issubclass(new_type, WrapperClass):
+        return _wrapped_tensor(func, new_type, args, state)
     if not (isinstance(new_type, type) and issubclass(new_type, TensorClass)):
         raise CorruptCheckpointError(
             f"_rebuild_from_type_v2 in pickle asks for type {_brief.repr(new_type)}, "
@@ -255,6 +257,48 @@ class TypedStorageClass:
             "the pickle calls torch.storage.TypedStorage(...) to build a storage from values "
             "inside it, not from stored bytes; load it with torch and save it again"
         )
+
+
+class WrapperClass(TensorClass):
+    """A tensor subclass a producer family declares (``PICKLE_WRAPPERS``) as a wrapper around
+    one plain tensor held in the attribute ``attribute``: pickled as
+    ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, cls, (cls, dtype, size, stride, offset,
+    layout, device, requires_grad), {attribute: <tensor>, ...})``, it reads as that tensor
+    (:func:`_wrapped_tensor`); its other attributes (configs, scales derived from it) are
+    dropped. Called any other way, it refuses as every tensor class does."""
+
+    attribute: ClassVar[str] = ""
+
+
+def wrapper_class(qualname: str, attribute: str) -> type[WrapperClass]:
+    """The stand-in of the wrapper class ``qualname`` whose plain tensor is ``attribute``."""
+    name = qualname.rsplit(".", 1)[-1]
+    return type(name, (WrapperClass,), {"qualname": qualname, "attribute": attribute})
+
+
+def _wrapped_tensor(func: Any, new_type: type[WrapperClass], args: Any, state: Any) -> TensorRef:
+    """The plain tensor a wrapper subclass pickles in its state, checked against the wrapper's
+    own dtype and size (what torch's ``_rebuild_wrapper_subclass`` gives it)."""
+    what = f"a {new_type.qualname} in the pickle"
+    if func is not _rebuild_wrapper_subclass or not isinstance(args, tuple):
+        raise CorruptCheckpointError(f"{what} is not rebuilt as a wrapper subclass")
+    outer = func(*args)
+    if isinstance(state, tuple) and len(state) == 2 and state[0] in (None, {}):
+        state = state[1]  # (instance dict, slots)
+    inner = state.get(new_type.attribute) if isinstance(state, dict) else None
+    if not isinstance(inner, TensorRef):
+        raise CorruptCheckpointError(
+            f"{what} holds {_brief.repr(inner)} in {new_type.attribute!r}, not a stored tensor"
+        )
+    dtype = _text(outer.dtype)
+    if not (dtypes.is_dtype_name(dtype) and dtypes.canonical(dtype) == inner.dtype) or (
+        outer.shape != inner.shape
+    ):
+        raise CorruptCheckpointError(
+            f"{what} says {dtype} {list(outer.shape or ())} but wraps a {inner.dtype} tensor of "
+            f"shape {list(inner.shape)}"
+        )
+    return inner
 
 
 def _tensor_class(qualname: str) -> type[TensorClass]:

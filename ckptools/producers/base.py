@@ -104,7 +104,9 @@ class NumberedSaves:
 
 # each family's pickled classes, as data-only stand-ins, before any of its files is read
 safe_pickle.admit(
-    enums=registry.declared("PICKLE_ENUMS"), records=registry.declared("PICKLE_RECORDS")
+    enums=registry.declared("PICKLE_ENUMS"),
+    records=registry.declared("PICKLE_RECORDS"),
+    wrappers=registry.declared("PICKLE_WRAPPERS"),
 )
 _REGISTRY: dict[str, Layout] = {}
 
