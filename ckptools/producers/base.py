@@ -25,7 +25,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.producers import registry
-from ckptools.producers.registry import MODULES, VIEWED
+from ckptools.producers.registry import MODULES, REFUSED, VIEWED
 
 
 class Layout(ABC):
@@ -140,6 +140,21 @@ def viewed_by(path: str) -> Layout | None:
     model's) that recognises the directory ``path``, None when none does. Probes only those
     (the registry's ``VIEWED``), importing no other family's modules."""
     for name in VIEWED:
+        layout = _layout(name)
+        if layout.probe(path) is None:
+            return layout
+    return None
+
+
+def read_by_producer(path: str) -> Layout | None:
+    """The layout that must read the directory ``path`` rather than ``dcp.load`` into the
+    model: one whose stored names are not the model's (:func:`viewed_by`), or one that
+    recognises it only to refuse it (the registry's ``REFUSED``: its ``read_manifest`` says
+    why). None when neither does. Probes only those layouts."""
+    found = viewed_by(path)
+    if found is not None:
+        return found
+    for name in REFUSED:
         layout = _layout(name)
         if layout.probe(path) is None:
             return layout
