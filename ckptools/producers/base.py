@@ -73,6 +73,13 @@ class Layout(ABC):
         missing or short, for ``verify`` to report each (default: :meth:`read_manifest`)."""
         return self.read_manifest(path)
 
+    def read_listing(self, path: str) -> Manifest:
+        """What ``inspect`` shows of ``path`` (default: :meth:`read_manifest`). A layout that
+        recognises a checkpoint ckptools cannot convert refuses it by name in
+        :meth:`read_manifest`, so every verb does, and lists what it holds here, from its
+        metadata alone: a manifest with no tensor to read (its facts: the family's ``FACTS``)."""
+        return self.read_manifest(path)
+
     def numbered_saves(self) -> NumberedSaves | None:
         """How this layout's producer numbers the saves of a run directory, as ``ckpt list``
         shows them (:mod:`ckptools.producers.saves`); None: it keeps no numbered saves."""
@@ -249,6 +256,9 @@ class RunSave(Layout):
     def read_manifest(self, path: str) -> Manifest:
         return self.chosen.noted(self.layout.read_manifest(self.save))
 
+    def read_listing(self, path: str) -> Manifest:
+        return self.chosen.noted(self.layout.read_listing(self.save))
+
 
 #: the numbered saves of a step run (the manager's, torchtitan's): ``step-N``
 STEP_SAVE = re.compile(r"^step-(\d+)$")
@@ -372,18 +382,22 @@ def _point_at(path: str, inside: list[tuple[str, str]]) -> str:
     return f"{path} is no checkpoint itself, but holds {len(inside)}: {listed}: point at one"
 
 
-def read_manifest(path: str, format: str | None = None, *, model_only: bool = False) -> Manifest:
+def read_manifest(
+    path: str, format: str | None = None, *, model_only: bool = False, listing: bool = False
+) -> Manifest:
     """Detect the layout of ``path`` and read its :class:`~ckptools.core.manifest.Manifest`.
 
     Each marker file is read from storage once, even when a probe looked inside it first
     (:func:`read_marker`). ``model_only``: the caller exports the model and nothing else, so a
     layout that keeps the optimizer in files of its own (one per rank) may leave them unread
-    (:func:`model_only`; it says so in the notes).
+    (:func:`model_only`; it says so in the notes). ``listing``: for ``inspect``, what the
+    layout lists of a checkpoint it cannot convert (:meth:`Layout.read_listing`).
     """
     token = _MODEL_ONLY.set(model_only)
     try:
         with _markers_read_once():
-            return detect(path, format).read_manifest(path)
+            layout = detect(path, format)
+            return layout.read_listing(path) if listing else layout.read_manifest(path)
     finally:
         _MODEL_ONLY.reset(token)
 
