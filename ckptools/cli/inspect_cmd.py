@@ -126,6 +126,8 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
             f"{' + '.join(enc['transforms'])}{unread}"
         )
     out.extend(_mesh_line(d))
+    if not d["tensors"] and not d["objects"] and any(d.get(p.KEY) for p in inspected()):
+        return "\n".join(out)  # listed by its producer's facts alone: no tables, no totals
     out.append("")
     tensors = d["tensors"] if limit is None else d["tensors"][:limit]
     rows = [

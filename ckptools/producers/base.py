@@ -25,7 +25,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.producers import registry
-from ckptools.producers.registry import MODULES, VIEWED
+from ckptools.producers.registry import MODULES, REFUSED, VIEWED
 
 
 class Layout(ABC):
@@ -71,6 +71,13 @@ class Layout(ABC):
     def read_manifest_unchecked(self, path: str) -> Manifest:
         """:meth:`read_manifest`, listing every file its metadata names even when one is
         missing or short, for ``verify`` to report each (default: :meth:`read_manifest`)."""
+        return self.read_manifest(path)
+
+    def read_listing(self, path: str) -> Manifest:
+        """What ``inspect`` shows of ``path`` (default: :meth:`read_manifest`). A layout that
+        recognises a checkpoint ckptools cannot convert refuses it by name in
+        :meth:`read_manifest`, so every verb does, and lists what it holds here, from its
+        metadata alone: a manifest with no tensor to read (its facts: the family's ``FACTS``)."""
         return self.read_manifest(path)
 
     def numbered_saves(self) -> NumberedSaves | None:
@@ -142,6 +149,21 @@ def viewed_by(path: str) -> Layout | None:
     model's) that recognises the directory ``path``, None when none does. Probes only those
     (the registry's ``VIEWED``), importing no other family's modules."""
     for name in VIEWED:
+        layout = _layout(name)
+        if layout.probe(path) is None:
+            return layout
+    return None
+
+
+def read_by_producer(path: str) -> Layout | None:
+    """The layout that must read the directory ``path`` rather than ``dcp.load`` into the
+    model: one whose stored names are not the model's (:func:`viewed_by`), or one that
+    recognises it only to refuse it (the registry's ``REFUSED``: its ``read_manifest`` says
+    why). None when neither does. Probes only those layouts."""
+    found = viewed_by(path)
+    if found is not None:
+        return found
+    for name in REFUSED:
         layout = _layout(name)
         if layout.probe(path) is None:
             return layout
@@ -235,6 +257,9 @@ class RunSave(Layout):
 
     def read_manifest(self, path: str) -> Manifest:
         return self.chosen.noted(self.layout.read_manifest(self.save))
+
+    def read_listing(self, path: str) -> Manifest:
+        return self.chosen.noted(self.layout.read_listing(self.save))
 
 
 #: the numbered saves of a step run (the manager's, torchtitan's): ``step-N``
@@ -359,18 +384,22 @@ def _point_at(path: str, inside: list[tuple[str, str]]) -> str:
     return f"{path} is no checkpoint itself, but holds {len(inside)}: {listed}: point at one"
 
 
-def read_manifest(path: str, format: str | None = None, *, model_only: bool = False) -> Manifest:
+def read_manifest(
+    path: str, format: str | None = None, *, model_only: bool = False, listing: bool = False
+) -> Manifest:
     """Detect the layout of ``path`` and read its :class:`~ckptools.core.manifest.Manifest`.
 
     Each marker file is read from storage once, even when a probe looked inside it first
     (:func:`read_marker`). ``model_only``: the caller exports the model and nothing else, so a
     layout that keeps the optimizer in files of its own (one per rank) may leave them unread
-    (:func:`model_only`; it says so in the notes).
+    (:func:`model_only`; it says so in the notes). ``listing``: for ``inspect``, what the
+    layout lists of a checkpoint it cannot convert (:meth:`Layout.read_listing`).
     """
     token = _MODEL_ONLY.set(model_only)
     try:
         with _markers_read_once():
-            return detect(path, format).read_manifest(path)
+            layout = detect(path, format)
+            return layout.read_listing(path) if listing else layout.read_manifest(path)
     finally:
         _MODEL_ONLY.reset(token)
 

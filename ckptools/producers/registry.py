@@ -69,6 +69,12 @@ def priority(name: str) -> int:
 #: family's readers
 VIEWED: tuple[str, ...] = tuple(n for p in _PACKAGES for n in getattr(p, "VIEWED", ()))
 
+#: the layouts a family recognises only to refuse them (each family's ``REFUSED``): their
+#: ``read_manifest`` raises the one line that names what the checkpoint is and what to do
+#: instead. A directory one of them recognises is never handed to ``dcp.load``
+#: (:func:`ckptools.producers.base.read_by_producer`), so ``ckptools.load`` says that line too.
+REFUSED: tuple[str, ...] = tuple(n for p in _PACKAGES for n in getattr(p, "REFUSED", ()))
+
 
 def names() -> tuple[str, ...]:
     """Every layout's name (what ``--format`` takes), in detection order; imports none."""

@@ -65,7 +65,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
-from ckptools.producers.base import viewed_by
+from ckptools.producers.base import read_by_producer
 from ckptools.producers.dcp.layout import RANK_METADATA_FILE
 from ckptools.training.load_source import load_source, set_loaded_state
 
@@ -279,8 +279,10 @@ def _written_by_dcp(path: str) -> bool:
     checkpoint at all (refused as missing). Anything else is another layout's."""
     if not storage.exists(path):
         return True
-    if storage.isdir(path) and viewed_by(path) is not None:
-        return False  # a producer's own names (its views read it): its .metadata is not the job's
+    if storage.isdir(path) and read_by_producer(path) is not None:
+        # a producer's own names (its views read it), or what a family refuses by name: its
+        # .metadata is not the job's
+        return False
     if storage.exists(storage.join(path, ".metadata")):
         return True
     if not storage.isdir(path):

@@ -155,7 +155,7 @@ def inspect(
         >>> report.to_dict()["model_part"]["prefix"]            # doctest: +SKIP
         'model.'
     """
-    manifest = read_manifest(path, format)
+    manifest = read_manifest(path, format, listing=True)
     decoded: dict[str, Any] = {}
     if values:
         for fqn, entry in manifest.objects.items():

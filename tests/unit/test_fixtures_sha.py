@@ -29,9 +29,9 @@ def _on_disk() -> set[str]:
     for dirpath, dirs, files in os.walk(FIXTURES):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         if Path(dirpath) == FIXTURES:
-            # written by Megatron in a venv of its own, with its own SHA256SUMS
-            # (tests/unit/test_megatron_fixtures.py)
-            dirs[:] = [d for d in dirs if d != "megatron"]
+            # written by Megatron, and by Orbax, in a venv of their own, each with its own
+            # SHA256SUMS (tests/unit/test_megatron_fixtures.py, tests/integration/test_orbax.py)
+            dirs[:] = [d for d in dirs if d not in ("megatron", "orbax")]
         for name in files:
             rel = os.path.relpath(os.path.join(dirpath, name), FIXTURES).replace(os.sep, "/")
             if rel not in NOT_FIXTURES and not name.endswith(".pyc"):

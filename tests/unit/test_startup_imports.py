@@ -44,7 +44,7 @@ print(json.dumps({
 _DCP_LAYOUTS = {
     "base", "probing", "registry", "numbered", "part_files", "dcp", "dcp.wrappers",
     "dcp.rank_local", "dcp.layout", "megatron", "megatron.layout", "deepspeed", "fsdp1", "hf",
-    "compressed",
+    "compressed", "orbax", "orbax.layout", "fsdp1.local_state",
 }  # fmt: skip
 
 
@@ -148,7 +148,8 @@ print(json.dumps({"before": before, "chosen": chosen, "after": after}))
 def test_load_leaves_a_producers_own_names_to_its_views_asking_the_registry() -> None:
     """``ckptools.load`` reads a DCP with ``dcp.load`` but a run whose layout has its own views
     (a Megatron run, a save of it) through them; importing ``training.state`` probes nothing,
-    and asking imports only the layouts with views, no other family's modules."""
+    and asking imports only the layouts with views or refusing by name, no other family's
+    modules."""
     megatron = FIXTURES / "megatron" / "tp2_pp1"
     paths = [FIXTURES / "dcp_single", megatron, megatron / "iter_0000010"]
     run = subprocess.run(
@@ -161,8 +162,10 @@ def test_load_leaves_a_producers_own_names_to_its_views_asking_the_registry() ->
     new = {m.removeprefix("ckptools.producers.") for m in found["after"]} - {
         m.removeprefix("ckptools.producers.") for m in found["before"]
     }
-    # (the family packages' __init__ modules are plain data the registry read already)
-    assert new == {"megatron.layout"}, sorted(new)
+    # (the family packages' __init__ modules are plain data the registry read already); the
+    # layouts a family recognises only to refuse are asked too (registry.REFUSED)
+    refusing = {registry.MODULES[name] for name in registry.REFUSED}
+    assert new == {"megatron.layout", *refusing}, sorted(new)
 
 
 def _loads(data: bytes) -> Any:

@@ -6,8 +6,12 @@ from __future__ import annotations
 import re
 
 #: the layouts this package defines: (name, module, detection priority; lower first): before
-#: torch_save (25), since a one-rank verl directory is also a directory of .pt files
-LAYOUTS = (("verl", "verl", 22),)
+#: torch_save (25), since a one-rank verl directory is also a directory of .pt files; FSDP1's
+#: LOCAL_STATE_DICT before every layout that would read its flat parameters as a model (the
+#: DCP wrappers from 10, DCP, torch_save)
+LAYOUTS = (("fsdp1_local", "local_state", 9), ("verl", "verl", 22))
+#: recognised only to be refused (its read_manifest names it): never handed to dcp.load
+REFUSED = ("fsdp1_local",)
 
 #: verl's trainer ``global_step_N``
 VERL_SAVE = re.compile(r"^global_step_(\d+)$")
