@@ -18,13 +18,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32
 from ckptools.engine import collective
-from ckptools.engine.reader import prefetch_archive
+from ckptools.engine.reader import decoded_bound, decoded_item, prefetch_archive
 from ckptools.errors import CkptError
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
@@ -199,7 +199,9 @@ class _Scanner:
             res.findings.append(Finding("unreadable", f"{full}: {e.message}", rel, e.fqn, e.rank))
         hashes: dict[int, _Hash] = {}
         for item in items:
-            if item.encoding == "torch_save":
+            if item.transforms:
+                self._decoded_item(item, full, res)
+            elif item.encoding == "torch_save":
                 self._item_segments(item, full, segments, res)
             else:
                 segments.append(_Segment(item.offset, item.end, _READ_ONLY))
@@ -348,6 +350,34 @@ class _Scanner:
                     item.fqn,
                     item.rank,
                     chunk_at,
+                )
+            )
+
+    def _decoded_item(self, item: Item, full: str, res: _FileResult) -> None:
+        """An item stored through stream transforms: decoded (once, bounded, into the reader's
+        spool), then its archive checked there as any item's (records' CRCs, the tensor it
+        holds, finite values), in a pass of its own over the decoded bytes."""
+        try:
+            name, size = decoded_item(
+                self.reader, item.file, item.offset, item.length, item.transforms,
+                bound=decoded_bound(item.tensor, item.chunk),
+                entry=f"{'object' if item.chunk is None else 'tensor'} {item.fqn!r}",
+            )  # fmt: skip
+            decoded = replace(item, file=name, offset=0, length=size, transforms=())
+            segments: list[_Segment] = []
+            self._item_segments(decoded, storage.join(self.reader.root, name), segments, res)
+            segments.sort(key=lambda s: s.start)
+            self._stream(name, size, segments, [], None, res)
+        except CkptError as e:
+            res.findings.append(
+                Finding(
+                    "unreadable",
+                    f"{full}: cannot read {item.where()} at bytes {item.offset}..{item.end}: "
+                    f"{e.message}",
+                    item.file,
+                    item.fqn,
+                    item.rank,
+                    item.chunk_at,
                 )
             )
 
