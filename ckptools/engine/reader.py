@@ -126,6 +126,9 @@ def decoded_item(
                             path=where,
                         )
                     out.write(block)
+        except CkptError:  # before ValueError: CorruptCheckpointError is one
+            os.remove(local)
+            raise
         except ValueError as e:  # what a decoder raises for bytes it cannot decode
             os.remove(local)
             raise CorruptCheckpointError(
@@ -133,9 +136,6 @@ def decoded_item(
                 "damaged (`ckpt verify` lists every damaged item)",
                 path=where,
             ) from e
-        except CkptError:
-            os.remove(local)
-            raise
         return reader.decoded.add(key, local, size), size
 
 
