@@ -29,7 +29,8 @@ g = torch.Generator().manual_seed(0)
 per = 64 * 2**20  # bf16 weights of a real model's size class (trained weights compress ~10%)
 state = {}
 for i in range(max(1, n_bytes // per)):
-    state[f"model.layers.{i}.weight"] = (torch.randn(per // 2 // 4096, 4096, generator=g) * 0.02).bfloat16()
+    w = torch.randn(per // 2 // 4096, 4096, generator=g) * 0.02
+    state[f"model.layers.{i}.weight"] = w.bfloat16()
 warnings.simplefilter("ignore")
 dcp.save(state, storage_writer=FileSystemWriter(out, _extensions=[ZStandard()]), no_dist=True)
 """

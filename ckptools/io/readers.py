@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ckptools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
+from ckptools.io import spool
 from ckptools.io.containment import contained
 from ckptools.io.paths import filesystem, is_url, join, local_path
 from ckptools.io.tunables import env_int
@@ -109,8 +110,6 @@ class DecodedFiles:
 
     def new_file(self) -> str:
         """A fresh path in the spool directory (made now if needed) for an item to decode."""
-        from ckptools.io import spool  # here: it imports the storage facade, which imports us
-
         with self._lock:
             if self._dir is None:
                 self._dir = spool.make_spool_dir(prefix="ckptools-decoded-")
@@ -128,8 +127,6 @@ class DecodedFiles:
 
     def close(self) -> None:
         """Remove the spool directory and forget the items."""
-        from ckptools.io import spool
-
         with self._lock:
             if self._dir is not None:
                 spool.remove_spool_dir(self._dir)
