@@ -120,7 +120,7 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
     if d["sharding"]:
         out.append("  sharding: " + ", ".join(f"{k}: {v}" for k, v in d["sharding"].items()))
     for enc in d.get("encodings", ()):
-        unread = "" if enc["decoded"] else " (ckptools does not decode it yet)"
+        unread = " (decoded when read)" if enc["decoded"] else f" ({enc['missing']})"
         out.append(
             f"  encoding: {enc['items']} item(s) stored with the DCP transform "
             f"{' + '.join(enc['transforms'])}{unread}"

@@ -6,18 +6,26 @@ work from that, and :class:`SourceCache` keeps those forms for a writer that mee
 than once. :func:`read_tensor` assembles a whole tensor with torch, for tests, diffs and small
 reads; :class:`RowBytes` reads whole rows of a tensor as row-major bytes without torch, for
 byte-exact comparisons. :func:`read_object` decodes a non-tensor entry through the allowlist.
+
+An item stored through stream transforms (a DCP extension such as zstd) is read through
+:func:`decoded_item`, the one reader of decoded items: it is decoded once per reader, in bounded
+memory, into the reader's spool (:class:`~ckptools.io.readers.DecodedFiles`), never beyond the
+size the item can legitimately have; from then on it is an ordinary item of a file the reader
+knows, so its archive is parsed, its CRCs checked and its bytes cut from there by every verb.
 """
 
 from __future__ import annotations
 
+import io
 import math
+import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ckptools.core import dtypes
 from ckptools.core.geometry import MAX_STRIDED_STEPS, copy_runs, gather_strided, strided_steps
 from ckptools.core.manifest import Chunk, Manifest, ObjectEntry, TensorEntry
-from ckptools.errors import CorruptCheckpointError
+from ckptools.errors import CkptError, CorruptCheckpointError
 from ckptools.formats import safe_pickle, stream_transforms, torch_archive
 from ckptools.io.storage import Reader, open_reader
 
@@ -32,6 +40,130 @@ _ARCHIVE_HEAD_BYTES = 2048
 #: Largest DCP item fetched whole when its tensor is read right after (FSDP shards of large
 #: models are often 1-8 MiB): beyond it, the head/tail request is a small share of the time.
 _WHOLE_ITEM_BYTES = 4 * 2**20
+#: Bytes of a ``torch.save`` archive beside its tensor data: the pickle, the record headers
+#: and 64-byte alignment, ``byteorder``, ``version``, the zip directory (~1-2 KiB for one
+#: tensor). A decoded tensor item may be at most its data plus this.
+ARCHIVE_FRAMING_BYTES = 64 * 1024
+#: Most bytes a decoded non-tensor item (step counters, RNG and data-loader states, kilobytes
+#: to a few megabytes) may have: the metadata records no size for them, so this bounds what a
+#: hostile frame may make ckptools write to its spool.
+MAX_DECODED_OBJECT_BYTES = 256 * 2**20
+#: Bytes decoded at a time: the memory decoding an item takes, whatever its size.
+_DECODE_BLOCK_BYTES = 2**20
+
+
+class _StoredRange(io.RawIOBase):
+    """Bytes ``[offset, offset+length)`` of ``file`` as a readable stream (a decoder's input)."""
+
+    def __init__(self, reader: Reader, file: str, offset: int, length: int) -> None:
+        self._reader, self._file, self._pos, self._end = reader, file, offset, offset + length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = min(len(view), self._end - self._pos)
+        if n <= 0:
+            return 0
+        self._reader.readinto(self._file, self._pos, view[:n])
+        self._pos += n
+        return n
+
+
+def decoded_item(
+    reader: Reader,
+    file: str,
+    offset: int,
+    length: int,
+    transforms: tuple[str, ...],
+    *,
+    bound: int,
+    entry: str,
+) -> tuple[str, int]:
+    """The item at ``[offset, offset+length)`` of ``file``, stored through ``transforms``, as
+    ``(name, size)`` of its decoded bytes: a file ``reader`` reads (its spool, see
+    :class:`~ckptools.io.readers.DecodedFiles`) holding the ``torch.save`` archive the item was
+    made from. Decoded once per reader (threads asking for the same item wait for the first),
+    :data:`_DECODE_BLOCK_BYTES` at a time: memory does not grow with the item.
+
+    Args:
+        bound: most bytes the item may decode to (its data plus
+            :data:`ARCHIVE_FRAMING_BYTES` for a tensor); decoding stops there.
+        entry: what the item is, for messages: ``"tensor 'model.w'"``.
+
+    Raises:
+        UnsupportedCheckpointError: a transform ckptools does not decode (or whose package is
+            not installed); one line.
+        CorruptCheckpointError: the stored bytes do not decode, or decode past ``bound``.
+    """
+    key = (file, offset)
+    found = reader.decoded.get(key)
+    if found is not None:
+        return found
+    where = f"{reader.root}/{file}"
+    undo = stream_transforms.decoder(transforms, path=where, entry=entry)
+    assert undo is not None
+    with reader.decoded.lock(key):
+        found = reader.decoded.get(key)
+        if found is not None:
+            return found
+        what = f"{where}: bytes {offset}..{offset + length} of {entry}"
+        local = reader.decoded.new_file()
+        size = 0
+        try:
+            with open(local, "wb") as out:
+                stream: IO[bytes] = undo(
+                    io.BufferedReader(_StoredRange(reader, file, offset, length))
+                )
+                while block := stream.read(_DECODE_BLOCK_BYTES):
+                    size += len(block)
+                    if size > bound:
+                        raise CorruptCheckpointError(
+                            f"{what} decode to more than {bound} bytes, more than the item can "
+                            f"hold (stored with {' + '.join(transforms)}); the item is damaged or "
+                            "hostile, and decoding stopped there",
+                            path=where,
+                        )
+                    out.write(block)
+        except CkptError:  # before ValueError: CorruptCheckpointError is one
+            os.remove(local)
+            raise
+        except ValueError as e:  # what a decoder raises for bytes it cannot decode
+            os.remove(local)
+            raise CorruptCheckpointError(
+                f"{what} do not decode through {' + '.join(transforms)} ({e}); the file is "
+                "damaged (`ckpt verify` lists every damaged item)",
+                path=where,
+            ) from e
+        return reader.decoded.add(key, local, size), size
+
+
+def decoded_bound(tensor: TensorEntry | None, chunk: Chunk | None) -> int:
+    """Most bytes the item of ``chunk`` of ``tensor`` (None, None: a non-tensor item) may
+    decode to: the chunk's data plus :data:`ARCHIVE_FRAMING_BYTES`, from the metadata."""
+    if tensor is None or chunk is None:
+        return MAX_DECODED_OBJECT_BYTES
+    return chunk.numel * dtypes.dtype(tensor.dtype).itemsize + ARCHIVE_FRAMING_BYTES
+
+
+def _decoded_chunk(reader: Reader, tensor: TensorEntry, chunk: Chunk) -> Chunk:
+    """``chunk``, stored through transforms, as the item of its decoded archive."""
+    name, size = decoded_item(
+        reader, chunk.file, chunk.offset, chunk.length, chunk.transforms,
+        bound=decoded_bound(tensor, chunk), entry=f"tensor {tensor.fqn!r}",
+    )  # fmt: skip
+    return chunk._replace(file=name, offset=0, length=size, transforms=())
+
+
+def decoded_object(reader: Reader, entry: ObjectEntry) -> tuple[str, int]:
+    """``(name, size)`` of the non-tensor item ``entry``, stored through transforms, decoded
+    (:func:`decoded_item`): its ``torch.save`` archive is bytes ``[0, size)`` of ``name``."""
+    assert entry.file is not None and entry.transforms
+    return decoded_item(
+        reader, entry.file, entry.offset, entry.length, entry.transforms,
+        bound=decoded_bound(None, None), entry=f"object {entry.fqn!r}",
+    )  # fmt: skip
 
 
 def prefetch_archive(
@@ -61,13 +193,8 @@ def resolve_chunk(
     ``reading_data``: the caller reads the chunk's bytes right after (see
     :func:`prefetch_archive`); not when resolving many chunks ahead of their reads.
     """
-    if chunk.transforms:
-        # the one decision (stream_transforms.DECODERS is empty: this refuses); a decoder's
-        # item is then read from its decoded stream, not from a byte range: that plugs in here
-        decode = stream_transforms.decoder(
-            chunk.transforms, path=f"{reader.root}/{chunk.file}", entry=f"tensor {tensor.fqn!r}"
-        )
-        raise AssertionError(f"no reader of decoded items yet ({decode})")
+    if chunk.transforms:  # decoded once into the reader's spool, then read as any item
+        chunk = _decoded_chunk(reader, tensor, chunk)
     if chunk.encoding == "raw":
         return chunk
     prefetch_archive(reader, chunk.file, chunk.offset, chunk.length, with_data=reading_data)
@@ -258,15 +385,19 @@ def read_object(manifest: Manifest, fqn: str, reader: Reader | None = None) -> A
     if entry.has_value:
         return entry.value
     assert entry.file is not None
-    if entry.transforms:  # as resolve_chunk
-        decode = stream_transforms.decoder(
+    if entry.transforms:  # refused before a file is opened when not decodable
+        stream_transforms.decoder(
             entry.transforms, path=f"{manifest.data_dir()}/{entry.file}", entry=f"object {fqn!r}"
         )
-        raise AssertionError(f"no reader of decoded items yet ({decode})")
     own = reader is None
     reader = reader or open_reader(manifest.data_dir())
     try:
-        archive = torch_archive.read_archive(reader, entry.file, entry.offset, entry.length)
+        file, length = entry.file, entry.length
+        offset = entry.offset
+        if entry.transforms:
+            file, length = decoded_object(reader, entry)
+            offset = 0
+        archive = torch_archive.read_archive(reader, file, offset, length)
         return safe_pickle.unwrap(torch_archive.load_pickle(reader, archive))
     finally:
         if own:

@@ -12,9 +12,13 @@ that undoes them, or to the one-line refusal; every reader of stored bytes
 asks it, and every verb asks :func:`require_decodable` first, over the items it will read,
 before any output exists (cheap validation before heavy I/O).
 
-Decoding a transform is one entry of :data:`DECODERS`; none is registered yet. zstd comes with
-its own change: it must decode no further than the size an item can legitimately have, so that
-a small frame inflating to gigabytes is refused in bounded memory.
+Decoding a transform is one entry of :data:`DECODERS`, which no module here fills: a family
+declares ``DECODERS = ((name, module),)`` as data in its package's ``__init__`` and
+:mod:`ckptools.producers.base` registers each (:func:`admit`), importing the module only when an
+item stored with that transform is met. A decoder maps a stream to a stream; how far it may
+inflate (never beyond the size the item can legitimately have, so that a small frame inflating
+to gigabytes is refused in bounded memory), where the decoded bytes go and how they are read is
+the engine's one reader of decoded items (:func:`ckptools.engine.reader.decoded_item`).
 """
 
 from __future__ import annotations
@@ -32,9 +36,22 @@ from ckptools.io import storage
 Decoder = Callable[[IO[bytes]], IO[bytes]]
 
 #: A transform's name (a descriptor up to its ``/``, e.g. ``"stream.zstd"``) -> for a version
-#: (after the ``/``), its decoder, or None when that version is not read. Empty: ckptools
-#: decodes no transform yet.
+#: (after the ``/``), its decoder, or None when that version is not read (:func:`admit`).
+#: A decoder raises ValueError for a stream it cannot decode (damaged bytes).
 DECODERS: dict[str, Callable[[str], Decoder | None]] = {}
+
+
+class MissingDecoderError(Exception):
+    """What a :data:`DECODERS` entry raises when the package that decodes its transform is not
+    installed: its message is what to do (``pip install '...'``), put after the item's name."""
+
+
+def admit(declared: Iterable[tuple[str, Callable[[str], Decoder | None]]]) -> None:
+    """Register each ``(transform name, decoder for a version)`` of the families' ``DECODERS``
+    (:mod:`ckptools.producers.base` calls it once, at import)."""
+    for name, make in declared:
+        DECODERS.setdefault(name, make)
+
 
 _TRANSFORMS = operator.itemgetter(Chunk._fields.index("transforms"))
 
@@ -58,7 +75,12 @@ def decoder(transforms: tuple[str, ...], *, path: str, entry: str) -> Decoder | 
     for transform in transforms:
         name, _, version = transform.partition("/")
         make = DECODERS.get(name)
-        step = make(version) if make is not None else None
+        try:
+            step = make(version) if make is not None else None
+        except MissingDecoderError as e:
+            raise UnsupportedCheckpointError(
+                f"{path}: {entry} is stored with the DCP transform {transform!r}: {e}", path=path
+            ) from e
         if step is None:
             raise UnsupportedCheckpointError(
                 f"{path}: {entry} is stored with the DCP transform {transform!r}, which ckptools "
@@ -121,8 +143,19 @@ def encodings(manifest: Manifest) -> dict[tuple[str, ...], int]:
 
 def decodes(transforms: tuple[str, ...]) -> bool:
     """Whether ckptools reads items stored with ``transforms``."""
-    try:
-        decoder(transforms, path="", entry="")
-    except UnsupportedCheckpointError:
-        return False
-    return True
+    return missing(transforms) is None
+
+
+def missing(transforms: tuple[str, ...]) -> str | None:
+    """Why ckptools does not read items stored with ``transforms``: what to install (a
+    decoder's :class:`MissingDecoderError`), or that it does not decode them; None when it does.
+    """
+    for transform in transforms:
+        name, _, version = transform.partition("/")
+        make = DECODERS.get(name)
+        try:
+            if make is None or make(version) is None:
+                return "ckptools does not decode it yet"
+        except MissingDecoderError as e:
+            return str(e)
+    return None

@@ -5,6 +5,10 @@ page cache in place) for a local directory and a :class:`RemoteReader` (ranged G
 bytes asked for, large requests split into parts fetched concurrently, small reads of an
 archive's head and tail fetched together by :meth:`~RemoteReader.prefetch`) for a URL. Both raise
 errors that name the file; a short read is a truncated file, not the bare ``EOFError`` torch gives.
+
+Each reader also holds the items ckptools decoded for it (:class:`DecodedFiles`: a DCP item
+stored through a stream transform, decoded once into a private local spool): reads of such a
+file's name go to that spool, which is the one place outside the checkpoint a reader reads.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ckptools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
+from ckptools.io import spool
 from ckptools.io.containment import contained
 from ckptools.io.paths import filesystem, is_url, join, local_path
 from ckptools.io.tunables import env_int
@@ -48,6 +53,8 @@ class Reader(Protocol):
     root: str
     #: bytes :func:`ckptools.formats.torch_archive.read_archive` reads from an archive's end
     archive_tail_bytes: int
+    #: items decoded for this reader: their names read from the spool ckptools made
+    decoded: DecodedFiles
 
     def fileno(self, rel: str) -> int | None: ...
 
@@ -66,6 +73,66 @@ class Reader(Protocol):
     def __enter__(self) -> Reader: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+class DecodedFiles:
+    """Items a reader has decoded (stream transforms undone), each once, into files of a private
+    spool directory (:func:`ckptools.io.spool.make_spool_dir`, made at the first item, removed
+    at :meth:`close`). Each is known to the reader under a name of its own (:meth:`add`), so
+    every read of it (``read``, ``readinto``, ``crc32``, ``fileno``: ``copy_file_range`` from
+    it) goes to the spool file instead of the checkpoint; nothing else outside the checkpoint
+    is ever read. Thread-safe: :meth:`lock` serialises the decoding of one item, so threads
+    meeting the same item wait for the first to decode it instead of decoding it again.
+    """
+
+    def __init__(self) -> None:
+        self._dir: str | None = None
+        self._paths: dict[str, str] = {}  # name -> local path
+        self._items: dict[tuple[str, int], tuple[str, int]] = {}  # (file, offset) -> name, size
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, rel: str) -> bool:
+        return rel in self._paths
+
+    def path(self, rel: str) -> str:
+        """The local spool file holding the decoded item named ``rel``."""
+        return self._paths[rel]
+
+    def lock(self, key: tuple[str, int]) -> threading.Lock:
+        """The lock held while the item at ``key`` (its file, its offset) is decoded."""
+        with self._lock:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def get(self, key: tuple[str, int]) -> tuple[str, int] | None:
+        """``(name, decoded size)`` of the item at ``key`` when decoded already."""
+        return self._items.get(key)
+
+    def new_file(self) -> str:
+        """A fresh path in the spool directory (made now if needed) for an item to decode."""
+        with self._lock:
+            if self._dir is None:
+                self._dir = spool.make_spool_dir(prefix="ckptools-decoded-")
+            return os.path.join(self._dir, f"{len(self._locks)}-{threading.get_ident()}.item")
+
+    def add(self, key: tuple[str, int], local: str, size: int) -> str:
+        """Make the decoded item at ``key``, written to ``local``, readable under a name of its
+        own (which error messages show: the stored file and the item's offset); its name."""
+        file, offset = key
+        rel = f"{file}[decoded item at byte {offset}]"
+        with self._lock:
+            self._paths[rel] = local
+            self._items[key] = (rel, size)
+        return rel
+
+    def close(self) -> None:
+        """Remove the spool directory and forget the items."""
+        with self._lock:
+            if self._dir is not None:
+                spool.remove_spool_dir(self._dir)
+            self._dir = None
+            self._paths.clear()
+            self._items.clear()
 
 
 def open_reader(root: str) -> Reader:
@@ -120,6 +187,7 @@ class LocalReader:
         self.root = root
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.decoded = DecodedFiles()
 
     def _fd(self, rel: str) -> int:
         fd = self._fds.get(rel)
@@ -127,6 +195,8 @@ class LocalReader:
             return fd
         with self._lock:
             fd = self._fds.get(rel)
+            if fd is None and rel in self.decoded:  # a spool file ckptools wrote itself
+                fd = self._fds[rel] = os.open(self.decoded.path(rel), os.O_RDONLY)
             if fd is None:
                 path = contained(self.root, rel, named_by=self.root, entry="asked for", links=False)
                 try:
@@ -233,6 +303,7 @@ class LocalReader:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+        self.decoded.close()
 
     def __enter__(self) -> LocalReader:
         return self
@@ -275,6 +346,11 @@ class RemoteReader:
         self.bytes_fetched = 0
         #: ranged requests made so far
         self.requests = 0
+        self.decoded = DecodedFiles()
+        # reads of decoded items: their local spool files (fileno and crc32 stay None, as for
+        # every file of this reader)
+        self._spooled = LocalReader(self.root)
+        self._spooled.decoded = self.decoded
 
     def _path(self, rel: str) -> str:
         if rel not in self._checked:  # layouts checked it; a name alone is judged again here
@@ -292,6 +368,8 @@ class RemoteReader:
         return None  # no page cache to checksum in place: callers read
 
     def size(self, rel: str) -> int:
+        if rel in self.decoded:
+            return self._spooled.size(rel)
         found = self._sizes.get(rel)
         if found is None:
             try:
@@ -351,6 +429,8 @@ class RemoteReader:
     def prefetch(self, rel: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Fetch the ``(offset, length)`` ranges of ``rel`` in one concurrent batch and keep them
         for the reads that follow (the most recent few hundred, up to 128 MiB, are kept)."""
+        if rel in self.decoded:
+            return
         wanted = sorted((o, o + n) for o, n in ranges if n > 0)
         merged: list[tuple[int, int]] = []
         for start, end in wanted:  # neighbours and overlaps become one request
@@ -379,6 +459,8 @@ class RemoteReader:
         """Read exactly ``length`` bytes at ``offset`` of ``rel`` or raise."""
         if length <= 0:
             return b""
+        if rel in self.decoded:
+            return self._spooled.read(rel, offset, length)
         hit = self._cached(rel, offset, length)
         if hit is not None:
             return hit
@@ -388,6 +470,9 @@ class RemoteReader:
     def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
         n = len(buf)
         if n == 0:
+            return
+        if rel in self.decoded:
+            self._spooled.readinto(rel, offset, buf)
             return
         hit = self._cached(rel, offset, n)
         if hit is not None:
@@ -403,6 +488,7 @@ class RemoteReader:
             self._segments.clear()
             self._by_file.clear()
             self._cached_bytes = 0
+        self._spooled.close()  # and the decoded items' spool
 
     def __enter__(self) -> RemoteReader:
         return self

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
-from ckptools.io import durable, storage
+from ckptools.io import durable, paths
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Uploader:
 
         def run() -> None:
             try:
-                storage.put_file(local, url)
+                paths.put_file(local, url)
                 os.remove(local)
                 if on_done is not None:
                     on_done()
@@ -187,5 +187,5 @@ def spool_uploads(
             write(spool, names)
             for name in names:
                 done = None if on_uploaded is None else functools.partial(on_uploaded, name)
-                uploader.put(os.path.join(spool, name), storage.join(out_url, name), done)
+                uploader.put(os.path.join(spool, name), paths.join(out_url, name), done)
         uploader.wait()

@@ -22,7 +22,7 @@ from ckptools.errors import (
     UnknownFormatError,
     UsageError,
 )
-from ckptools.formats import safe_pickle
+from ckptools.formats import safe_pickle, stream_transforms
 from ckptools.io import storage
 from ckptools.producers import registry
 from ckptools.producers.registry import MODULES, REFUSED, VIEWED
@@ -114,6 +114,24 @@ safe_pickle.admit(
     enums=registry.declared("PICKLE_ENUMS"),
     records=registry.declared("PICKLE_RECORDS"),
     wrappers=registry.declared("PICKLE_WRAPPERS"),
+)
+
+
+def _lazy_decoder(module: str) -> Callable[[str], stream_transforms.Decoder | None]:
+    """A family's decoder of one stream transform, its module (below ``ckptools.producers``)
+    imported only when an item stored with that transform is met: its ``decoder(version)``."""
+
+    def make(version: str) -> stream_transforms.Decoder | None:
+        found: Callable[[str], stream_transforms.Decoder | None]
+        found = importlib.import_module(f"ckptools.producers.{module}").decoder
+        return found(version)
+
+    return make
+
+
+# each family's decoders of stream transforms (its ``DECODERS``: transform name -> module)
+stream_transforms.admit(
+    (name, _lazy_decoder(module)) for name, module in registry.declared("DECODERS")
 )
 _REGISTRY: dict[str, Layout] = {}
 

@@ -89,9 +89,15 @@ class InspectReport:
             "peft": lora.describe(m, model_tensors),
             "sharding": sharding_summary(m),
             # items stored through stream transforms (DCP extensions), and whether ckptools
-            # reads them: the other verbs refuse those it does not
+            # reads them (decoding each first): the other verbs refuse those it does not, in
+            # the words of ``missing`` (what to install, or that it does not decode them)
             "encodings": [
-                {"transforms": list(chain), "items": n, "decoded": stream_transforms.decodes(chain)}
+                {
+                    "transforms": list(chain),
+                    "items": n,
+                    "decoded": stream_transforms.decodes(chain),
+                    "missing": stream_transforms.missing(chain),
+                }
                 for chain, n in stream_transforms.encodings(m).items()
             ],
             "mesh": _mesh(m),

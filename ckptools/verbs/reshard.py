@@ -40,7 +40,7 @@ from ckptools.formats.stream_transforms import require_decodable
 from ckptools.io import storage
 from ckptools.io.out_rules import check_out
 from ckptools.io.staging import IN_PROGRESS
-from ckptools.plan.dcp import DcpPlan, plan_dcp
+from ckptools.plan.dcp import Archived, DcpPlan, plan_dcp
 from ckptools.plan.training import training_layout
 from ckptools.producers import read_manifest
 from ckptools.producers.optimizer_state import optimizer_alone
@@ -287,8 +287,32 @@ def _plan_parts(
                     continue
             objects.append(fqn)
         require_decodable(source, objects=objects)  # before any output exists
-        plans[sub] = (source, plan_dcp(source, options.world_size, objects=objects))
+        decoded = _decoded_objects(source, objects)  # written as plain items
+        plain = [fqn for fqn in objects if fqn not in decoded]
+        paths = {fqn: source.paths.get(fqn, (fqn,)) for fqn in decoded}
+        plan = plan_dcp(source, options.world_size, objects=plain, values=decoded, paths=paths)
+        plans[sub] = (source, plan)
     return plans, rank_items
+
+
+def _decoded_objects(source: Manifest, objects: Sequence[str]) -> dict[str, Archived]:
+    """The non-tensor items of ``objects`` stored through stream transforms, decoded (bounded,
+    :func:`ckptools.engine.reader.decoded_object`) and their records' CRCs checked: the output
+    stores them plain, as it stores every tensor (small: step counters, RNG states)."""
+    from ckptools.engine.checked_copy import check_object_item
+    from ckptools.engine.reader import decoded_object
+    from ckptools.engine.runtime import BLOCK_BYTES
+
+    wanted = [fqn for fqn in objects if source.objects[fqn].transforms]
+    if not wanted:
+        return {}
+    out: dict[str, Archived] = {}
+    with storage.open_reader(source.data_dir()) as reader:
+        for fqn in wanted:
+            name, size = decoded_object(reader, source.objects[fqn])
+            check_object_item(reader, name, 0, size, fqn, BLOCK_BYTES)
+            out[fqn] = Archived(reader.read(name, 0, size))
+    return out
 
 
 @storage.accepts_storage_options

@@ -18,20 +18,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32
 from ckptools.engine import collective
-from ckptools.engine.reader import prefetch_archive
+from ckptools.engine.reader import decoded_bound, decoded_item, prefetch_archive
 from ckptools.errors import CkptError
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
 from ckptools.io.tunables import env_int
 from ckptools.verify.digests import Digests, FileSum, ItemKey, ItemSum, new_hasher
-from ckptools.verify.report import Finding
+from ckptools.verify.report import Finding, FindingKind
 from ckptools.verify.structure import Item, Structure
 
 #: Bytes per read: big enough that syscall and per-block Python work stay under 1% of the time
@@ -42,6 +42,16 @@ BLOCK_BYTES_ENV = "CKPTOOLS_VERIFY_BLOCK_BYTES"
 #: sequential read beats a seek for small gaps (zip headers between DCP items).
 _SKIP_GAP_BYTES = 1 * 2**20
 _ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _found(kind: FindingKind, message: str, item: Item) -> Finding:
+    return Finding(kind, message, item.file, item.fqn, item.rank, item.chunk_at)
+
+
+def _unreadable(item: Item, full: str, e: CkptError) -> Finding:
+    """The finding for an item whose bytes could not be read as what the metadata records."""
+    where = f"{full}: cannot read {item.where()} at bytes {item.offset}..{item.end}"
+    return _found("unreadable", f"{where}: {e.message}", item)
 
 
 def resolve_block_bytes() -> int:
@@ -199,7 +209,9 @@ class _Scanner:
             res.findings.append(Finding("unreadable", f"{full}: {e.message}", rel, e.fqn, e.rank))
         hashes: dict[int, _Hash] = {}
         for item in items:
-            if item.encoding == "torch_save":
+            if item.transforms:
+                self._decoded_item(item, full, res)
+            elif item.encoding == "torch_save":
                 self._item_segments(item, full, segments, res)
             else:
                 segments.append(_Segment(item.offset, item.end, _READ_ONLY))
@@ -277,7 +289,6 @@ class _Scanner:
     ) -> None:
         """A DCP item: its archive's records (CRC), and the tensor it must hold."""
         rel = item.file
-        chunk_at = item.chunk_at
         try:
             prefetch_archive(self.reader, rel, item.offset, item.length)
             archive = torch_archive.read_archive(self.reader, rel, item.offset, item.length)
@@ -287,11 +298,7 @@ class _Scanner:
                 ref = torch_archive.load_pickle(self.reader, archive)
                 problem = self._check_ref(item, ref)
                 if problem:
-                    res.findings.append(
-                        Finding(
-                            "dtype_shape", f"{full}: {problem}", rel, item.fqn, item.rank, chunk_at
-                        )
-                    )
+                    res.findings.append(_found("dtype_shape", f"{full}: {problem}", item))
                     ref = None
                 else:
                     assert isinstance(ref, safe_pickle.TensorRef)
@@ -302,19 +309,12 @@ class _Scanner:
 
                 def mismatch(got: int, rec: Any = rec, start: int = start, end: int = end) -> None:
                     what = "tensor data" if rec.name.startswith("data/") else f"record {rec.name}"
-                    res.findings.append(
-                        Finding(
-                            "crc",
-                            f"{full}: CRC-32 mismatch in the {what} of {item.where()} (bytes "
-                            f"{start}..{end}): stored {rec.crc32:#010x}, computed {got:#010x}; "
-                            "the file changed after torch wrote it (bit rot or a partial "
-                            "overwrite)",
-                            rel,
-                            item.fqn,
-                            item.rank,
-                            chunk_at,
-                        )
+                    message = (
+                        f"{full}: CRC-32 mismatch in the {what} of {item.where()} (bytes "
+                        f"{start}..{end}): stored {rec.crc32:#010x}, computed {got:#010x}; "
+                        "the file changed after torch wrote it (bit rot or a partial overwrite)"
                     )
+                    res.findings.append(_found("crc", message, item))
 
                 segments.append(_Segment(start, end, _Crc(rec.crc32, mismatch)))
                 if rec.name == data_record and ref is not None and self.check_finite:
@@ -325,31 +325,31 @@ class _Scanner:
                     if not ref.is_contiguous:  # the storage span: whole rows of the base tensor
                         n = rec.size - ref.storage_offset * itemsize
                     if first + n > end:
-                        res.findings.append(
-                            Finding(
-                                "dtype_shape",
-                                f"{full}: {item.where()}: the tensor needs bytes "
-                                f"{first}..{first + n} but its storage record ends at {end}",
-                                rel,
-                                item.fqn,
-                                item.rank,
-                                chunk_at,
-                            )
+                        message = (
+                            f"{full}: {item.where()}: the tensor needs bytes "
+                            f"{first}..{first + n} but its storage record ends at {end}"
                         )
+                        res.findings.append(_found("dtype_shape", message, item))
                         continue
                     self._finite_segment(item, first, n, segments, res)
         except CkptError as e:
-            res.findings.append(
-                Finding(
-                    "unreadable",
-                    f"{full}: cannot read {item.where()} at bytes {item.offset}..{item.end}: "
-                    f"{e.message}",
-                    rel,
-                    item.fqn,
-                    item.rank,
-                    chunk_at,
-                )
-            )
+            res.findings.append(_unreadable(item, full, e))
+
+    def _decoded_item(self, item: Item, full: str, res: _FileResult) -> None:
+        """An item stored through stream transforms: decoded (once, bounded, into the reader's
+        spool), then checked there as any item's archive, in a pass of its own."""
+        try:
+            kind = "object" if item.chunk is None else "tensor"
+            name, size = decoded_item(
+                self.reader, item.file, item.offset, item.length, item.transforms,
+                bound=decoded_bound(item.tensor, item.chunk), entry=f"{kind} {item.fqn!r}",
+            )  # fmt: skip
+            decoded = replace(item, file=name, offset=0, length=size, transforms=())
+            segments: list[_Segment] = []
+            self._item_segments(decoded, storage.join(self.reader.root, name), segments, res)
+            self._stream(name, size, sorted(segments, key=lambda s: s.start), [], None, res)
+        except CkptError as e:
+            res.findings.append(_unreadable(item, full, e))
 
     @staticmethod
     def _check_ref(item: Item, ref: Any) -> str | None:

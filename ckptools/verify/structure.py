@@ -43,6 +43,8 @@ class Item:
     rank: int | None
     tensor: TensorEntry | None = None
     chunk: Chunk | None = None
+    #: the stream transforms the item is stored through (its bytes are decoded before checking)
+    transforms: tuple[str, ...] = ()
 
     @property
     def fqn(self) -> str:
@@ -72,13 +74,26 @@ def items_of(manifest: Manifest) -> list[Item]:
     for t in manifest.tensors.values():
         for c in t.chunks:
             out.append(
-                Item((t.fqn, c.offsets), c.file, c.offset, c.length, c.encoding, c.rank, t, c)
+                Item(
+                    (t.fqn, c.offsets),
+                    c.file,
+                    c.offset,
+                    c.length,
+                    c.encoding,
+                    c.rank,
+                    t,
+                    c,
+                    c.transforms,
+                )
             )
     for o in manifest.objects.values():
         if o.file is not None and not o.has_value:
             info = manifest.files.get(o.file)
             rank = info.rank if info is not None else None
-            out.append(Item((o.fqn, None), o.file, o.offset, o.length, o.encoding, rank))
+            out.append(
+                Item((o.fqn, None), o.file, o.offset, o.length, o.encoding, rank,
+                     transforms=o.transforms)
+            )  # fmt: skip
     return out
 
 

@@ -398,11 +398,18 @@ def _save_reference(
     )
 
 
-def _save_one_process(state: dict[str, Any], out: str) -> None:
+def _save_one_process(state: dict[str, Any], out: str, *, zstd: bool = False) -> None:
     with warnings.catch_warnings():
         # no_dist=True is the intent; torch still warns that it is assuming it.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=out, no_dist=True)
+        if zstd:  # every item through torch's own ZStandard storage extension
+            from torch.distributed.checkpoint import FileSystemWriter
+            from torch.distributed.checkpoint._extension import ZStandard
+
+            writer = FileSystemWriter(out, _extensions=[ZStandard()])
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        else:
+            dcp.save(state, checkpoint_id=out, no_dist=True)
 
 
 def _describe(model: nn.Module) -> dict[str, str]:
@@ -554,12 +561,15 @@ def fsdp2(
     nested_app: bool = False,
     extra: bool = False,
     cfg: ModelConfig = DEFAULT_CONFIG,
+    zstd: bool = False,
 ) -> dict[str, str]:
     """FSDP2 (``fully_shard`` per block and root, 1-D CPU mesh) saved with ``dcp.save``.
 
     Saves ``{"model": ..., "optim": ...}`` from ``get_state_dict`` (FQN-keyed optimizer state), or
     ``{"app": {"model": ..., "optim": ...}}`` when ``nested_app``. ``extra`` adds top-level
-    non-tensor entries (int, str, nested dict with a list, two io.BytesIO). Every rank calls it.
+    non-tensor entries (int, str, nested dict with a list, two io.BytesIO). ``zstd``: every item
+    compressed by torch's own ``FileSystemWriter(out, _extensions=[ZStandard()])``. Every rank
+    calls it.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -578,7 +588,13 @@ def fsdp2(
     state: dict[str, Any] = {"app": parts} if nested_app else dict(parts)
     extras = _extra_entries() if extra else {}
     state.update(extras)
-    dcp.save(state, checkpoint_id=out)
+    if zstd:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        dcp.save(state, storage_writer=FileSystemWriter(out, _extensions=[ZStandard()]))
+    else:
+        dcp.save(state, checkpoint_id=out)
 
     ref_model, ref_optim = _gather_reference(model, opt)
     if rank == 0:
@@ -801,13 +817,15 @@ def _single_state() -> dict[str, Any]:
     }
 
 
-def single(out: str | os.PathLike[str], ref_path: str | os.PathLike[str]) -> None:
+def single(
+    out: str | os.PathLike[str], ref_path: str | os.PathLike[str], *, zstd: bool = False
+) -> None:
     """One process, no process group: ``dcp.save`` of every dtype torch can save, 0-dim, zero-size
     and non-contiguous tensors, and non-tensor entries, under
-    ``{"model": {...}, "extra": {...}}``."""
+    ``{"model": {...}, "extra": {...}}``; ``zstd``: through torch's ZStandard extension."""
     out = _fresh_dir(out)
     state = _single_state()
-    _save_one_process(state, out)
+    _save_one_process(state, out, zstd=zstd)
     layout: Layout = {"model": (".", ("model",)), "optim": None, "extra": (".", ("extra",))}
     _save_reference(ref_path, state["model"], None, layout, state["extra"])
 

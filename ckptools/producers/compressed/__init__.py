@@ -28,3 +28,10 @@ FACTS = ("compressed.float8_training",)
 HELP = (
     ("reads", ("torchao float8 training DCP", "ckpt reshard f8_ckpt plain_ckpt --world-size 8")),
 )
+
+# --- zstd DCP items (torch's ``FileSystemWriter(path, _extensions=[ZStandard()])``) ---------
+
+#: stream transforms this family decodes: a DCP transform's name -> the module below
+#: ``ckptools.producers`` whose ``decoder(version)`` undoes it (imported when an item stored
+#: with it is met; :func:`ckptools.formats.stream_transforms.admit`)
+DECODERS = (("stream.zstd", "compressed.zstd"),)
