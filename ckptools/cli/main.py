@@ -123,6 +123,23 @@ def cli(ctx: click.Context, debug: bool) -> None:
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING)
+    if not debug:
+        _quiet_libraries()
+
+
+def _own_or_error(record: logging.LogRecord) -> bool:
+    return record.name.partition(".")[0] == "ckptools" or record.levelno >= logging.ERROR
+
+
+def _quiet_libraries() -> None:
+    """Without --debug, the libraries ckptools imports say nothing below an error: their
+    import-time warnings (torchao's extension it cannot load, torch deprecating what torchao
+    registers, imported by transformers whenever torchao is installed) are not the user's
+    business, and the one line is ckptools'. --debug shows them all."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_own_or_error)
+    # torch's own handler (glog-style) prints this logger's records, not the root's
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def _register() -> None:

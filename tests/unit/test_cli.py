@@ -266,3 +266,31 @@ def test_format_choices_are_every_registered_layout() -> None:
     from ckptools.producers.base import layouts
 
     assert sorted(FORMAT_NAMES) == sorted(layout.name for layout in layouts())
+
+
+_LIBRARY_NOISE = """
+import logging, sys
+from ckptools.cli.main import cli
+try:
+    cli.main(sys.argv[1:-1] + ["list", sys.argv[-1]], standalone_mode=False)
+except Exception:
+    pass
+logging.getLogger("torchao").warning("Failed to load _C_cutlass_90a.abi3.so")
+logging.getLogger("ckptools.verbs").warning("ckptools' own warning")
+logging.getLogger("transformers").error("a library's error")
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_libraries_warnings_are_shown_only_under_debug(tmp_path: Path, debug: bool) -> None:
+    """torchao (imported by transformers whenever it is installed) logs warnings at import that
+    are none of the user's business; the CLI keeps its own and every error, and --debug shows
+    everything."""
+    args = ["--debug"] if debug else []
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIBRARY_NOISE, *args, str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "ckptools' own warning" in proc.stderr
+    assert "a library's error" in proc.stderr
+    assert ("Failed to load" in proc.stderr) is debug, proc.stderr
