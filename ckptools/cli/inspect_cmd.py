@@ -101,10 +101,12 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
         out.append(f"  note: {note}")
     mp = d["model_part"]
     excluded = f" (excluding {', '.join(mp['excluded'])})" if mp["excluded"] else ""
-    out.append(
-        f"  model part: prefix {mp['prefix']!r}{excluded}, {mp['tensors']} tensors, "
-        f"{human_count(mp['elements'])} elements"
-    )
+    listed = not d["tensors"] and not d["objects"] and any(d.get(p.KEY) for p in inspected())
+    if not listed:  # listed by its producer's facts alone: it has no model part of ours
+        out.append(
+            f"  model part: prefix {mp['prefix']!r}{excluded}, {mp['tensors']} tensors, "
+            f"{human_count(mp['elements'])} elements"
+        )
     for src in d["sources"]:
         under = f" (under {src['under']!r})" if src["under"] else ""
         out.append(f"  {src['role']} file: {src['file']}{under}, keys: {', '.join(src['keys'])}")
@@ -126,8 +128,8 @@ def _render(d: dict[str, Any], limit: int | None) -> str:
             f"{' + '.join(enc['transforms'])}{unread}"
         )
     out.extend(_mesh_line(d))
-    if not d["tensors"] and not d["objects"] and any(d.get(p.KEY) for p in inspected()):
-        return "\n".join(out)  # listed by its producer's facts alone: no tables, no totals
+    if listed:
+        return "\n".join(out)  # no tables, no totals
     out.append("")
     tensors = d["tensors"] if limit is None else d["tensors"][:limit]
     rows = [

@@ -87,6 +87,7 @@ def test_inspect_lists_dtypes_where_orbax_wrote_them_as_json() -> None:
     assert "params.decoder.layers_0.mlp.wi_0.kernel" in text.output
     assert "bfloat16" in text.output and "[16, 2, 8]" in text.output
     assert "Traceback" not in text.output
+    assert "model part" not in text.output  # no PyTorch model part of ours to describe
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: str(p.relative_to(ORBAX)))
