@@ -16,8 +16,8 @@ import torch
 
 import ckptools
 from ckptools.errors import CkptError, IncompleteCheckpointError, UsageError
+from ckptools.io import paths, storage
 from ckptools.io import staging as commit
-from ckptools.io import storage
 from tests.support.reference import assert_checkpoint_matches, load_reference
 from tests.support.s3 import GetCounter, download, objects, upload
 
@@ -121,6 +121,13 @@ def test_existing_destination_needs_overwrite(fsdp2_on_s3: str, s3_bucket: str) 
     assert objects(f"{s3_bucket}/foreign") == {"notes.txt": 8}
 
 
+def _patch_uploads(monkeypatch: pytest.MonkeyPatch, put: object) -> None:
+    """Every upload goes through ``put``: the spool's uploader calls ``io.paths.put_file``
+    (io.spool sits below the storage facade), the staging commit ``storage.put_file``."""
+    monkeypatch.setattr(paths, "put_file", put)
+    monkeypatch.setattr(storage, "put_file", put)
+
+
 def test_failed_upload_leaves_no_marker_and_a_rerun_finishes(
     fsdp2_on_s3: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,7 +142,7 @@ def test_failed_upload_leaves_no_marker_and_a_rerun_finishes(
         real_put(local, dst)
 
     # A process killed mid-run: the failure is not cleaned up (kill -9 runs no handler).
-    monkeypatch.setattr(storage, "put_file", flaky)
+    _patch_uploads(monkeypatch, flaky)
     monkeypatch.setattr(commit, "discard", lambda *args, **kwargs: None)
     with pytest.raises(OSError, match="injected"):
         ckptools.consolidate(fsdp2_on_s3, out, max_shard_size=800, quiet=True, weights_only=True)
@@ -168,7 +175,7 @@ def test_failed_reshard_removes_what_it_uploaded(
             raise OSError("connection reset (injected)")
         real_put(local, dst)
 
-    monkeypatch.setattr(storage, "put_file", flaky)
+    _patch_uploads(monkeypatch, flaky)
     with pytest.raises((OSError, CkptError)):
         ckptools.reshard(fsdp2_on_s3, out, world_size=4, workers=1, quiet=True)
     assert objects(out) == {}
