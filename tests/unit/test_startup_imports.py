@@ -44,6 +44,7 @@ print(json.dumps({
 _DCP_LAYOUTS = {
     "base", "probing", "registry", "numbered", "part_files", "dcp", "dcp.wrappers",
     "dcp.rank_local", "dcp.layout", "megatron", "megatron.layout", "deepspeed", "fsdp1", "hf",
+    "compressed",
 }  # fmt: skip
 
 
