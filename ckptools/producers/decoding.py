@@ -44,12 +44,16 @@ class Decoded:
             export's dtype).
         config_drops: top-level ``config.json`` keys the written model no longer has.
         notes: facts worth showing (how many tensors were computed, from what).
+        plain_names: whether ``names`` are the plain model's (what its config is checked
+            against); False for a stored form the layout does not read, whose tensors then
+            go unchecked.
     """
 
     names: dict[str, str]
     decoders: Mapping[str, RowDecoder] = field(default_factory=dict)
     config_drops: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    plain_names: bool = True
 
 
 class Decodes(Protocol):

@@ -303,7 +303,10 @@ def _checked_shapes(
     names = select_tensors(manifest, None, options.strip_prefix)
     decodes = decodes_of(manifest)
     if decodes is not None:  # stored forms (quantized data, scales): the plain model's names
-        names = decodes.decoded(manifest, names, None).names
+        decoded = decodes.decoded(manifest, names, None)
+        if not decoded.plain_names:
+            return None
+        names = decoded.names
     shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
     # a PEFT model's names are no config's: the export refuses it first, naming the ways out
     return None if lora.scan(shapes, shapes) is not None else shapes

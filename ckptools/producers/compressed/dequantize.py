@@ -22,7 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ckptools.core.manifest import Manifest, TensorEntry
-from ckptools.errors import UsageError
+from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
 from ckptools.producers.compressed.forms import KEY, Form, Quantized
 from ckptools.producers.decoding import Decoded, RowDecoder
@@ -53,8 +53,8 @@ def decoded(manifest: Manifest, names: dict[str, str], dtype: str | None) -> Dec
     its plain name, its scales and run-time scales left out; with ``dtype``, a decoder for each.
 
     Raises:
-        UsageError: ``dtype`` is given and the form is one this module does not read (named),
-            or a float8 tensor has no scale it understands.
+        UnsupportedCheckpointError: ``dtype`` is given and the form is one this module does
+            not read (named), or a float8 tensor has no scale it understands.
     """
     found = form(manifest)
     if found is None:
@@ -66,16 +66,16 @@ def decoded(manifest: Manifest, names: dict[str, str], dtype: str | None) -> Dec
         for out, fqn in names.items()
         if fqn not in consumed
     }
-    if dtype is None:
-        return Decoded(names=plain)
+    if dtype is None:  # a form not read: which stored tensors are the model's is not known
+        return Decoded(names=plain, plain_names=found.refused is None)
     if found.refused is not None:
-        raise UsageError(
+        raise UnsupportedCheckpointError(
             f"{manifest.root}: {found.refused}: ckptools does not dequantize this form; {_COPY}"
         )
     for fqn in plain.values():
         entry = manifest.tensors[fqn]
         if fqn not in weights and entry.dtype.startswith("float8"):
-            raise UsageError(
+            raise UnsupportedCheckpointError(
                 f"{manifest.root}: tensor {fqn!r} is {entry.dtype} with no scale "
                 f"{found.producer} names: ckptools would not know its values; {_COPY}"
             )
