@@ -36,7 +36,12 @@ from ckptools.cli.render import emit, human_bytes, plural, shortlist, summary, t
     "--dtype",
     type=click.Choice(["bfloat16", "float16", "float32"]),
     default=None,
-    help="Cast floating tensors (only) to this dtype. Default: keep every dtype bit-exactly.",
+    help=" ".join(
+        (
+            "Cast floating tensors (only) to this dtype. Default: keep every dtype bit-exactly.",
+            *producers_say("consolidate --dtype"),
+        )
+    ),
 )
 @click.option(
     "--select",

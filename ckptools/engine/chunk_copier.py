@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32, crc32_combine
@@ -26,6 +27,9 @@ from ckptools.engine.runtime import pwrite_all
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import Reader
 from ckptools.plan.safetensors import FilePlan, TensorPlan, chunk_span, runs
+
+if TYPE_CHECKING:
+    from ckptools.producers.decoding import RowDecoder
 
 
 def pieces(
@@ -100,8 +104,10 @@ class ChunkCopier:
         block: int,
         progress: ByteProgress,
         transforms: Mapping[str, RowTransform] | None = None,
+        decoders: Mapping[str, RowDecoder] | None = None,
     ) -> None:
         self.transforms = transforms or {}
+        self.decoders = decoders or {}
         self.manifest = manifest
         self.reader = reader
         self.out_fds = out_fds
@@ -165,8 +171,9 @@ class ChunkCopier:
     def _gather_rows(self, fd: int, tensor: TensorPlan, task: RowBlock) -> None:
         """Rows ``[first, stop)`` of ``tensor``: each chunk's part read into the first half of
         the thread's buffer, placed run by run into the second (read straight into place when
-        the chunk holds whole rows), transformed if asked, written once."""
-        isz = dtypes.dtype(tensor.dtype).itemsize
+        the chunk holds whole rows), transformed if asked, or decoded into the output dtype
+        right after them, written once."""
+        isz = dtypes.dtype(tensor.src_dtype).itemsize
         row = math.prod(tensor.shape[1:])
         buf = self.buffer()
         half = len(buf) // 2
@@ -202,6 +209,13 @@ class ChunkCopier:
         transform = self.transforms.get(tensor.name)
         if transform is not None:
             transform(task.first, task.stop, out)
+        decoder = self.decoders.get(tensor.name)
+        if decoder is not None:
+            osz = dtypes.dtype(tensor.dtype).itemsize
+            end = half + len(out)
+            stored, out = out, buf[end : end + task.numel * osz]
+            decoder(task.first, task.stop, stored, out)
+            isz = osz
         pwrite_all(fd, out, tensor.begin + base * isz)
         self.progress.update(len(out))
 

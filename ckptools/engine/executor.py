@@ -38,16 +38,21 @@ import os
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptools.core import dtypes
 from ckptools.core.manifest import Chunk, Manifest
 from ckptools.engine.chunk_copier import ChunkCopier, RowBlock, RowTransform, Task
 from ckptools.engine.runtime import BLOCK_BYTES, FileSyncer, pwrite_all, run_all
+from ckptools.errors import UsageError
 from ckptools.io import space, storage
 from ckptools.io.progress import ByteProgress
 from ckptools.io.storage import open_reader
 from ckptools.io.tunables import DEFAULT_MEMORY_BUDGET_BYTES
 from ckptools.plan.safetensors import ConsolidationPlan, FilePlan, TensorPlan
+
+if TYPE_CHECKING:
+    from ckptools.producers.decoding import RowDecoder
 
 #: Blocks are a multiple of the largest itemsize (complex128) so no element is ever split.
 _BLOCK_ALIGN_BYTES = 64
@@ -66,32 +71,47 @@ def block_bytes(memory_budget: int, workers: int) -> int:
     return max(_BLOCK_ALIGN_BYTES, per - per % _BLOCK_ALIGN_BYTES)
 
 
-def in_row_blocks(t: TensorPlan, block: int) -> bool:
+def in_row_blocks(t: TensorPlan, block: int, decoded: bool = False) -> bool:
     """Whether ``t`` can be written in blocks of whole rows from buffers of ``block`` bytes (not
-    cast, no strided chunk, a row within half a buffer): what a :data:`RowTransform` needs."""
+    cast, no strided chunk, a row within half a buffer): what a :data:`RowTransform` needs.
+    ``decoded``: computed by a :data:`~ckptools.producers.decoding.RowDecoder` into its own
+    dtype, so a row's stored and written bytes both fit half a buffer."""
     row = math.prod(t.shape[1:]) if len(t.shape) >= 2 else 0
     return bool(
         row
-        and not t.is_cast
-        and row * dtypes.dtype(t.src_dtype).itemsize <= block // 2
+        and (decoded or not t.is_cast)
+        and row * _row_itemsize(t, decoded) <= block // 2
         and all(c.strides is None for c in t.chunks)
     )
 
 
+def _row_itemsize(t: TensorPlan, decoded: bool) -> int:
+    """Bytes per element a row block holds: stored, and written too when ``decoded``."""
+    stored = dtypes.dtype(t.src_dtype).itemsize
+    return stored + dtypes.dtype(t.dtype).itemsize if decoded else stored
+
+
 def _tasks(
-    f: FilePlan, t: TensorPlan, block: int, rows_ok: bool, transformed: bool = False
+    f: FilePlan,
+    t: TensorPlan,
+    block: int,
+    rows_ok: bool,
+    transformed: bool = False,
+    decoded: bool = False,
 ) -> Iterator[Task]:
     """The tasks writing ``t``: blocks of whole rows when its chunks all land as many runs
-    (sharded on a trailing dim), or it is ``transformed``, and a row fits half a buffer; else
-    one task per chunk. ``rows_ok`` False (ranks sharing the tasks: a chunk's CRC is checked
-    only where one process reads every block of it): one task per chunk always."""
-    isz = dtypes.dtype(t.src_dtype).itemsize
+    (sharded on a trailing dim), or it is ``transformed`` or ``decoded``, and a row fits half a
+    buffer; else one task per chunk. ``rows_ok`` False (ranks sharing the tasks: a chunk's CRC
+    is checked only where one process reads every block of it): one task per chunk always."""
+    isz = _row_itemsize(t, decoded)
     row = math.prod(t.shape[1:]) if len(t.shape) >= 2 else 0
     gather = (
         rows_ok
-        and in_row_blocks(t, block)
+        and in_row_blocks(t, block, decoded)
         and (
-            transformed or (len(t.chunks) > 1 and all(c.sizes[1:] != t.shape[1:] for c in t.chunks))
+            transformed
+            or decoded
+            or (len(t.chunks) > 1 and all(c.sizes[1:] != t.shape[1:] for c in t.chunks))
         )
     )
     half_block = block // 2
@@ -160,6 +180,36 @@ def _checked_transforms(
     return transforms
 
 
+def _checked_decoders(
+    plan: ConsolidationPlan,
+    decoders: Mapping[str, RowDecoder] | None,
+    block: int,
+    share: tuple[int, int] | None,
+) -> Mapping[str, RowDecoder]:
+    """``decoders``, each of whose tensors this execution computes in row blocks.
+
+    Raises:
+        UsageError: one it cannot: ranks share the copy, or a row of the tensor (stored and
+            written) is larger than half a copy buffer (the message names the budget to give).
+    """
+    decoders = decoders or {}
+    for f in plan.files:
+        for t in f.tensors:
+            if t.name not in decoders:
+                continue
+            if share is not None:
+                raise UsageError(
+                    f"{t.name}: a computed tensor is written by one process; run consolidate "
+                    "without torchrun"
+                )
+            if not in_row_blocks(t, block, decoded=True):
+                raise UsageError(
+                    f"{t.fqn}: a row of {t.shape} does not fit the copy buffers; raise "
+                    "--memory-budget (CKPTOOLS_MEMORY_BUDGET) or lower --workers"
+                )
+    return decoders
+
+
 def execute(
     plan: ConsolidationPlan,
     manifest: Manifest,
@@ -172,6 +222,7 @@ def execute(
     skip: Collection[str] = (),
     on_file_done: Callable[[str], None] | None = None,
     transforms: Mapping[str, RowTransform] | None = None,
+    decoders: Mapping[str, RowDecoder] | None = None,
 ) -> ExecuteStats:
     """Write the files of ``plan`` into ``out_dir`` and fsync them.
 
@@ -196,6 +247,9 @@ def execute(
         transforms: output tensor name -> :data:`RowTransform` applied to its rows before
             they are written; each such tensor must be :func:`in_row_blocks` for this
             ``memory_budget`` and ``workers``, and ``share`` None, local ``out_dir``.
+        decoders: output tensor name -> :data:`~ckptools.producers.decoding.RowDecoder`
+            computing its rows (in the plan's dtype) from its stored rows, in row blocks;
+            ``share`` None.
 
     ``out_dir`` may be a URL (an object-store prefix): each file is then written into a local
     spool, one at a time, and uploaded while the next is written (:func:`_execute_to_store`).
@@ -206,17 +260,18 @@ def execute(
     if storage.is_url(out_dir):
         return _execute_to_store(
             plan, manifest, out_dir, workers=workers, memory_budget=memory_budget, quiet=quiet,
-            share=share, skip=skip, on_file_done=on_file_done,
+            share=share, skip=skip, on_file_done=on_file_done, decoders=decoders,
         )  # fmt: skip
     root = manifest.data_dir()
     todo = [f for f in plan.files if f.name not in skip]
     block = block_bytes(memory_budget, workers)
     transforms = _checked_transforms(plan, transforms, block, share)
+    decoders = _checked_decoders(plan, decoders, block, share)
     tasks = [
         task
         for f in todo
         for t in f.tensors
-        for task in _tasks(f, t, block, share is None, t.name in transforms)
+        for task in _tasks(f, t, block, share is None, t.name in transforms, t.name in decoders)
     ]
     if share is None:
         create_files(plan, out_dir, todo)
@@ -231,7 +286,7 @@ def execute(
         for f in todo:
             fds[f.name] = os.open(os.path.join(out_dir, f.name), os.O_WRONLY)
         with ByteProgress(total, "consolidate", quiet=quiet) as bar:
-            copier = ChunkCopier(manifest, reader, fds, block, bar, transforms)
+            copier = ChunkCopier(manifest, reader, fds, block, bar, transforms, decoders)
             copy: Callable[[FilePlan, TensorPlan, Chunk | RowBlock], None] = copier.copy_chunk
             if on_file_done is None:
                 run_all(lambda task: copy(*task), tasks, workers, copier.stop.set)
@@ -265,6 +320,7 @@ def _execute_to_store(
     share: tuple[int, int] | None,
     skip: Collection[str],
     on_file_done: Callable[[str], None] | None,
+    decoders: Mapping[str, RowDecoder] | None = None,
 ) -> ExecuteStats:
     """:func:`execute` into an object-store prefix: the positional writes need a local file, so
     each output file is written whole into a local spool, then uploaded (a multipart upload for
@@ -274,7 +330,6 @@ def _execute_to_store(
     """
     from dataclasses import replace
 
-    from ckptools.errors import UsageError
     from ckptools.io.spool import spool_uploads
 
     if share is not None:
@@ -289,7 +344,7 @@ def _execute_to_store(
         (name,) = names
         stats = execute(
             replace(plan, files=(files[name],)), manifest, spool, workers=workers,
-            memory_budget=memory_budget, quiet=quiet,
+            memory_budget=memory_budget, quiet=quiet, decoders=decoders,
         )  # fmt: skip
         totals[0] += stats.bytes_written
         totals[1] += stats.chunks

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import xxhash
 
@@ -26,6 +26,9 @@ from ckptools.formats import safe_pickle, stream_transforms
 from ckptools.io import storage
 from ckptools.producers import registry
 from ckptools.producers.registry import MODULES, REFUSED, VIEWED
+
+if TYPE_CHECKING:
+    from ckptools.producers.decoding import Decodes
 
 
 class Layout(ABC):
@@ -62,6 +65,11 @@ class Layout(ABC):
     #: (``as_hf``, ``as_training``, ``with_masters``: :class:`ckptools.views.producer.Views`);
     #: None: its names are the model's. Imported only when a verb asks (:func:`layout_of`).
     views: str | None = None
+    #: the module of ``ckptools.producers`` that reads stored forms which are not the model's
+    #: tensors (quantized data and its scales) as the plain tensors, for ``consolidate
+    #: --dtype`` (``decoded``: :mod:`ckptools.producers.decoding`); None: every tensor is stored
+    #: as the model's.
+    decodes: str | None = None
     #: a model directory (what ``push`` uploads): the layout reads published model files
     model_directory: bool = False
     #: its integer-keyed optimizer's groups are the model's parameters in the model's order
@@ -160,6 +168,16 @@ def layout_of(manifest: Manifest) -> Layout | None:
     """The registered layout that read ``manifest`` (its ``layout``), None when none did (a
     DCP's producer, ``fsdp2``; a manifest ckptools made)."""
     return _layout(manifest.layout) if manifest.layout in MODULES else None
+
+
+def decodes_of(manifest: Manifest) -> Decodes | None:
+    """The ``decodes`` module of the layout that read ``manifest``
+    (:mod:`ckptools.producers.decoding`), None when it stores every tensor as the model's;
+    imported only then."""
+    layout = layout_of(manifest)
+    if layout is None or layout.decodes is None:
+        return None
+    return cast("Decodes", importlib.import_module(f"ckptools.producers.{layout.decodes}"))
 
 
 def viewed_by(path: str) -> Layout | None:
@@ -264,6 +282,7 @@ class RunSave(Layout):
         self.chosen, self.layout = chosen, layout
         self.name, self.description, self.priority = layout.name, layout.description, 99
         self.views, self.model_directory = layout.views, layout.model_directory
+        self.decodes = layout.decodes
         self.groups_follow_the_model = layout.groups_follow_the_model
 
     @property

@@ -31,6 +31,7 @@ from ckptools.io.staging import copy_into, reserve, write_file_synced
 from ckptools.outputs.protocol import Output, commit, journal, staged
 from ckptools.plan.safetensors import ConsolidationPlan
 from ckptools.producers import read_manifest
+from ckptools.producers.base import decodes_of
 from ckptools.views import lora
 from ckptools.views.export import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -300,6 +301,12 @@ def _checked_shapes(
     ):
         return None
     names = select_tensors(manifest, None, options.strip_prefix)
+    decodes = decodes_of(manifest)
+    if decodes is not None:  # stored forms (quantized data, scales): the plain model's names
+        decoded = decodes.decoded(manifest, names, None)
+        if not decoded.plain_names:
+            return None
+        names = decoded.names
     shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
     # a PEFT model's names are no config's: the export refuses it first, naming the ways out
     return None if lora.scan(shapes, shapes) is not None else shapes
@@ -388,6 +395,7 @@ class _Run:
             )
         if views is not None and not any(n != "config.json" for _, n in model_files):
             notes.append(views.NO_TOKENIZER)
+        notes.extend(export.notes)
         if options.dtype is not None:
             notes.append(f"floating tensors cast to {options.dtype}; others kept as stored")
         # a --select'ed sub-tree is not a model; --key names the model's own state dict
@@ -472,12 +480,14 @@ class _Run:
                     "tied weights written twice (no config sets tie_word_embeddings): "
                     + ", ".join(f"{a} = {b}" for a, b in tied)
                 )
-        dtype = self.options.dtype
+        dtype, drops = self.options.dtype, self.export.config_drops
         for path, name in self.model_files:
             if name == "config.json" and dtype is not None:  # the config states the new dtype
                 cfg = model_config([(path, name)])
                 assert cfg is not None
-                written = (json.dumps(with_dtype(cfg, dtype), indent=2) + "\n").encode()
+                # without what the decoders consumed (a quantized model's quantization_config)
+                kept = {k: v for k, v in with_dtype(cfg, dtype).items() if k not in drops}
+                written = (json.dumps(kept, indent=2) + "\n").encode()
                 write_file_synced(storage.join(tmp, name), written)
             else:
                 copy_into(path, storage.join(tmp, name))
@@ -529,7 +539,7 @@ def _write_resumable(run: _Run) -> tuple[int, tuple[tuple[str, str], ...]]:
         stats = execute(
             plan, run.source, tmp, workers=options.worker_count,
             memory_budget=options.memory_budget_bytes, quiet=options.quiet, skip=kept,
-            on_file_done=done, transforms=transforms,
+            on_file_done=done, transforms=transforms, decoders=run.export.decoders,
         )  # fmt: skip
         tied = commit(ranks, output, stage, lambda: run.finish(tmp))
     return stats.bytes_written, tied
@@ -564,7 +574,8 @@ def _write_distributed(ranks: Ranks, run: _Run) -> tuple[tuple[str, str], ...]:
         ranks.from_all(
             lambda: execute(plan, run.source, tmp, workers=options.worker_count,
                             memory_budget=options.memory_budget_bytes,
-                            quiet=options.quiet or not ranks.is_root, share=share),
+                            quiet=options.quiet or not ranks.is_root, share=share,
+                            decoders=run.export.decoders),
             "consolidate",
         )  # fmt: skip
 

@@ -24,7 +24,7 @@ from ckptools.errors import UsageError
 from ckptools.io import storage
 from ckptools.io.staging import write_file_synced
 from ckptools.plan.safetensors import INDEX_NAME, ConsolidationPlan, TensorPlan, plan_consolidation
-from ckptools.producers.base import layout_of
+from ckptools.producers.base import decodes_of, layout_of
 from ckptools.producers.registry import declared
 from ckptools.views import lora
 from ckptools.views.model_config import find_model_files, model_config
@@ -32,6 +32,7 @@ from ckptools.views.producer import views_of
 
 if TYPE_CHECKING:
     from ckptools.plan.conversions import KeyMap
+    from ckptools.producers.decoding import RowDecoder
 
 #: transformers' own default for ``save_pretrained`` and what the Hub expects.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -355,6 +356,12 @@ class Export:
     adapter_config: dict[str, Any] | None = None
     merge: tuple[lora.MergeTarget, ...] = ()
     config: dict[str, Any] | None = None  # the model's config.json a producer's view made
+    #: output name -> the decoder computing it from its stored form (a layout's ``decodes``
+    #: with a dtype: :mod:`ckptools.producers.decoding`)
+    decoders: Mapping[str, RowDecoder] = field(default_factory=dict)
+    #: config.json keys the written model no longer has (what the decoders consumed)
+    config_drops: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 def _quiet(options: ExportOptions) -> bool:
@@ -433,6 +440,14 @@ def plan_export(
     placeholders = manifest.placeholders_only(names.values())
     if placeholders is not None:
         raise UsageError(placeholders)
+    decoded = None
+    if options.dtype is not None:
+        # stored forms that are not the model's tensors (quantized data and its scales): the
+        # layout's own reading of them at the dtype asked, or its refusal by name
+        decodes = decodes_of(manifest)
+        if decodes is not None:
+            decoded = decodes.decoded(manifest, names, options.dtype)
+            names = dict(decoded.names)
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:
@@ -446,6 +461,9 @@ def plan_export(
     return Export(
         names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
         manifest=manifest, keymap=keymap, merge=tuple(merge), config=made,
+        decoders=decoded.decoders if decoded else {},
+        config_drops=decoded.config_drops if decoded else (),
+        notes=decoded.notes if decoded else (),
     )  # fmt: skip
 
 

@@ -236,6 +236,7 @@ _HELP_PLACES = {
     "reads": "ckpt", "consolidate --masters": "consolidate", "consolidate examples": "consolidate",
     "shard --world-size": "shard", "shard --to": "shard", "shard examples": "shard",
     "shard --make-vocab-size-divisible-by": "shard", "list saves": "list", "--iteration": "inspect",
+    "consolidate --dtype": "consolidate",
 }  # fmt: skip
 
 
