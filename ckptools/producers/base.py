@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import xxhash
 
@@ -17,7 +17,6 @@ from ckptools.core.manifest import Manifest
 from ckptools.errors import (
     CheckpointNotFoundError,
     CkptError,
-    CorruptCheckpointError,
     IncompleteCheckpointError,
     UnknownFormatError,
     UsageError,
@@ -591,27 +590,3 @@ def newest_numbered(
 def digest(data: bytes) -> str:
     """The digest a manifest records for a marker's bytes (:attr:`Manifest.marker_digests`)."""
     return xxhash.xxh3_128_hexdigest(data)
-
-
-def index_files(root: str, index_path: str, weight_map: Any) -> list[str]:
-    """The files a Hugging Face index's ``weight_map`` (tensor -> file) names, sorted, each
-    checked to lie inside ``root`` (once per file, before any is opened or stat'ed).
-
-    Raises:
-        CorruptCheckpointError: ``weight_map`` is not a mapping of names.
-        OutsideCheckpointError: a name leads outside ``root``.
-    """
-    if not isinstance(weight_map, dict):
-        raise CorruptCheckpointError(f"{index_path}: weight_map is not an object", path=index_path)
-    first: dict[str, str] = {}
-    for fqn, name in weight_map.items():
-        if not isinstance(name, str):
-            raise CorruptCheckpointError(
-                f"{index_path}: weight_map puts {fqn!r} in {name!r}, not a file name",
-                path=index_path,
-                fqn=fqn,
-            )
-        first.setdefault(name, fqn)
-    for name, fqn in first.items():
-        storage.contained(root, name, named_by=index_path, entry=f"puts {fqn!r} in", fqn=fqn)
-    return sorted(first)

@@ -19,7 +19,8 @@ from ckptools.errors import (
 )
 from ckptools.formats import safetensors_header
 from ckptools.io import storage
-from ckptools.producers.base import Layout, digest, index_files, read_marker, register
+from ckptools.producers.base import Layout, digest, read_marker, register
+from ckptools.producers.hf.index import index_files
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: transformers' shard names, ``model-00001-of-00003.safetensors``

@@ -46,7 +46,8 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader, open_reader
-from ckptools.producers.base import Layout, digest, index_files, read_marker, register
+from ckptools.producers.base import Layout, digest, read_marker, register
+from ckptools.producers.hf.index import index_files
 from ckptools.producers.hf.safetensors import INDEX_SUFFIX, read_safetensors
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
