@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     # a family's package holds every floor of what it knows: its planning sits with the
     # planners, its training view with the views
     "ckptools.producers.megatron.plan": 5,
+    "ckptools.producers.megatron.moe": 5,
     "ckptools.producers.megatron.converted": 6,
     "ckptools.producers.megatron.writer": 6,
     "ckptools.producers.megatron.training": 7,

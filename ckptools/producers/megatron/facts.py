@@ -39,10 +39,53 @@ def lines(mg: dict[str, Any]) -> list[str]:
         else f"vocab {mg['vocab_size']} (padded {shown('padded_vocab_size')})"
     )
     parts = ", ".join(f"{k} {v}" for k, v in sorted(mg["parts"].items()))
-    return [
+    ep = f" x EP {shown('expert_parallel')}" if mg.get("num_experts") else ""
+    sharding = str(mg["optimizer_sharding"])
+    chained = mg.get("chained_optimizers")
+    if chained:
+        each = ", ".join(f"chained_{i} {s}" for i, s in enumerate(chained))
+        sharding = f"ChainedOptimizer of {len(chained)} ({each})"
+    out = [
         f"  megatron: iteration {shown('iteration')}, TP {shown('tensor_parallel')} x PP "
-        f"{shown('pipeline_parallel')} x DP {shown('data_parallel')}, {shown('params_dtype')}",
+        f"{shown('pipeline_parallel')} x DP {shown('data_parallel')}{ep}, "
+        f"{shown('params_dtype')}",
         f"  model: {shown('num_layers')} layers, hidden {shown('hidden_size')}, ffn "
         f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, {vocab}",
-        f"  optimizer sharding: {mg['optimizer_sharding']}; entries: {parts}",
     ]
+    if mg.get("num_experts"):
+        out.append(f"  {moe_line(mg)}")
+    out.append(f"  optimizer sharding: {sharding}; entries: {parts}")
+    return out
+
+
+def router_kind(mg: dict[str, Any]) -> str:
+    """The router in words: its score function, where the softmax is taken, the expert bias."""
+    score = mg.get("moe_router_score_function") or "softmax"
+    if score == "softmax":
+        kind = (
+            "softmax over all experts"
+            if mg.get("moe_router_pre_softmax")
+            else ("softmax over the top-k")
+        )
+    else:
+        kind = str(score)
+    if mg.get("moe_router_enable_expert_bias"):
+        kind += " with expert bias"
+    return kind
+
+
+def moe_line(mg: dict[str, Any]) -> str:
+    """The MoE facts in one line: experts, top-k, router, expert size, EP / ETP, shared experts."""
+
+    def shown(key: str) -> str:
+        return "?" if mg.get(key) is None else str(mg[key])
+
+    shared = mg.get("moe_shared_expert_intermediate_size")
+    freq = mg.get("moe_layer_freq")
+    layers = "" if freq in (None, 1) else f", MoE layers {freq}"
+    return (
+        f"moe: {mg['num_experts']} experts, top-{shown('moe_router_topk')}, router "
+        f"{router_kind(mg)}, expert ffn {shown('moe_ffn_hidden_size')}, EP "
+        f"{shown('expert_parallel')} x expert TP {shown('expert_tensor_parallel')}, "
+        f"shared experts {shared if shared else 'none'}{layers}"
+    )

@@ -23,6 +23,7 @@ mapping (:mod:`ckptools.producers.megatron.plan`) reads.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -180,7 +181,22 @@ class RunArgs:
     num_experts: int | None
     multi_latent_attention: bool | None
     params_dtype: str | None
-    optimizer_sharding: str  # "dp_reshardable", "fully_reshardable" or "none"
+    optimizer_sharding: str  # "dp_reshardable", "fully_reshardable", "chained" or "none"
+    # MoE (None for a dense run, or where the run did not record it)
+    expert_parallel: int | None = None
+    expert_tensor_parallel: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int | None = None
+    moe_router_score_function: str | None = None
+    moe_router_pre_softmax: bool | None = None
+    moe_router_enable_expert_bias: bool | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: Any = None  # an int (every n-th layer MoE) or a list of 0/1 per layer
+    moe_grouped_gemm: bool | None = None
+    #: a ChainedOptimizer's parts (``chained_<i>.optimizer.…``), each with its sharding
+    chained_optimizers: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,13 +221,41 @@ def _dtype(args: Any) -> str | None:
     return "float32" if args is not None else None
 
 
-def optimizer_sharding(manifest: Manifest) -> str:
-    """How the distributed optimizer stored its state: by DP buckets, per parameter, or none."""
+#: a ChainedOptimizer's part: ``chained_<i>.optimizer.…`` (an MoE run's dense and expert
+#: distributed optimizers, Megatron-core's ``ChainedOptimizer.sharded_state_dict``)
+CHAINED = re.compile(r"^chained_(\d+)\.")
+
+
+def _sharding_of(fqn: str) -> str | None:
+    if fqn.startswith("optimizer.distributed."):
+        return "dp_reshardable"
+    if fqn.startswith("optimizer.state."):
+        return "fully_reshardable"
+    return None
+
+
+def chained_parts(manifest: Manifest) -> tuple[str, ...] | None:
+    """A ChainedOptimizer's parts in order, each's sharding (``dp_reshardable`` ...); None when
+    the save's optimizer is not chained."""
+    found: dict[int, str] = {}
     for fqn in manifest.tensors:
-        if fqn.startswith("optimizer.distributed."):
-            return "dp_reshardable"
-        if fqn.startswith("optimizer.state."):
-            return "fully_reshardable"
+        m = CHAINED.match(fqn)
+        if m is not None:
+            found.setdefault(int(m[1]), _sharding_of(fqn[m.end() :]) or "none")
+    if not found:
+        return None
+    return tuple(found.get(i, "none") for i in range(max(found) + 1))
+
+
+def optimizer_sharding(manifest: Manifest) -> str:
+    """How the distributed optimizer stored its state: by DP buckets, per parameter, in a
+    ChainedOptimizer's parts (``chained``: :func:`chained_parts` says each one's), or none."""
+    for fqn in manifest.tensors:
+        sharding = _sharding_of(fqn)
+        if sharding is not None:
+            return sharding
+        if CHAINED.match(fqn):
+            return "chained"
     return "none"
 
 
@@ -227,6 +271,20 @@ _INT_ARGS = (
     "make_vocab_size_divisible_by",
     "max_position_embeddings",
     "num_experts",
+)
+#: RunArgs field -> Megatron-LM arg, and the kind it must be
+_MOE_ARGS: tuple[tuple[str, str, type | tuple[type, ...]], ...] = (
+    ("expert_parallel", "expert_model_parallel_size", int),
+    ("expert_tensor_parallel", "expert_tensor_parallel_size", int),
+    ("moe_ffn_hidden_size", "moe_ffn_hidden_size", int),
+    ("moe_router_topk", "moe_router_topk", int),
+    ("moe_router_score_function", "moe_router_score_function", str),
+    ("moe_router_pre_softmax", "moe_router_pre_softmax", bool),
+    ("moe_router_enable_expert_bias", "moe_router_enable_expert_bias", bool),
+    ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", (int, float)),
+    ("moe_router_num_groups", "moe_router_num_groups", int),
+    ("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", int),
+    ("moe_grouped_gemm", "moe_grouped_gemm", bool),
 )
 _BOOL_ARGS = (
     "swiglu",
@@ -258,10 +316,21 @@ def run_args(common: Mapping[str, Any] | None, manifest: Manifest) -> RunArgs:
         fields[name] = _arg(args, name, bool)
     if getattr(args, "group_query_attention", None) is False:
         fields["num_query_groups"] = fields["num_attention_heads"]
+    if fields["num_experts"]:
+        for name, arg, kind in _MOE_ARGS:
+            fields[name] = _arg(args, arg, kind)
+        freq = getattr(args, "moe_layer_freq", None)
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            fields["moe_layer_freq"] = freq
+        elif isinstance(freq, list) and all(isinstance(x, int) for x in freq):
+            fields["moe_layer_freq"] = list(freq)
+        elif isinstance(freq, str):
+            fields["moe_layer_freq"] = freq
     return RunArgs(
         iteration=iteration if isinstance(iteration, int) else None,
         params_dtype=_dtype(args),
         optimizer_sharding=optimizer_sharding(manifest),
+        chained_optimizers=chained_parts(manifest),
         **fields,
     )
 
@@ -292,6 +361,9 @@ def common_state(manifest: Manifest) -> dict[str, Any] | None:
 def kind_of(fqn: str) -> str:
     """What a Megatron entry is: "model", "optimizer", "rng", "common" or "extra_state"."""
     head = fqn.split("/", 1)[0]
+    m = CHAINED.match(head)
+    if m is not None:  # a ChainedOptimizer's part
+        head = head[m.end() :]
     if head.startswith("optimizer.") or head == "optimizer":
         return "optimizer"
     if head == "rng_state":
@@ -318,12 +390,14 @@ def read_save(path: str, chosen: Chosen | None = None) -> Manifest:
     for fqn in manifest:
         counts[kind_of(fqn)] = counts.get(kind_of(fqn), 0) + 1
     details = {**manifest.details, DETAILS_KEY: facts.to_dict(), PARTS_KEY: counts}
-    # the optimizer's flat FQNs under one container, so that the model part is the rest
-    paths = {
-        fqn: ("optimizer", fqn[len("optimizer.") :])
-        for fqn in manifest.tensors
-        if fqn.startswith("optimizer.")
-    }
+    # the optimizer's flat FQNs under one container, so that the model part is the rest (a
+    # ChainedOptimizer's parts under it too: "chained_0.optimizer.…" -> optimizer / chained_0.…)
+    paths = {}
+    for fqn in manifest.tensors:
+        if fqn.startswith("optimizer."):
+            paths[fqn] = ("optimizer", fqn[len("optimizer.") :])
+        elif CHAINED.match(fqn) and kind_of(fqn) == "optimizer":
+            paths[fqn] = ("optimizer", fqn)
     manifest = replace(manifest, details=details, paths={**manifest.paths, **paths})
     return chosen.noted(manifest) if chosen is not None else manifest
 

@@ -31,7 +31,7 @@ from ckptools.io import storage
 from ckptools.io.readers import Reader
 from ckptools.producers.megatron import buckets
 from ckptools.producers.megatron import optimizer as mo
-from ckptools.producers.megatron.layout import DETAILS_KEY, common_state
+from ckptools.producers.megatron.layout import DETAILS_KEY, chained_parts, common_state
 
 #: what ``consolidate --masters`` and ``reshard`` say when a save holds no distributed optimizer
 NO_OPTIMIZER = "holds no distributed-optimizer state (it was saved without the optimizer)"
@@ -66,6 +66,15 @@ def read_optimizer(manifest: Manifest) -> MegatronOptimizer | None:
     """
     sharding = _sharding(manifest)
     if sharding is None:
+        chained = chained_parts(manifest)
+        if chained:
+            raise UnsupportedCheckpointError(
+                f"{manifest.root}: the optimizer is a ChainedOptimizer of {len(chained)} parts "
+                f"({', '.join(f'chained_{i} {s}' for i, s in enumerate(chained))}: an MoE run's "
+                "dense and expert distributed optimizers), whose state ckptools does not place "
+                f"yet; {mo.WITHOUT_OPTIMIZER}",
+                path=manifest.root,
+            )
         return None
     with storage.open_reader(manifest.data_dir()) as reader:
         if sharding == "fully_reshardable":

@@ -18,7 +18,11 @@ executor as transformers' MoE mapping. What Megatron does differently is all box
   ``vocab_size``; going to Megatron the padding rows repeat the last row, as Megatron-LM's own
   converter (``tools/checkpoint``) pads.
 
-Families this does not describe are refused by name (MoE experts, multi-latent attention,
+MoE runs (Mixtral, Qwen3-MoE) map too, Megatron → HF: the router is HF's ``gate`` and each
+expert's gate / up / down a box of the stacked experts (:mod:`ckptools.producers.megatron.moe`).
+
+Families this does not describe are refused by name (multi-latent attention, shared experts,
+sigmoid routers and expert bias, grouped or scaled routing, layers mixing dense and MoE MLPs,
 non-SwiGLU MLPs, LayerNorm with bias).
 """
 
@@ -31,6 +35,7 @@ from typing import Any
 
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.plan.conversions import KeyMap, Piece, Shapes
+from ckptools.producers.megatron import moe
 
 #: the Hugging Face ``model_type`` s whose layers are this module's layout
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -45,14 +50,16 @@ VOCAB_DIVISOR = 128
 _LAYERS = "decoder.layers."
 _QKV = "self_attention.linear_qkv"
 _FC1 = "mlp.linear_fc1"
-#: MoE and MLA tensors, by a name part only they have, and what they are
+#: MLA and the MoE parts no mapped family has, by a name part only they have, and what they are
 _REFUSED = (
-    ("mlp.experts", "MoE experts"),
-    ("mlp.router", "an MoE router"),
     ("linear_q_down_proj", "multi-latent attention (MLA)"),
     ("linear_kv_down_proj", "multi-latent attention (MLA)"),
     ("linear_q_proj", "multi-latent attention (MLA)"),
+    ("mlp.shared_experts", "an MoE shared expert (Qwen2-MoE / DeepSeek-V3 shape)"),
+    ("router.expert_bias", "an MoE router's expert bias (DeepSeek-V3's sigmoid routing)"),
 )
+#: the MoE tensors, refused where the model cannot hold them (shard --to megatron)
+_MOE_PARTS = (("mlp.experts", "MoE experts"), ("mlp.router", "an MoE router"))
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class Dims:
     qkv_bias: bool = False
     qk_norm: bool = False
     stacked: bool = True  # Megatron's layers on one leading dim (else decoder.layers.<i>.)
+    experts: int = 0  # MoE experts per layer (0: a dense MLP)
+    moe_ffn: int = 0  # each expert's hidden size
 
     @property
     def per_group(self) -> int:
@@ -110,7 +119,7 @@ def _qkv_parts(d: Dims, suffix: str) -> tuple[tuple[str, int, int, int], ...]:
     return tuple(out)
 
 
-def _layer_tensors(d: Dims, norms: Mapping[str, str]) -> list[_Tensor]:
+def _layer_tensors(d: Dims, norms: Mapping[str, str], family: str = "") -> list[_Tensor]:
     """The tensors of one decoder layer. ``norms``: the Megatron name of each layer norm (the
     fused names by default; ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight`` when a
     checkpoint has those)."""
@@ -127,6 +136,9 @@ def _layer_tensors(d: Dims, norms: Mapping[str, str]) -> list[_Tensor]:
         _Tensor(norms["post"], (), (("post_attention_layernorm.weight", 0, 0, h),),
                 "layer norm"),
     ]  # fmt: skip
+    if d.experts:  # the router instead of the dense MLP (the experts: _expert_pieces)
+        router = moe.MOE_NAMES[family][0]
+        out[2:4] = [_Tensor(moe.ROUTER, (h,), ((router, 0, 0, d.experts),), "router -> gate")]
     if d.qkv_bias:
         out.append(_Tensor(f"{_QKV}.bias", (), _qkv_parts(d, "bias"), "linear_qkv bias"))
     if d.qk_norm:
@@ -203,7 +215,9 @@ def keymap(d: Dims, norms: Mapping[str, str], family: str, *, padding: bool) -> 
     """
     pieces: list[Piece] = []
     shapes: dict[str, tuple[int, ...]] = {}
-    for t in _layer_tensors(d, norms):
+    if d.experts:
+        pieces, shapes = moe.expert_pieces(d, family)
+    for t in _layer_tensors(d, norms, family):
         name, shape, made = _layer_pieces(d, t)
         pieces.extend(made)
         if d.stacked:
@@ -222,34 +236,41 @@ def keymap(d: Dims, norms: Mapping[str, str], family: str, *, padding: bool) -> 
     return KeyMap(tuple(pieces), shapes, f"megatron <-> {family}")
 
 
-def refuse_family(names: Any, where: str) -> None:
-    """Refuse a model whose tensors only MoE or MLA models have, by name.
+def refuse_family(names: Any, where: str, *, with_moe: bool = False) -> None:
+    """Refuse a model whose tensors only MLA models, or MoE parts no mapped family has, have,
+    by name; ``with_moe``: the MoE families' experts and router are mapped (Megatron -> HF), else
+    they are refused too.
 
     Raises:
         UnsupportedCheckpointError: naming the tensor and the family.
     """
+    refused = _REFUSED if with_moe else (*_REFUSED, *_MOE_PARTS)
+    mapped = FAMILIES + moe.MOE_FAMILIES if with_moe else FAMILIES
     for fqn in names:
-        for part, what in _REFUSED:
+        for part, what in refused:
             if part in fqn:
                 raise UnsupportedCheckpointError(
-                    f"{where}: {fqn!r} is {what}; ckptools maps only dense Llama-family models "
-                    f"({', '.join(FAMILIES)}) between Megatron and Hugging Face: keep the stored "
-                    "names (--keep-in-memory-names / --select)",
+                    f"{where}: {fqn!r} is {what}; ckptools maps only "
+                    f"{', '.join(mapped)} models between Megatron and Hugging Face: keep the "
+                    "stored names (--keep-in-memory-names / --select)",
                     fqn=fqn,
                 )
 
 
-def family_of(config: Mapping[str, Any], where: str) -> str:
-    """The config's ``model_type``, one of :data:`FAMILIES`.
+def family_of(config: Mapping[str, Any], where: str, *, with_moe: bool = False) -> str:
+    """The config's ``model_type``, one of :data:`FAMILIES` (or :data:`.moe.MOE_FAMILIES` with
+    ``with_moe``: Megatron -> HF maps those too).
 
     Raises:
         UnsupportedCheckpointError: another family, named.
     """
     family = config.get("model_type")
-    if family not in FAMILIES:
+    known = FAMILIES + moe.MOE_FAMILIES if with_moe else FAMILIES
+    if family not in known:
+        also = "" if with_moe else f" (and {', '.join(moe.MOE_FAMILIES)} from Megatron to HF only)"
         raise UnsupportedCheckpointError(
-            f"{where}: model_type {family!r}: ckptools maps only {', '.join(FAMILIES)} between "
-            "Megatron and Hugging Face"
+            f"{where}: model_type {family!r}: ckptools maps only {', '.join(known)} between "
+            f"Megatron and Hugging Face{also}"
         )
     return str(family)
 
@@ -340,36 +361,75 @@ def _find(shapes: Shapes, suffix: str, stacked: bool) -> tuple[int, ...] | None:
     return shapes.get(_LAYERS + suffix if stacked else f"{_LAYERS}0.{suffix}")
 
 
+def _moe_sizes(
+    shapes: Shapes, args: Mapping[str, Any], stacked: bool, layers: int, where: str
+) -> tuple[int, int]:
+    """(experts per layer, each expert's hidden size) of an MoE run's tensors.
+
+    Raises:
+        UnsupportedCheckpointError: the router or the experts are missing or do not agree.
+    """
+    router = _find(shapes, moe.ROUTER, stacked)
+    fc1 = _find(shapes, moe.EXPERT_FC1, stacked)
+    fc2 = _find(shapes, moe.EXPERT_FC2, stacked)
+    if router is None or fc1 is None or fc2 is None:
+        raise UnsupportedCheckpointError(
+            f"{where}: an MoE run without {_LAYERS}{moe.ROUTER}, {moe.EXPERT_FC1} and "
+            f"{moe.EXPERT_FC2} as Megatron-core's SequentialMLP / TEGroupedMLP save them: "
+            "not mapped"
+        )
+    experts = router[-2]
+    if args.get("num_experts") not in (None, experts):
+        raise UnsupportedCheckpointError(
+            f"{where}: the router has {experts} experts but args.num_experts is "
+            f"{args['num_experts']}"
+        )
+    rows = layers * experts if stacked else experts
+    if fc1[0] != rows or fc1[1] % 2 or fc2[-1] != fc1[1] // 2:
+        raise UnsupportedCheckpointError(
+            f"{where}: {moe.EXPERT_FC1} is {list(fc1)} (layers and experts folded) and "
+            f"{moe.EXPERT_FC2} {list(fc2)}, which {layers} layers of {experts} SwiGLU experts do "
+            "not give",
+            fqn=_LAYERS + moe.EXPERT_FC1,
+        )
+    return experts, fc1[1] // 2
+
+
 def dims_from_run(
     shapes: Shapes, args: Mapping[str, Any], config: Mapping[str, Any] | None, where: str
 ) -> tuple[Dims, dict[str, str]]:
-    """:class:`Dims` of a Megatron run's model tensors ``shapes`` (name -> shape), its ``args``
-    (:class:`~.layout.RunArgs` as a dict) and the HF ``config`` when given
-    (it wins where both say), and the layer norms' Megatron names.
+    """:class:`Dims` of a Megatron run's model tensors ``shapes`` (name -> shape; the stacked
+    experts folded, :func:`.moe.fold_experts`), its ``args`` (:class:`~.layout.RunArgs` as a dict)
+    and the HF ``config`` when given (it wins where both say), and the layer norms' Megatron
+    names.
 
     Raises:
-        UnsupportedCheckpointError: MoE, MLA, no SwiGLU, or tensors this layout lacks.
+        UnsupportedCheckpointError: MLA, MoE parts or routing no mapped family has, no SwiGLU,
+            or tensors this layout lacks.
         UsageError: the true vocabulary size is nowhere (no config, ``args.vocab_size`` None).
     """
-    refuse_family(shapes, where)
-    if args.get("num_experts"):
-        raise UnsupportedCheckpointError(
-            f"{where}: the run has {args['num_experts']} MoE experts (args.num_experts); ckptools "
-            f"maps only dense Llama-family models ({', '.join(FAMILIES)}) to Hugging Face"
-        )
+    refuse_family(shapes, where, with_moe=True)
     if args.get("multi_latent_attention"):
         raise UnsupportedCheckpointError(
             f"{where}: the run uses multi-latent attention (MLA); ckptools maps only "
-            f"{', '.join(FAMILIES)} models to Hugging Face"
+            f"{', '.join(FAMILIES + moe.MOE_FAMILIES)} models to Hugging Face"
         )
     if config is not None:
-        family_of(config, where)
+        family_of(config, where, with_moe=True)
     stacked = _LAYERS + f"{_QKV}.weight" in shapes
     qkv = _find(shapes, f"{_QKV}.weight", stacked)
     fc1 = _find(shapes, f"{_FC1}.weight", stacked)
+    is_moe = bool(args.get("num_experts")) or any(
+        moe.ROUTER in name or "mlp.experts." in name for name in shapes
+    )
     embedding = shapes.get("embedding.word_embeddings.weight")
     layers = _layer_count(shapes, _LAYERS + f"{_QKV}.weight")
-    if qkv is None or fc1 is None or embedding is None or not layers:
+    if is_moe and fc1 is not None:
+        raise UnsupportedCheckpointError(
+            f"{where}: the run has both dense MLPs ({_FC1}) and MoE layers (first dense layers "
+            "or --moe-layer-freq): not mapped to Hugging Face yet"
+        )
+    if qkv is None or (fc1 is None and not is_moe) or embedding is None or not layers:
         raise UnsupportedCheckpointError(
             f"{where}: no {_LAYERS}{_QKV}.weight, {_FC1}.weight or embedding.word_embeddings: "
             "not a GPT model of Megatron-core's layer specs"
@@ -378,6 +438,10 @@ def dims_from_run(
         raise UnsupportedCheckpointError(
             f"{where}: the run's MLP is not SwiGLU (args.swiglu false); Llama-family models need it"
         )
+    experts, moe_ffn = 0, 0
+    if is_moe:
+        moe.refuse_routing(args, where)
+        experts, moe_ffn = _moe_sizes(shapes, args, stacked, layers, where)
     cfg = config or {}
     heads = int(cfg.get("num_attention_heads") or args.get("num_attention_heads") or 0)
     groups = int(cfg.get("num_key_value_heads") or args.get("num_query_groups") or heads)
@@ -402,11 +466,12 @@ def dims_from_run(
     norms = FUSED_NORMS if _find(shapes, FUSED_NORMS["input"], stacked) else SEPARATE_NORMS
     dims = Dims(
         layers=layers, hidden=embedding[1], heads=int(heads), groups=int(groups),
-        head_dim=rows // (heads + 2 * groups), ffn=fc1[-2] // 2, vocab=int(vocab),
+        head_dim=rows // (heads + 2 * groups), ffn=fc1[-2] // 2 if fc1 is not None else
+        int(args.get("ffn_hidden_size") or moe_ffn), vocab=int(vocab),
         padded_vocab=embedding[0], tied="output_layer.weight" not in shapes,
         qkv_bias=_find(shapes, f"{_QKV}.bias", stacked) is not None,
         qk_norm=_find(shapes, "self_attention.q_layernorm.weight", stacked) is not None,
-        stacked=stacked,
+        stacked=stacked, experts=experts, moe_ffn=moe_ffn,
     )  # fmt: skip
     if dims.vocab > dims.padded_vocab:
         raise UsageError(
@@ -421,6 +486,8 @@ def hf_config(d: Dims, args: Mapping[str, Any], config: Mapping[str, Any] | None
     (Qwen3 where it has q/k norms, Qwen2 where QKV has a bias, else Llama)."""
     if config is not None:
         return dict(config)
+    if d.experts:
+        return moe.moe_config(d, args)
     family = "qwen3" if d.qk_norm else "qwen2" if d.qkv_bias else "llama"
     made: dict[str, Any] = {
         "architectures": [ARCHITECTURES[family]],
@@ -459,7 +526,7 @@ def _agrees(d: Dims, config: Mapping[str, Any], where: str) -> None:
             f"{where}: the run {has} a QKV bias, which a {family} model of this config does "
             "not match: --config names another model"
         )
-    if d.qk_norm != (family == "qwen3"):
+    if d.qk_norm != (family in ("qwen3", "qwen3_moe")):
         has = "has" if d.qk_norm else "has no"
         raise UnsupportedCheckpointError(
             f"{where}: the run {has} q/k layer norms, which a {family} model does not match: "
@@ -480,6 +547,7 @@ def to_hf(
     """
     dims, norms = dims_from_run(shapes, args, config, where)
     made = hf_config(dims, args, config)
+    moe.agrees(dims, made, args, where)
     _agrees(dims, made, where)
     km = keymap(dims, norms, str(made["model_type"]), padding=False)
     check_shapes(km, shapes, "memory", where)

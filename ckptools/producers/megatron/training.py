@@ -32,7 +32,7 @@ from ckptools.core.manifest import Manifest, ObjectEntry, TensorEntry
 from ckptools.core.tensor_value import TensorValue
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.producers.megatron.converted import as_hf
-from ckptools.producers.megatron.layout import CONFIG_FILE
+from ckptools.producers.megatron.layout import CONFIG_FILE, DETAILS_KEY
 from ckptools.producers.megatron.masters import MegatronOptimizer, read_optimizer
 
 OPTIMIZER = "optimizer"
@@ -50,6 +50,15 @@ def training_manifest(
         CorruptCheckpointError: the optimizer's buckets do not add up to the model.
         UnsupportedCheckpointError: a model or optimizer layout ckptools does not place.
     """
+    experts = (manifest.details.get(DETAILS_KEY) or {}).get("num_experts")
+    if experts:
+        # transformers holds an MoE model's experts fused in memory (what an FSDP2 job's state
+        # dict names), not as save_pretrained writes them: that mapping is not built yet
+        raise UnsupportedCheckpointError(
+            f"{manifest.root}: an MoE run ({experts} experts per layer): its training state as "
+            "the Hugging Face model's (reshard, ckptools.load) is not supported yet; "
+            "consolidate it to a Hugging Face model instead"
+        )
     opt = None if drop_optimizer else read_optimizer(manifest)
     names = dict(model_keys(manifest))
     notes = list(manifest.notes)

@@ -1,0 +1,211 @@
+"""Megatron-core MoE runs (Mixtral, Qwen3-MoE) to Hugging Face: consolidate, inspect, diff, and
+what is refused by name.
+
+The Megatron side is real Megatron-core 0.19.2 (``fixtures/megatron/``: Mixtral at EP 1, EP 2 and
+TP 2 x EP 2 in bf16 with sequence parallelism, Qwen3-MoE at EP 2), with the truth Megatron held
+gathered from every EP and expert-TP rank and its forward's logits; the Hugging Face side is
+transformers' own ``save_pretrained`` (what the directory must be, name for name) and
+``from_pretrained`` (whose logits must be Megatron's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from ckptools.cli.main import cli
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+MOE_CASES = ("mixtral_ep1", "mixtral_ep2", "mixtral_tp2_ep2_bf16", "qwen3_moe_ep2")
+#: from_pretrained (fp32) against Megatron's forward: fp32 runs agree to rounding (6e-8
+#: measured); the bf16 run computed in bf16 (1.9e-3 measured)
+FP32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+def _truth(case: str) -> dict[str, Any]:
+    truth: dict[str, Any] = torch.load(FIXTURES / f"{case}.truth.pt", weights_only=True)
+    return truth
+
+
+def _invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _ok(*args: str) -> dict[str, Any]:
+    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
+    result = _invoke(*args, "--json", *quiet)
+    assert result.exit_code == 0, result.output
+    out: dict[str, Any] = json.loads(result.output)
+    return out
+
+
+def _config_file(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / f"{case}-config.json"
+    path.write_text(_truth(case)["hf_config"])
+    return path
+
+
+def _in_memory(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor]:
+    """The truth as transformers 5 holds the model in memory (experts fused: ``gate_up_proj``
+    ``[E, 2F, H]`` = each expert's gate rows then up rows, ``down_proj`` ``[E, H, F]``; the
+    router is ``mlp.gate``), mapped here from the documented layouts, independently of ckptools."""
+    m, vocab, hidden = truth["model"], config.vocab_size, config.hidden_size
+    groups, d = config.num_key_value_heads, config.head_dim
+    q_rows = config.num_attention_heads // groups * d
+    out = {
+        "model.embed_tokens.weight": m["embedding.word_embeddings.weight"][:vocab],
+        "model.norm.weight": m["decoder.final_layernorm.weight"],
+        "lm_head.weight": m["output_layer.weight"][:vocab],
+    }
+    for i in range(config.num_hidden_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = m[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = m[src + "pre_mlp_layernorm.weight"]
+        qkv = m[src + "self_attention.linear_qkv.weight"].reshape(groups, q_rows + 2 * d, -1)
+        parts = (qkv[:, :q_rows], qkv[:, q_rows : q_rows + d], qkv[:, -d:])
+        for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+            out[f"{dst}self_attn.{proj}.weight"] = part.reshape(-1, hidden)
+        out[dst + "self_attn.o_proj.weight"] = m[src + "self_attention.linear_proj.weight"]
+        if src + "self_attention.q_layernorm.weight" in m:
+            out[dst + "self_attn.q_norm.weight"] = m[src + "self_attention.q_layernorm.weight"]
+            out[dst + "self_attn.k_norm.weight"] = m[src + "self_attention.k_layernorm.weight"]
+        fc = src + "mlp.experts.local_experts.{}.linear_fc{}.weight"
+        experts = range(truth["num_experts"])
+        out[dst + "mlp.gate.weight"] = m[src + "mlp.router.weight"]
+        out[dst + "mlp.experts.gate_up_proj"] = torch.stack([m[fc.format(e, 1)] for e in experts])
+        out[dst + "mlp.experts.down_proj"] = torch.stack([m[fc.format(e, 2)] for e in experts])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _saved_by_transformers(tmp_path: Path, case: str) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` writes for the truth's model (its on-disk names per family)."""
+    truth = _truth(case)
+    raw = json.loads(truth["hf_config"])
+    config = transformers.AutoConfig.for_model(raw["model_type"]).from_dict(raw)
+    dtype = truth["model"]["output_layer.weight"].dtype
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    missing, unexpected = model.load_state_dict(_in_memory(truth, config), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    out = tmp_path / "save_pretrained"
+    model.save_pretrained(out)
+    return _hf_tensors(out)
+
+
+def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_consolidate_writes_what_save_pretrained_writes_and_megatrons_logits(
+    tmp_path: Path, case: str
+) -> None:
+    truth = _truth(case)
+    out = tmp_path / "hf"
+    result = _ok("consolidate", str(FIXTURES / case), str(out),
+                 "--config", str(_config_file(tmp_path, case)))  # fmt: skip
+    assert any("router -> gate" in n for n in result["notes"]), result["notes"]
+    ours, theirs = _hf_tensors(out), _saved_by_transformers(tmp_path, case)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    assert json.loads((out / "config.json").read_text()) == json.loads(truth["hf_config"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(truth["input_ids"]).logits
+    megatron = truth["logits"][..., : truth["true_vocab_size"]].float()
+    tol = BF16_TOL if "bfloat16" in truth["params_dtype"] else FP32_TOL
+    assert (logits - megatron).abs().max().item() < tol
+
+
+def test_every_expert_comes_from_its_ep_rank(tmp_path: Path) -> None:
+    """EP 2: experts 2 and 3 are rank 1's; each HF expert tensor is its truth, by index."""
+    truth = _truth("mixtral_ep2")
+    out = tmp_path / "hf"
+    _ok("consolidate", str(FIXTURES / "mixtral_ep2"), str(out),
+        "--config", str(_config_file(tmp_path, "mixtral_ep2")))  # fmt: skip
+    hf = _hf_tensors(out)
+    for e in range(4):
+        fc1 = truth["model"][f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+        gate, up = fc1.chunk(2)
+        moe = f"model.layers.1.block_sparse_moe.experts.{e}."
+        assert torch.equal(hf[moe + "w1.weight"], gate) and torch.equal(hf[moe + "w3.weight"], up)
+
+
+def test_inspect_shows_experts_router_ep_and_the_chained_optimizer() -> None:
+    shown = _ok("inspect", str(FIXTURES / "qwen3_moe_ep2"))
+    mg = shown["megatron"]
+    assert (mg["num_experts"], mg["moe_router_topk"], mg["expert_parallel"]) == (4, 2, 2)
+    assert (mg["moe_ffn_hidden_size"], mg["moe_router_score_function"]) == (8, "softmax")
+    assert mg["moe_shared_expert_intermediate_size"] is None
+    assert mg["optimizer_sharding"] == "chained"
+    assert mg["chained_optimizers"] == ["dp_reshardable", "dp_reshardable"]
+    # the chained buckets are optimizer state, not model tensors
+    assert mg["parts"]["model"] == 12 and mg["parts"]["optimizer"] == 18
+    assert shown["model_part"]["excluded"] == ["optimizer"]
+    text = _invoke("inspect", str(FIXTURES / "mixtral_tp2_ep2_bf16")).output
+    assert "megatron: iteration 10, TP 2 x PP 1 x DP 2 x EP 2, bfloat16" in text
+    assert (
+        "moe: 4 experts, top-2, router softmax over the top-k, expert ffn 32, EP 2 x expert "
+        "TP 2, shared experts none" in text
+    )
+    assert (
+        "optimizer sharding: ChainedOptimizer of 2 (chained_0 dp_reshardable, chained_1 "
+        "dp_reshardable)" in text
+    )
+    one = _ok("inspect", str(FIXTURES / "mixtral_ep1"))["megatron"]
+    assert (one["optimizer_sharding"], one["chained_optimizers"]) == ("dp_reshardable", None)
+
+
+def test_diff_calls_a_moe_run_identical_to_its_export(tmp_path: Path) -> None:
+    src, out = FIXTURES / "mixtral_ep2", tmp_path / "hf"
+    config = str(_config_file(tmp_path, "mixtral_ep2"))
+    _ok("consolidate", str(src), str(out), "--config", config)
+    result = _invoke("diff", str(src), str(out), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["identical"]
+    weights = load_file(out / "model.safetensors")
+    weights["model.layers.0.block_sparse_moe.experts.3.w2.weight"][1, 2] += 1.0
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    result = _invoke("diff", str(src), str(out), "--json")
+    assert result.exit_code == 3, result.output
+    changed = [t["name"] for t in json.loads(result.output)["tensors"] if t["status"] != "equal"]
+    assert changed == ["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
+
+
+def test_what_is_not_converted_yet_is_refused_by_name(tmp_path: Path) -> None:
+    """Never a partial output: the ChainedOptimizer's masters, an MoE run's FSDP2 training
+    state, a config of another model or router are refused, naming why; nothing is written."""
+    ep2 = str(FIXTURES / "mixtral_ep2")
+    config = str(_config_file(tmp_path, "mixtral_ep2"))
+    refused = [
+        (["consolidate", ep2, "--masters", "--config", config], "ChainedOptimizer of 2 parts"),
+        (["reshard", ep2, "--world-size", "1", "--config", config], "an MoE run"),
+        (["reshard", ep2, "--world-size", "1", "--drop-optimizer", "--config", config],
+         "an MoE run (4 experts per layer)"),
+        (["consolidate", str(FIXTURES / "mixtral_ep1"), "--masters", "--config", config],
+         "decoder.layers.mlp.router.weight"),
+        (["consolidate", ep2, "--config", str(FIXTURES / "hf_llama" / "config.json")],
+         "a llama model does not match"),
+    ]  # fmt: skip
+    qwen = json.loads(_truth("qwen3_moe_ep2")["hf_config"])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**qwen, "norm_topk_prob": False}))
+    refused.append(
+        (["consolidate", str(FIXTURES / "qwen3_moe_ep2"), "--config", str(other)],
+         "norm_topk_prob False is not the run's router")
+    )  # fmt: skip
+    for i, (args, why) in enumerate(refused):
+        target = tmp_path / f"out{i}"
+        result = _invoke(*args[:2], str(target), *args[2:])
+        assert result.exit_code != 0 and why in result.output, (args, result.output)
+        assert not target.exists()
