@@ -140,6 +140,21 @@ def _check_match(root: str, target: Target, entry: TensorEntry, strict: bool) ->
         )
 
 
+def _refuse_scaled(root: str, target: Target, entry: TensorEntry) -> None:
+    """Refuse a float8 tensor for a parameter of another dtype, whatever ``strict``: a
+    quantized model's float8 weight is its weight only times its scale (stored beside it), so
+    a cast would load numbers that are not the model's."""
+    if entry.dtype.startswith("float8") and dtype_name(target.dtype) != entry.dtype:
+        raise UsageError(
+            f"{root}: {entry.fqn!r} is stored as {entry.dtype} (a quantized weight, whose "
+            f"scale is another tensor), the model's {target.fqn!r} is "
+            f"{dtype_name(target.dtype)}: write the plain model first with `ckpt consolidate "
+            f"{root} plain_model --dtype {dtype_name(target.dtype)}` and load that",
+            path=root,
+            fqn=entry.fqn,
+        )
+
+
 def _first(keys: Sequence[str]) -> str:
     more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
     return f"{keys[0]!r}{more}"
@@ -177,6 +192,8 @@ def _plan_copies(
         elif not _same_memory(targets[fqn], targets[partner]):
             sources[fqn] = partner  # a tie kept as two tensors (FSDP1's copies): fill both
     unexpected = [fqn for fqn in stored if fqn not in targets]
+    for fqn, source in sources.items():  # before the key checks, whose hint is strict=False
+        _refuse_scaled(root, targets[fqn], stored[source])
     if ignore is not None:
         missing, unexpected = ignore(missing, unexpected)
     if strict and missing:
@@ -332,7 +349,9 @@ def load_pretrained(
     ``from_pretrained`` casts to the model's dtype (exact when widening, e.g. bfloat16 into a
     float32 master copy; rounded when narrowing); the cast is done piece by piece, within the
     buffer. Any other dtype change (integers, bool) is refused with ``strict=True`` and done
-    by ``Tensor.copy_`` with ``strict=False``.
+    by ``Tensor.copy_`` with ``strict=False``. A float8 tensor (a quantized model's weight,
+    whose scale is another tensor) is refused for a parameter of any other dtype, always:
+    ``ckpt consolidate SRC plain --dtype bfloat16`` writes the plain model.
 
     Meta-device models: build under ``torch.device("meta")``, shard, then allocate with
     ``model.to_empty(device="cpu")`` (or ``"cuda"``) and call this; a model larger than one

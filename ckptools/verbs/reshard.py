@@ -43,6 +43,7 @@ from ckptools.io.staging import IN_PROGRESS
 from ckptools.plan.dcp import Archived, DcpPlan, plan_dcp
 from ckptools.plan.training import training_layout
 from ckptools.producers import read_manifest
+from ckptools.producers.base import layout_of
 from ckptools.producers.optimizer_state import optimizer_alone
 from ckptools.producers.registry import WRITE_TARGETS, write_targets
 from ckptools.verbs.dcp_run import RankState, ReshardOptions, Run, carry_out
@@ -260,6 +261,13 @@ def _read_source(
     manifest = read_manifest(src, options.format)
     if not accepts(manifest.format):
         raise UsageError(f"{src}: a {manifest.format} checkpoint {otherwise}")
+    layout = layout_of(manifest)
+    if layout is not None and layout.decodes is not None:  # stored forms that are not tensors
+        raise UsageError(
+            f"{src}: a {layout.description}: an FSDP2 job's model holds plain tensors; write "
+            f"the plain model first with `ckpt consolidate {src} plain_model --dtype bfloat16`"
+            ", then shard that"
+        )
     model = model_keys(manifest)
     placeholders = manifest.placeholders_only(model.values())
     if placeholders is not None:

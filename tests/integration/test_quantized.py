@@ -176,3 +176,32 @@ def test_torchao_float8_safetensors_dequantized_as_torchao_reads(
     q = json.loads(r.output)["quantized"]
     assert q["producer"] == "torchao" and q["scheme"] == "Float8Tensor (per row)"
     assert len(q["weights"]) == 7 and q["weights"][0]["data"].endswith("._weight_qdata")
+
+
+@pytest.mark.parametrize("fixture", ["ct_fp8_block", "deepseek_fp8"])
+def test_shard_and_load_pretrained_refuse_float8_weights_without_their_scales(
+    fixture: str, tmp_path: Path
+) -> None:
+    """An FSDP2 job's model holds plain tensors: sharding a quantized model, or loading it
+    into a plain model (even with strict=False, which ignores the scales as extra keys), would
+    give it each float8 weight without its scale. Both stop in one line naming the way."""
+    import ckptools
+    from ckptools.errors import UsageError
+
+    src = FIXTURES / fixture
+    out = tmp_path / "dcp"
+    r = CliRunner().invoke(cli, ["shard", str(src), str(out), "--world-size", "2"])
+    assert r.exit_code == 2, r.output
+    assert "--dtype bfloat16" in r.output and "quantized" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not out.exists()
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(UsageError, match=r"stored as float8_e4m3fn .*--dtype bfloat16"):
+            ckptools.load_pretrained(model, src, strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
