@@ -89,8 +89,8 @@ def decoded(manifest: Manifest, names: dict[str, str], dtype: str | None) -> Dec
     dropped = len(found.weights) + len(found.dropped)
     block = f"blocks {found.block[0]}x{found.block[1]}" if found.block else "its blocks"
     note = (
-        f"dequantized {len(decoders)} {found.producer} {found.scheme} weight(s) ({block}) to "
-        f"{dtype}; {dropped} scale tensor(s) and quantization_config left out"
+        f"dequantized {len(decoders)} weight(s) of {found.producer} ({found.scheme}, {block}) "
+        f"to {dtype}; {dropped} scale tensor(s) and quantization_config left out"
     )
     return Decoded(names=plain, decoders=decoders, config_drops=("quantization_config",),
                    notes=(note,))  # fmt: skip

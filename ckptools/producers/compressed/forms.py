@@ -213,7 +213,7 @@ def fine_grained_fp8(qc: Mapping[str, Any], manifest: Manifest) -> Form:
     weights, dropped, problem = _pairs(
         manifest.tensors, ".weight_scale_inv", lambda entry: block, False
     )
-    return Form("fp8 (DeepSeek-V3 / FineGrainedFP8)", f"fp8 {fmt} blocks", block,
+    return Form("DeepSeek-V3 / FineGrainedFP8", f"fp8 {fmt} blocks", block,
                 tuple(weights), tuple(dropped), refused or problem)  # fmt: skip
 
 

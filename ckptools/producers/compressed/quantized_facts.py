@@ -30,7 +30,7 @@ def lines(q: dict[str, Any]) -> list[str]:
         f", ... ({len(names) - _SHOWN} more)" if names[_SHOWN:] else ""
     )
     out = [
-        f"  quantized: {q['producer']} {q['scheme']}, block {block}: {len(weights)} weight(s) "
+        f"  quantized: {q['producer']} ({q['scheme']}), block {block}: {len(weights)} weight(s) "
         f"stored as float8 with scales",
     ]
     if names:
