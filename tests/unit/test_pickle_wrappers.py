@@ -4,6 +4,9 @@ own dtype and size; anything else is refused in one line, and the class is never
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 import ckptools.producers.base  # noqa: F401  (admits every family's declarations)
@@ -44,3 +47,34 @@ def test_a_declared_wrapper_reads_as_its_tensor_and_nothing_else_does() -> None:
     # WEIGHTS_ONLY_GLOBALS (torch.save files) and torchao's other classes are not admitted
     assert _CLASS not in safe_pickle.WEIGHTS_ONLY_GLOBALS
     assert "torchao.quantization.Float8Tensor" not in safe_pickle.ARCHIVE_GLOBALS
+
+
+def test_inspect_reads_a_few_items_of_a_plain_dcp_not_one_per_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """inspect tells a float8 training DCP by its items' pickles (.metadata does not say): a
+    plain DCP of many Linear weights is told by its first few, so an inspect of a large model
+    stays a metadata read."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckptools.formats import torch_archive
+    from ckptools.producers import read_manifest
+    from ckptools.producers.compressed import float8_training
+
+    state = {f"layers.{i}.weight": torch.zeros(4, 4) for i in range(40)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    reads = []
+    real = torch_archive.read_archive
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_archive, "read_archive", counted)
+    assert float8_training.facts(read_manifest(str(tmp_path / "plain"))) is None
+    assert len(reads) == 16

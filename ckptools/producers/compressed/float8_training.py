@@ -18,7 +18,7 @@ item is wrapped. The package declares the class (``PICKLE_WRAPPERS``), so every 
 ``_tensor`` it holds, bit-exactly, without torchao (:class:`ckptools.formats.torch_rebuild.
 WrapperClass`); what this module adds is ``inspect``'s account of which tensors were stored so,
 read from the first item of each two-dimensional tensor (torchao wraps only Linear weights):
-one small pickle per tensor, no tensor bytes.
+one small pickle per tensor, no tensor bytes; a DCP whose first 16 hold no wrapper is plain.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ KEY = "float8_training"
 #: what ``inspect`` calls a tensor stored this way
 LABEL = "float8 training wrapper"
 _SHOWN = 8
+#: two-dimensional tensors read before a DCP with no wrapper among them is taken as plain: the
+#: embedding comes first, then Linear weights, which torchao wraps all or none of (an inspect
+#: of a plain 405B DCP reads this many small pickles, not one per tensor)
+_PROBED = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,9 @@ def facts(m: Manifest) -> dict[str, Any] | None:
     tensors: dict[str, str] = {}
     classes: dict[str, int] = {}
     with storage.open_reader(m.data_dir()) as reader:
-        for t in candidates:
+        for i, t in enumerate(candidates):
+            if i == _PROBED and not tensors:
+                break  # torchao wraps every Linear weight: a plain DCP is told by its first few
             c = t.chunks[0]
             try:
                 archive = torch_archive.read_archive(reader, c.file, c.offset, c.length)
