@@ -425,8 +425,9 @@ def stage_params(
     experts, when they share the dense buffer).
 
     Raises:
-        UnsupportedCheckpointError: a tensor this placement does not know (MLA, shared experts,
-            vision towers...; routed experts are the caller's: ``layer_extra``) or layers that do not split evenly.
+        UnsupportedCheckpointError: a tensor this placement does not know (MLA, shared
+            experts, vision towers...; routed experts are the caller's: ``layer_extra``) or
+            layers that do not split evenly.
     """
     if num_layers % pp:
         raise UnsupportedCheckpointError(
