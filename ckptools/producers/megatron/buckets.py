@@ -9,7 +9,7 @@ per model FQN already.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from ckptools.producers.megatron.optimizer import (
     LAYER_ORDERS,
     STATE_PREFIX,
     WITHOUT_OPTIMIZER,
+    LocalParam,
     ModelTensor,
     ParamRange,
     StoredPiece,
@@ -88,11 +89,15 @@ def bucket_state(
     dtype: str,
     itemsize: int,
     where: str = "optimizer",
+    stagings: Iterable[Callable[[], Mapping[int, Sequence[LocalParam]]]] | None = None,
 ) -> dict[str, dict[str, TensorEntry]]:
     """Per kind (:data:`KINDS`, those stored), the model FQN's entry of that state: the model
     tensor's shape, tiled exactly once by raw chunks in the bucket tensors' data.
 
     ``buffers`` maps each model-parallel rank (``dp_group_idx``) to its saved buffer.
+    ``stagings``: the candidate placements of each rank's parameters, tried in turn (default:
+    :func:`stage_params` of ``model`` in each of :data:`LAYER_ORDERS`); ``split.tp * split.pp``
+    is then the number of ``dp_group_idx`` (an expert optimizer's: expert TP × EP × PP).
 
     Raises:
         CorruptCheckpointError: the parameters do not add up to the stored buckets, or the
@@ -106,7 +111,9 @@ def bucket_state(
             f"{sorted(buffers)}, not the {tp * pp} of TP {tp} x PP {pp}",
             fqn=where,
         )
-    placed = _placement(model, buffers, split, where)
+    if stagings is None:
+        stagings = [_dense_staging(model, split, order) for order in LAYER_ORDERS]
+    placed = _placement(buffers, split, where, stagings)
     kinds = sorted({k for b in buffers.values() for _, k in b.pieces}, key=KINDS.index)
     shapes = {t.fqn: t.shape for t in model}
     out: dict[str, dict[str, TensorEntry]] = {}
@@ -140,21 +147,30 @@ def bucket_state(
     return out
 
 
+def _dense_staging(
+    model: Sequence[ModelTensor], split: Parallelism, order: Sequence[str]
+) -> Callable[[], Mapping[int, Sequence[LocalParam]]]:
+    return lambda: stage_params(
+        model,
+        tp=split.tp,
+        pp=split.pp,
+        num_layers=split.num_layers,
+        layer_order=order,
+        tied=split.tied,
+    )
+
+
 def _placement(
-    model: Sequence[ModelTensor], buffers: Mapping[int, Buckets], split: Parallelism, where: str
+    buffers: Mapping[int, Buckets],
+    split: Parallelism,
+    where: str,
+    stagings: Iterable[Callable[[], Mapping[int, Sequence[LocalParam]]]],
 ) -> dict[int, list[ParamRange]]:
-    """The ranges of the first layer order whose ranges fall on the stored chunk boundaries
-    of every buffer."""
+    """The ranges of the first candidate placement whose ranges fall on the stored chunk
+    boundaries of every buffer."""
     first_problem: str | None = None
-    for order in LAYER_ORDERS:
-        staged = stage_params(
-            model,
-            tp=split.tp,
-            pp=split.pp,
-            num_layers=split.num_layers,
-            layer_order=order,
-            tied=split.tied,
-        )
+    for staging in stagings:
+        staged = staging()
         placed: dict[int, list[ParamRange]] = {}
         problem = None
         for group, buf in sorted(buffers.items()):

@@ -29,7 +29,7 @@ from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError, 
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.readers import Reader
-from ckptools.producers.megatron import buckets
+from ckptools.producers.megatron import buckets, moe_optimizer
 from ckptools.producers.megatron import optimizer as mo
 from ckptools.producers.megatron.layout import DETAILS_KEY, chained_parts, common_state
 
@@ -64,24 +64,27 @@ def read_optimizer(manifest: Manifest) -> MegatronOptimizer | None:
             way forward).
         UnsupportedCheckpointError: a layout this placement does not know.
     """
+    chained = chained_parts(manifest)
     sharding = _sharding(manifest)
-    if sharding is None:
-        chained = chained_parts(manifest)
-        if chained:
+    prefixes = [""]
+    if chained:
+        if any(s != "dp_reshardable" for s in chained):
             raise UnsupportedCheckpointError(
-                f"{manifest.root}: the optimizer is a ChainedOptimizer of {len(chained)} parts "
-                f"({', '.join(f'chained_{i} {s}' for i, s in enumerate(chained))}: an MoE run's "
-                "dense and expert distributed optimizers), whose state ckptools does not place "
-                f"yet; {mo.WITHOUT_OPTIMIZER}",
+                f"{manifest.root}: the optimizer is a ChainedOptimizer of "
+                f"{', '.join(f'chained_{i} {s}' for i, s in enumerate(chained))}: ckptools "
+                "places a ChainedOptimizer's dp_reshardable parts only (no fully_reshardable MoE "
+                f"save has been checked); {mo.WITHOUT_OPTIMIZER}",
                 path=manifest.root,
             )
+        sharding, prefixes = "dp_reshardable", [f"chained_{i}." for i in range(len(chained))]
+    if sharding is None:
         return None
     with storage.open_reader(manifest.data_dir()) as reader:
         if sharding == "fully_reshardable":
             state = buckets.model_space_state(manifest.tensors)
         else:
-            state = _bucket_state(manifest, reader)
-        groups, step = _param_groups(manifest, reader)
+            state = _bucket_state(manifest, reader, prefixes)
+        groups, step = _param_groups(manifest, reader, prefixes)
     return MegatronOptimizer(sharding, state, groups, step)
 
 
@@ -118,7 +121,11 @@ def _sharding(manifest: Manifest) -> str | None:
     return None
 
 
-def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, TensorEntry]]:
+def _bucket_state(
+    manifest: Manifest, reader: Reader, prefixes: list[str]
+) -> dict[str, dict[str, TensorEntry]]:
+    """Every part's state (one part, or a ChainedOptimizer's ``chained_<i>.`` prefixed ones:
+    an MoE run's dense and expert optimizers, :mod:`.moe_optimizer`), merged per kind."""
     args = manifest.details.get(DETAILS_KEY) or {}
     where = manifest.root
     tp, pp = args.get("tensor_parallel"), args.get("pipeline_parallel")
@@ -130,10 +137,61 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
             path=where,
         )
     dp = args.get("data_parallel")
+    split = buckets.Parallelism(
+        tp,
+        pp,
+        dp if isinstance(dp, int) else None,
+        num_layers,
+        args.get("untie_embeddings_and_output_weights") is False,
+    )
+    model = [
+        mo.ModelTensor(f, manifest.tensors[f].shape, _boxes(manifest.tensors[f]))
+        for f in model_keys(manifest).values()
+    ]
+    experts = args.get("num_experts")
+    if not experts:
+        if prefixes != [""]:
+            raise UnsupportedCheckpointError(
+                f"{where}: a ChainedOptimizer of {len(prefixes)} parts in a run without MoE "
+                f"experts, which ckptools does not place; {mo.WITHOUT_OPTIMIZER}",
+                path=where,
+            )
+        parts: list[moe_optimizer.Part] = [("", model, split, None)]
+    else:
+        parts = moe_optimizer.parts(model, split, args, prefixes, where)
+    state: dict[str, dict[str, TensorEntry]] = {}
+    for prefix, tensors, part_split, stagings in parts:
+        found = _part_buffers(manifest, reader, prefix)
+        if found is None:
+            raise CorruptCheckpointError(
+                f"{where}: no {prefix}{mo.DISTRIBUTED_PREFIX}… buckets; {mo.WITHOUT_OPTIMIZER}",
+                path=where,
+            )
+        buffers, dtype = found
+        placed = buckets.bucket_state(
+            tensors,
+            buffers,
+            part_split,
+            dtype=dtype,
+            itemsize=dtypes.dtype(dtype).itemsize,
+            where=f"{where} {prefix}".rstrip(". "),
+            stagings=stagings,
+        )
+        for kind, entries in placed.items():
+            state.setdefault(kind, {}).update(entries)
+    return state
+
+
+def _part_buffers(
+    manifest: Manifest, reader: Reader, prefix: str
+) -> tuple[dict[int, buckets.Buckets], str] | None:
+    """One distributed optimizer's saved buffers per ``dp_group_idx`` and their dtype (the
+    FQNs under ``prefix``), None when it saved none."""
+    where = manifest.root
     entries: dict[int, dict[tuple[int, str], TensorEntry]] = {}
     dtype = None
     for fqn, entry in manifest.tensors.items():
-        name = mo.parse_bucket_fqn(fqn)
+        name = mo.parse_bucket_fqn(fqn[len(prefix) :]) if fqn.startswith(prefix) else None
         if name is None:
             continue
         if name.gbuf != 0:
@@ -145,9 +203,11 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
             )
         entries.setdefault(name.dp_group, {})[(name.bucket, name.kind)] = entry
         dtype = entry.dtype
+    if dtype is None:
+        return None
     buffers = {}
     for group, found in entries.items():
-        key = f"{mo.DISTRIBUTED_PREFIX}dp_group_idx_{group}"
+        key = f"{prefix}{mo.DISTRIBUTED_PREFIX}dp_group_idx_{group}"
         unpadded = buckets.bucket_numels(
             _object(manifest, reader, f"{key}.per_bucket_numel_unpadded"),
             "per_bucket_numel_unpadded",
@@ -161,20 +221,7 @@ def _bucket_state(manifest: Manifest, reader: Reader) -> dict[str, dict[str, Ten
         )
         pieces = {bk: _pieces(reader, e) for bk, e in found.items()}
         buffers[group] = buckets.Buckets(unpadded, padded, pieces)
-    model = [
-        mo.ModelTensor(f, manifest.tensors[f].shape, _boxes(manifest.tensors[f]))
-        for f in model_keys(manifest).values()
-    ]
-    assert dtype is not None
-    tied = args.get("untie_embeddings_and_output_weights") is False
-    return buckets.bucket_state(
-        model,
-        buffers,
-        buckets.Parallelism(tp, pp, dp if isinstance(dp, int) else None, num_layers, tied),
-        dtype=dtype,
-        itemsize=dtypes.dtype(dtype).itemsize,
-        where=where,
-    )
+    return buffers, dtype
 
 
 def _boxes(entry: TensorEntry) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
@@ -253,27 +300,68 @@ def _object(manifest: Manifest, reader: Reader, key: str, *, required: bool = Tr
 
 
 def _param_groups(
-    manifest: Manifest, reader: Reader
+    manifest: Manifest, reader: Reader, prefixes: list[str]
 ) -> tuple[tuple[dict[str, Any], ...], int | float | None]:
     """The optimizer's param groups and step: in the ``optimizer`` object of model-parallel
-    rank 0 (``dp_reshardable``), or in ``common_state`` (``fully_reshardable``)."""
-    holders: list[Any] = []
-    value = _object(
-        manifest, reader, f"{mo.DISTRIBUTED_PREFIX}dp_group_idx_0.optimizer", required=False
-    )
-    if value is not None:
-        holders.append(value)
-    common = common_state(manifest)
-    if common is not None:
-        holders.append(common.get("optimizer"))
-    for holder in holders:
-        for groups in _find_groups(holder):
-            plain = tuple(
-                {k: v for k, v in g.items() if k != "params"} for g in groups if isinstance(g, dict)
+    rank 0 (``dp_reshardable``), or in ``common_state`` (``fully_reshardable``). A
+    ChainedOptimizer's later parts' groups (an MoE run's experts) join the first part's group
+    of the same settings (see :func:`_join_groups`)."""
+    found: list[tuple[dict[str, Any], ...]] = []
+    for prefix in prefixes:
+        holders: list[Any] = []
+        key = f"{prefix}{mo.DISTRIBUTED_PREFIX}dp_group_idx_0.optimizer"
+        value = _object(manifest, reader, key, required=False)
+        if value is not None:
+            holders.append(value)
+        common = common_state(manifest) if prefix == "" else None
+        if common is not None:
+            holders.append(common.get("optimizer"))
+        groups = next((g for h in holders for g in _find_groups(h)), None)
+        if groups is not None:
+            found.append(
+                tuple(
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in groups
+                    if isinstance(g, dict)
+                )
             )
-            steps = {g.get("step") for g in plain if isinstance(g.get("step"), int | float)}
-            return plain, (steps.pop() if len(steps) == 1 else None)
-    return (), None
+    if not found:
+        return (), None
+    plain = _join_groups(manifest.root, found)
+    steps = {
+        g.get("step") for part in found for g in part if isinstance(g.get("step"), int | float)
+    }
+    return plain, (steps.pop() if len(steps) == 1 else None)
+
+
+#: what tells a ChainedOptimizer's parts' groups apart without changing how they train
+_PART_KEYS = ("params", "step", "is_expert_parallel")
+
+
+def _join_groups(root: str, parts: list[tuple[dict[str, Any], ...]]) -> tuple[dict[str, Any], ...]:
+    """The first part's groups; each later part's group must have the settings of one of them
+    (Megatron gives the expert optimizer the dense one's: ``get_megatron_optimizer``), and an
+    FSDP2 job's one AdamW then holds both in that group.
+
+    Raises:
+        UnsupportedCheckpointError: an expert group trained otherwise (learning-rate or decay
+            overrides for experts).
+    """
+    first = parts[0]
+
+    def settings(g: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in g.items() if k not in _PART_KEYS}
+
+    for i, part in enumerate(parts[1:], 1):
+        for g in part:
+            if not any(settings(g) == settings(f) for f in first):
+                raise UnsupportedCheckpointError(
+                    f"{root}: the ChainedOptimizer's part chained_{i} has a param group whose "
+                    f"settings no group of chained_0 has ({settings(g)!r:.160}); pass "
+                    "--drop-optimizer to carry the model alone",
+                    path=root,
+                )
+    return first
 
 
 def _find_groups(value: Any, depth: int = 0) -> Iterator[list[Any]]:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,9 @@ _LOCAL_LAYER_ORDER = (
     "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
+    # an MoE layer's MLP (``MoELayer``) registers its router first, then its experts (placed by
+    # :mod:`ckptools.producers.megatron.moe_optimizer`)
+    "mlp.router.weight",
 )
 
 
@@ -411,16 +414,20 @@ def stage_params(
     num_layers: int,
     layer_order: Sequence[str] = _LOCAL_LAYER_ORDER,
     tied: bool = False,
+    layer_extra: Callable[[int, int], list[LocalParam]] | None = None,
 ) -> dict[int, list[LocalParam]]:
     """Each model-parallel rank's (``tp + TP * pp``) parameters in ``named_parameters()``
     order, for a GPT model with layers split evenly over the pipeline.
 
     ``tied``: the output layer shares the embedding; with a pipeline, the last stage keeps a
     copy of it (``output_layer.weight`` is not saved) in a bucket of its own.
+    ``layer_extra(layer, tp rank)``: parameters registered after a layer's own (an MoE layer's
+    experts, when they share the dense buffer).
 
     Raises:
-        UnsupportedCheckpointError: a tensor this placement does not know (MoE experts, MLA,
-            vision towers...) or layers that do not split evenly.
+        UnsupportedCheckpointError: a tensor this placement does not know (MLA, shared
+            experts, vision towers...; routed experts are the caller's: ``layer_extra``) or
+            layers that do not split evenly.
     """
     if num_layers % pp:
         raise UnsupportedCheckpointError(
@@ -449,8 +456,8 @@ def stage_params(
                 layers.setdefault(layer, []).append((rank_of[t.fqn[len(_LAYERS) :]], t, True))
         else:
             raise UnsupportedCheckpointError(
-                f"{t.fqn}: a tensor the Megatron optimizer placement does not know (MoE "
-                f"experts, MLA and vision towers are not supported); {WITHOUT_OPTIMIZER}",
+                f"{t.fqn}: a tensor the Megatron optimizer placement does not know (MLA, "
+                f"shared experts and vision towers are not supported); {WITHOUT_OPTIMIZER}",
                 fqn=t.fqn,
             )
     first.sort(key=lambda t: _FIRST_STAGE.index(t.fqn))
@@ -468,6 +475,8 @@ def stage_params(
                         per_layer_boxes[t.fqn] = _layer_boxes(t)
                     boxes = per_layer_boxes[t.fqn].get(layer, []) if stacked else list(t.boxes)
                     mine.append(_pick(t.fqn, boxes, rank, tp))
+                if layer_extra is not None:
+                    mine += layer_extra(layer, rank)
             if stage == pp - 1:
                 mine += [_whole(t, rank, tp) for t in last]
                 if tied and pp > 1:

@@ -6,7 +6,11 @@ would have written for the HF model (``LlamaForCausalLM`` and kin) trained by ``
 * the model: the distributed optimizer's fp32 masters where it holds them (the model weights as
   stored otherwise), under HF FQNs, through the same Megatron → HF mapping that
   ``consolidate`` uses (:mod:`.plan`: layers unstacked, QKV split per query group, fc1 split
-  into gate and up, vocabulary padding dropped);
+  into gate and up, vocabulary padding dropped); an MoE run's router and experts as
+  transformers holds them in memory (its conversion of the ``save_pretrained`` names: Mixtral's
+  and Qwen3-MoE's experts fused, ``mlp.experts.gate_up_proj`` ``[E, 2F, H]`` and ``down_proj``),
+  their masters and moments from the ChainedOptimizer's expert part
+  (:mod:`.moe_optimizer`);
 * per parameter, AdamW's ``exp_avg`` and ``exp_avg_sq`` mapped by the same rules (so the QKV
   and fc1 moments are split exactly as the weights), and ``step``, the optimizer's counter;
 * Megatron's parameter groups kept as groups: Megatron-LM gives weight decay to matrices and none
@@ -30,6 +34,7 @@ from typing import Any
 from ckptools.core.keys import model_keys
 from ckptools.core.manifest import Manifest, ObjectEntry, TensorEntry
 from ckptools.core.tensor_value import TensorValue
+from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.producers.megatron.converted import as_hf
 from ckptools.producers.megatron.layout import CONFIG_FILE, DETAILS_KEY
@@ -50,15 +55,6 @@ def training_manifest(
         CorruptCheckpointError: the optimizer's buckets do not add up to the model.
         UnsupportedCheckpointError: a model or optimizer layout ckptools does not place.
     """
-    experts = (manifest.details.get(DETAILS_KEY) or {}).get("num_experts")
-    if experts:
-        # transformers holds an MoE model's experts fused in memory (what an FSDP2 job's state
-        # dict names), not as save_pretrained writes them: that mapping is not built yet
-        raise UnsupportedCheckpointError(
-            f"{manifest.root}: an MoE run ({experts} experts per layer): its training state as "
-            "the Hugging Face model's (reshard, ckptools.load) is not supported yet; "
-            "consolidate it to a Hugging Face model instead"
-        )
     opt = None if drop_optimizer else read_optimizer(manifest)
     names = dict(model_keys(manifest))
     notes = list(manifest.notes)
@@ -72,6 +68,11 @@ def training_manifest(
         notes.append("the model is the weights as stored (the save holds no fp32 masters)")
     else:
         notes.append(f"the model is the optimizer's fp32 masters ({opt.sharding if opt else ''})")
+    if (manifest.details.get(DETAILS_KEY) or {}).get("num_experts"):
+        fused = sorted({hf.rsplit(".", 1)[-1] for hf in model if ".experts." in hf})
+        notes.append(
+            f"the experts as transformers holds them in memory (fused: {', '.join(fused)})"
+        )
     if opt is not None:
         moments = {k: _as_hf(manifest, names, config, opt, k)[0] for k in MOMENTS}
         _put_optimizer(manifest, opt, model, moments, tensors, objects, paths)
@@ -141,7 +142,12 @@ def _as_hf(
                 fqn=missing[0],
             )
         source = replace(manifest, tensors={**manifest.tensors, **state})
-    derived, out, _, _ = as_hf(source, dict(names), config)
+    derived, out, _, made = as_hf(source, dict(names), config)
+    if (manifest.details.get(DETAILS_KEY) or {}).get("num_experts"):
+        # an FSDP2 job's state dict names the model as transformers holds it in memory: an MoE
+        # family's experts fused (``mlp.experts.gate_up_proj`` [E, 2F, H], ``down_proj``), by the
+        # installed transformers' own conversion of what save_pretrained writes
+        derived, out, _ = to_memory_names(derived, out, made, quiet=True)
     entries = {}
     for hf, fqn in out.items():
         e = derived.tensors[fqn]
