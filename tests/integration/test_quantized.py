@@ -98,8 +98,7 @@ def test_inspect_names_scheme_block_and_quantized_tensors() -> None:
     r = CliRunner().invoke(cli, ["inspect", str(FIXTURES / "deepseek_fp8")])
     assert r.exit_code == 0, r.output
     assert (
-        "quantized: DeepSeek-V3 / FineGrainedFP8 (fp8 e4m3 blocks), block 128x128: 7 "
-        in r.output
+        "quantized: DeepSeek-V3 / FineGrainedFP8 (fp8 e4m3 blocks), block 128x128: 7 " in r.output
     )
     assert "model.layers.0.mlp.down_proj.weight" in r.output
     r = CliRunner().invoke(cli, ["inspect", str(FIXTURES / "ct_fp8_block"), "--json"])
