@@ -22,7 +22,7 @@ NOT_FIXTURES = {"SHA256SUMS", "generate.py", "README.md", "make_venv.sh"}
 CASES = sorted(p.name[: -len(".truth.pt")] for p in HERE.glob("*.truth.pt"))
 # optimizer framing and per-rank RNG state: 0.4 to 0.65 MB; the 4-rank MoE run 0.93 MB
 MAX_DIR_BYTES = 1000 * 1024
-MAX_ALL_BYTES = 9 * 1024 * 1024
+MAX_ALL_BYTES = 11 * 1024 * 1024  # 13 runs (issue 38 added MLA and DeepSeek-V3)
 
 
 def _listed() -> dict[str, str]:
@@ -123,12 +123,15 @@ def _check_experts(truth: dict[str, Any]) -> None:
     rank 0's alone), each expert's state from the optimizer that holds it."""
     model, experts, ep = truth["model"], truth["num_experts"], truth["ep"]
     config = json.loads(truth["hf_config"])
-    for i in range(config["num_hidden_layers"]):
+    dense = config.get("first_k_dense_replace") or 0  # DeepSeek-V3: dense first layers
+    for i in range(dense, config["num_hidden_layers"]):
         for e in range(experts):
             for fc in ("linear_fc1", "linear_fc2"):
                 name = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{fc}.weight"
                 assert name in model, name
-                key = f"decoder.layers.mlp.experts.experts.{fc}.weight"
+                # layers that differ are saved per layer, not stacked
+                key = f"decoder.layers.{i}." if dense else "decoder.layers."
+                key += f"mlp.experts.experts.{fc}.weight"
                 assert truth["checkpoint_keys"][name] == key
     assert {rank["ep"] for rank in truth["ranks"]} == set(range(ep))
     if ep > 1:  # a ChainedOptimizer: dense, then experts (one dp_group_idx per expert TP x EP)
@@ -139,12 +142,24 @@ def _check_experts(truth: dict[str, Any]) -> None:
         assert {g["chained"] for g in truth["param_groups"]} == {0, 1}
 
 
+#: multi-latent attention's tensors (local spec: separate latent norms) -> DeepseekV3's
+MLA_NAMES = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
+
+
 def _hf_state_dict(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor]:
     """Megatron's names and fused layouts as transformers' Llama/Qwen2 keys: an independent
     restatement of the layouts README.md documents, to prove the truth's config and logits
     belong together (ckptools' own conversion is tested against these files elsewhere)."""
     m, vocab, hidden = truth["model"], config.vocab_size, config.hidden_size
-    groups, d = config.num_key_value_heads, config.head_dim
+    groups, d = config.num_key_value_heads, config.head_dim or 1
     q_rows = config.num_attention_heads // groups * d
     out = {
         "model.embed_tokens.weight": m["embedding.word_embeddings.weight"][:vocab],
@@ -166,10 +181,16 @@ def _hf_state_dict(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor
                 shape = (-1, hidden) if suffix == "weight" else (-1,)
                 out[f"{dst}self_attn.{proj}.{suffix}"] = part.reshape(shape)
         out[dst + "self_attn.o_proj.weight"] = m[src + "self_attention.linear_proj.weight"]
-        if src + "self_attention.q_layernorm.weight" in m:
+        if src + "self_attention.linear_kv_down_proj.weight" in m:
+            # multi-latent attention: each projection is HF's by another name, the rope dims
+            # where HF's rope_interleave=True expects them (Megatron's MLA rope de-interleaves)
+            for megatron, hf in MLA_NAMES.items():
+                if src + megatron in m:
+                    out[dst + hf] = m[src + megatron]
+        elif src + "self_attention.q_layernorm.weight" in m:
             out[dst + "self_attn.q_norm.weight"] = m[src + "self_attention.q_layernorm.weight"]
             out[dst + "self_attn.k_norm.weight"] = m[src + "self_attention.k_layernorm.weight"]
-        if truth.get("num_experts"):
+        if src + "mlp.router.weight" in m:
             # transformers 5 holds the experts fused in memory: [E, 2F, H] (each expert's gate
             # rows, then its up rows, as Megatron's linear_fc1) and [E, H, F]; the router is gate
             experts = range(truth["num_experts"])
@@ -178,6 +199,15 @@ def _hf_state_dict(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor
             fc1 = [m[fc.format(e, 1)] for e in experts]
             out[dst + "mlp.experts.gate_up_proj"] = torch.stack(fc1)
             out[dst + "mlp.experts.down_proj"] = torch.stack([m[fc.format(e, 2)] for e in experts])
+            bias = truth.get("buffers", {}).get(src + "mlp.router.expert_bias")
+            if bias is not None:  # DeepSeek-V3: the sigmoid router's expert bias
+                out[dst + "mlp.gate.e_score_correction_bias"] = bias
+            shared = src + "mlp.shared_experts.linear_fc{}.weight"
+            if shared.format(1) in m:
+                gate, up = m[shared.format(1)].chunk(2)
+                out[dst + "mlp.shared_experts.gate_proj.weight"] = gate
+                out[dst + "mlp.shared_experts.up_proj.weight"] = up
+                out[dst + "mlp.shared_experts.down_proj.weight"] = m[shared.format(2)]
             continue
         gate, up = m[src + "mlp.linear_fc1.weight"].chunk(2)
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up

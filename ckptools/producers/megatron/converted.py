@@ -14,7 +14,7 @@ from ckptools.engine.reader import SourceCache
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.io import storage
 from ckptools.plan.conversions import KeyMap
-from ckptools.producers.megatron import moe, plan
+from ckptools.producers.megatron import mla, moe, plan
 from ckptools.producers.megatron.layout import DETAILS_KEY
 
 #: the FQN suffix of a stacked expert tensor's entry with its layer and expert dims folded
@@ -49,7 +49,8 @@ def as_hf(
         manifest, names = _folded(manifest, names, folded)
         shapes.update(folded)
     args = manifest.details.get(DETAILS_KEY) or {}
-    keymap, made = plan.to_hf(shapes, args, config, manifest.root)
+    to_hf = mla.to_hf if mla.is_mla(shapes, args) else plan.to_hf
+    keymap, made = to_hf(shapes, args, config, manifest.root)
     derived, out = split_source(manifest, names, keymap, check=check)
     return derived, out, keymap, made
 

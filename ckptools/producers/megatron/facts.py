@@ -52,6 +52,8 @@ def lines(mg: dict[str, Any]) -> list[str]:
         f"  model: {shown('num_layers')} layers, hidden {shown('hidden_size')}, ffn "
         f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, {vocab}",
     ]
+    if mg.get("multi_latent_attention"):
+        out.append(f"  {mla_line(mg)}")
     if mg.get("num_experts"):
         out.append(f"  {moe_line(mg)}")
     out.append(f"  optimizer sharding: {sharding}; entries: {parts}")
@@ -71,7 +73,25 @@ def router_kind(mg: dict[str, Any]) -> str:
         kind = str(score)
     if mg.get("moe_router_enable_expert_bias"):
         kind += " with expert bias"
+    if mg.get("moe_router_num_groups"):
+        kind += f", {mg['moe_router_num_groups']} groups top-{mg.get('moe_router_group_topk')}"
+    scale = mg.get("moe_router_topk_scaling_factor")
+    if scale not in (None, 1, 1.0):
+        kind += f", scaling {scale}"
     return kind
+
+
+def mla_line(mg: dict[str, Any]) -> str:
+    """Multi-latent attention's sizes in one line (per head: q/k "nope" + rope dims, v)."""
+
+    def shown(key: str) -> str:
+        return "none" if mg.get(key) is None else str(mg[key])
+
+    return (
+        f"mla: q low-rank {shown('q_lora_rank')}, kv low-rank {shown('kv_lora_rank')}, q/k "
+        f"heads {shown('qk_head_dim')} + rope {shown('qk_pos_emb_head_dim')}, v heads "
+        f"{shown('v_head_dim')}, rope {mg.get('rope_type') or 'rope'}"
+    )
 
 
 def moe_line(mg: dict[str, Any]) -> str:
@@ -87,5 +107,5 @@ def moe_line(mg: dict[str, Any]) -> str:
         f"moe: {mg['num_experts']} experts, top-{shown('moe_router_topk')}, router "
         f"{router_kind(mg)}, expert ffn {shown('moe_ffn_hidden_size')}, EP "
         f"{shown('expert_parallel')} x expert TP {shown('expert_tensor_parallel')}, "
-        f"shared experts {shared if shared else 'none'}{layers}"
+        f"shared experts {f'ffn {shared}' if shared else 'none'}{layers}"
     )

@@ -195,6 +195,16 @@ class RunArgs:
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: Any = None  # an int (every n-th layer MoE) or a list of 0/1 per layer
     moe_grouped_gemm: bool | None = None
+    moe_router_group_topk: int | None = None
+    # multi-latent attention (None for another attention)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_type: str | None = None
+    rotary_scaling_factor: float | None = None
+    rotary_interleaved: bool | None = None
     #: a ChainedOptimizer's parts (``chained_<i>.optimizer.…``), each with its sharding
     chained_optimizers: tuple[str, ...] | None = None
 
@@ -285,6 +295,18 @@ _MOE_ARGS: tuple[tuple[str, str, type | tuple[type, ...]], ...] = (
     ("moe_router_num_groups", "moe_router_num_groups", int),
     ("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", int),
     ("moe_grouped_gemm", "moe_grouped_gemm", bool),
+    ("moe_router_group_topk", "moe_router_group_topk", int),
+)
+#: RunArgs field -> Megatron-LM arg for multi-latent attention, and the kind it must be
+_MLA_ARGS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("q_lora_rank", int),
+    ("kv_lora_rank", int),
+    ("qk_head_dim", int),
+    ("qk_pos_emb_head_dim", int),
+    ("v_head_dim", int),
+    ("rope_type", str),
+    ("rotary_scaling_factor", (int, float)),
+    ("rotary_interleaved", bool),
 )
 _BOOL_ARGS = (
     "swiglu",
@@ -326,6 +348,9 @@ def run_args(common: Mapping[str, Any] | None, manifest: Manifest) -> RunArgs:
             fields["moe_layer_freq"] = list(freq)
         elif isinstance(freq, str):
             fields["moe_layer_freq"] = freq
+    if fields["multi_latent_attention"]:
+        for name, kind in _MLA_ARGS:
+            fields[name] = _arg(args, name, kind)
     return RunArgs(
         iteration=iteration if isinstance(iteration, int) else None,
         params_dtype=_dtype(args),

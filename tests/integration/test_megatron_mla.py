@@ -1,0 +1,247 @@
+"""Megatron-core multi-latent attention runs to Hugging Face ``DeepseekV3ForCausalLM``:
+consolidate, inspect, diff, and what is refused by name.
+
+The Megatron side is real Megatron-core 0.19.2 (``fixtures/megatron/``: ``deepseek_v3_ep2``,
+MLA with a dense first layer, a shared expert and a sigmoid router with expert bias and groups
+at EP 2; ``mla_dense_tp2``, MLA with dense MLPs at TP 2), with the truth gathered from every
+rank and Megatron's logits; the Hugging Face side is transformers' ``save_pretrained`` (what the
+directory must be, name for name) and ``from_pretrained`` (whose logits must be Megatron's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from ckptools.cli.main import cli
+from ckptools.producers.megatron import mla
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+CASES = ("deepseek_v3_ep2", "mla_dense_tp2")
+#: Megatron MLA -> DeepseekV3 names (local spec), restated independently of ckptools
+ATTENTION = {
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+
+
+def _truth(case: str) -> dict[str, Any]:
+    truth: dict[str, Any] = torch.load(FIXTURES / f"{case}.truth.pt", weights_only=True)
+    return truth
+
+
+def _invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _ok(*args: str) -> dict[str, Any]:
+    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
+    result = _invoke(*args, "--json", *quiet)
+    assert result.exit_code == 0, result.output
+    out: dict[str, Any] = json.loads(result.output)
+    return out
+
+
+def _config_file(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / f"{case}-config.json"
+    path.write_text(_truth(case)["hf_config"])
+    return path
+
+
+def _in_memory(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor]:
+    """The truth as transformers 5 holds DeepseekV3 in memory (experts fused ``gate_up_proj``
+    [E, 2F, H] and ``down_proj`` [E, H, F]), mapped from the documented layouts."""
+    m, vocab = truth["model"], config.vocab_size
+    out = {
+        "model.embed_tokens.weight": m["embedding.word_embeddings.weight"][:vocab],
+        "model.norm.weight": m["decoder.final_layernorm.weight"],
+        "lm_head.weight": m["output_layer.weight"][:vocab],
+    }
+    for i in range(config.num_hidden_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for megatron, hf in ATTENTION.items():
+            out[dst + hf] = m[src + megatron]
+        shared = src + "mlp.shared_experts.linear_fc{}.weight"
+        if src + "mlp.router.weight" not in m:
+            gate, up = m[src + "mlp.linear_fc1.weight"].chunk(2)
+            out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+            out[dst + "mlp.down_proj.weight"] = m[src + "mlp.linear_fc2.weight"]
+            continue
+        fc = src + "mlp.experts.local_experts.{}.linear_fc{}.weight"
+        experts = range(truth["num_experts"])
+        out[dst + "mlp.gate.weight"] = m[src + "mlp.router.weight"]
+        out[dst + "mlp.gate.e_score_correction_bias"] = truth["buffers"][
+            src + "mlp.router.expert_bias"
+        ]
+        out[dst + "mlp.experts.gate_up_proj"] = torch.stack([m[fc.format(e, 1)] for e in experts])
+        out[dst + "mlp.experts.down_proj"] = torch.stack([m[fc.format(e, 2)] for e in experts])
+        gate, up = m[shared.format(1)].chunk(2)
+        out[dst + "mlp.shared_experts.gate_proj.weight"] = gate
+        out[dst + "mlp.shared_experts.up_proj.weight"] = up
+        out[dst + "mlp.shared_experts.down_proj.weight"] = m[shared.format(2)]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _saved_by_transformers(tmp_path: Path, case: str) -> dict[str, torch.Tensor]:
+    truth = _truth(case)
+    raw = json.loads(truth["hf_config"])
+    config = transformers.AutoConfig.for_model(raw["model_type"]).from_dict(raw)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    missing, unexpected = model.load_state_dict(_in_memory(truth, config), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    out = tmp_path / "save_pretrained"
+    model.save_pretrained(out)
+    return _hf_tensors(out)
+
+
+def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _logits_gap(out: Path, truth: dict[str, Any]) -> float:
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(truth["input_ids"]).logits
+    megatron = truth["logits"][..., : truth["true_vocab_size"]].float()
+    return float((logits - megatron).abs().max().item())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_consolidate_writes_what_save_pretrained_writes_and_megatrons_logits(
+    tmp_path: Path, case: str
+) -> None:
+    truth = _truth(case)
+    out = tmp_path / "hf"
+    _ok(
+        "consolidate", str(FIXTURES / case), str(out), "--config", str(_config_file(tmp_path, case))
+    )
+    ours, theirs = _hf_tensors(out), _saved_by_transformers(tmp_path, case)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    assert json.loads((out / "config.json").read_text()) == json.loads(truth["hf_config"])
+    assert _logits_gap(out, truth) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_config_made_from_the_args_is_the_runs_model(tmp_path: Path, case: str) -> None:
+    """Without --config, the DeepseekV3 config comes from the run's args (as inspect reads
+    them) and tensors; the true vocabulary is only in an HF config for these runs, so it alone
+    is added here."""
+    truth = _truth(case)
+    given = json.loads(truth["hf_config"])
+    shown = _ok("inspect", str(FIXTURES / case))["megatron"]
+    args = {**shown, "vocab_size": given["vocab_size"]}
+    _, made = mla.to_hf(_stored_shapes(case), args, None, case)
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "first_k_dense_replace", "num_hidden_layers",
+                "intermediate_size"):  # fmt: skip
+        assert made[key] == given[key], key
+    if truth["num_experts"]:
+        for key in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                    "moe_intermediate_size", "routed_scaling_factor", "n_group", "topk_group",
+                    "norm_topk_prob"):  # fmt: skip
+            assert made[key] == given[key], key
+    made_file = tmp_path / "made.json"
+    made_file.write_text(json.dumps(made))
+    out = tmp_path / "hf"
+    _ok("consolidate", str(FIXTURES / case), str(out), "--config", str(made_file))
+    assert _logits_gap(out, truth) < 1e-5
+
+
+def _stored_shapes(case: str) -> dict[str, tuple[int, ...]]:
+    """The run's model tensors as the plan sees them (stacked experts folded), from the DCP
+    metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(FIXTURES / case / "iter_0000010")).read_metadata()
+    out = {}
+    for name, meta in md.state_dict_metadata.items():
+        size = getattr(meta, "size", None)
+        if size is None or name.startswith(("optimizer", "chained_", "rng_state")):
+            continue
+        out[name] = tuple(size)
+    return out
+
+
+def test_inspect_shows_mla_dims_and_shared_experts() -> None:
+    text = _invoke("inspect", str(FIXTURES / "deepseek_v3_ep2")).output
+    assert (
+        "moe: 4 experts, top-2, router sigmoid with expert bias, 2 groups top-1, scaling 2.5, "
+        "expert ffn 8, EP 2 x expert TP 1, shared experts ffn 8, MoE layers [0, 1, 1]" in text
+    ), text
+    assert "mla: q low-rank 8, kv low-rank 8, q/k heads 4 + rope 4, v heads 4, rope rope" in text, (
+        text
+    )
+    dense = _invoke("inspect", str(FIXTURES / "mla_dense_tp2")).output
+    assert (
+        "mla: q low-rank 12, kv low-rank 6, q/k heads 6 + rope 4, v heads 4, rope rope" in dense
+    ), dense
+
+
+def test_diff_calls_an_mla_run_identical_to_its_export(tmp_path: Path) -> None:
+    src, out = FIXTURES / "deepseek_v3_ep2", tmp_path / "hf"
+    config = str(_config_file(tmp_path, "deepseek_v3_ep2"))
+    _ok("consolidate", str(src), str(out), "--config", config)
+    result = _invoke("diff", str(src), str(out), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["identical"]
+    weights = load_file(out / "model.safetensors")
+    weights["model.layers.2.mlp.gate.e_score_correction_bias"][1] += 1.0
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    result = _invoke("diff", str(src), str(out), "--json")
+    assert result.exit_code == 3, result.output
+    changed = [t["name"] for t in json.loads(result.output)["tensors"] if t["status"] != "equal"]
+    assert changed == ["model.layers.2.mlp.gate.e_score_correction_bias"]
+
+
+def test_what_deepseek_v3_does_not_compute_is_refused_by_name(tmp_path: Path) -> None:
+    """A config of another family, or routing DeepseekV3 lacks: refused, nothing written."""
+    ds = str(FIXTURES / "deepseek_v3_ep2")
+    given = json.loads(_truth("deepseek_v3_ep2")["hf_config"])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**given, "n_shared_experts": 2}))
+    refused = [
+        (["consolidate", ds, "--config", str(FIXTURES / "hf_llama" / "config.json")],
+         "multi-latent attention, which a llama model does not have"),
+        (["consolidate", ds, "--config", str(other)], "n_shared_experts 2 is not the run's 1"),
+    ]  # fmt: skip
+    for i, (args, why) in enumerate(refused):
+        target = tmp_path / f"out{i}"
+        result = _invoke(*args[:2], str(target), *args[2:])
+        assert result.exit_code != 0 and why in result.output, (args, result.output)
+        assert not target.exists()
+    shapes = _stored_shapes("deepseek_v3_ep2")
+    args = {
+        "num_experts": 4, "moe_router_topk": 2, "num_attention_heads": 4, "vocab_size": 100,
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+    }  # fmt: skip
+    for change, why in (
+        ({"moe_router_score_function": "softmax"}, "router scores with softmax"),
+        ({"moe_router_enable_expert_bias": False}, "has no expert bias"),
+        ({"moe_router_num_groups": 2, "moe_router_group_topk": 2}, "scored by their top-1"),
+        ({"rotary_interleaved": True}, "rope is interleaved"),
+        ({"rope_type": "yarn", "rotary_scaling_factor": 40.0}, "YaRN-scaled by 40.0"),
+    ):
+        with pytest.raises(Exception, match=why):
+            mla.to_hf(shapes, {**args, **change}, None, "run")
+    gated = {**shapes, "decoder.layers.1.mlp.shared_experts.gate_weight": (1, 16)}
+    with pytest.raises(Exception, match=r"shared_experts\.gate_weight' has no place"):
+        mla.to_hf(gated, args, None, "run")
