@@ -112,7 +112,7 @@ def bucket_state(
             fqn=where,
         )
     if stagings is None:
-        stagings = [_dense_staging(model, split, order) for order in LAYER_ORDERS]
+        stagings = [dense_staging(model, split, order) for order in LAYER_ORDERS]
     placed = _placement(buffers, split, where, stagings)
     kinds = sorted({k for b in buffers.values() for _, k in b.pieces}, key=KINDS.index)
     shapes = {t.fqn: t.shape for t in model}
@@ -147,9 +147,15 @@ def bucket_state(
     return out
 
 
-def _dense_staging(
-    model: Sequence[ModelTensor], split: Parallelism, order: Sequence[str]
+def dense_staging(
+    model: Sequence[ModelTensor],
+    split: Parallelism,
+    order: Sequence[str],
+    extra: Callable[[int, int], list[LocalParam]] | None = None,
 ) -> Callable[[], Mapping[int, Sequence[LocalParam]]]:
+    """One candidate placement of ``model``'s parameters in the buckets (:func:`stage_params`
+    in the layer order ``order``; ``extra``: what each layer adds after its own, the experts
+    an EP-1 MoE run keeps in the dense buffer)."""
     return lambda: stage_params(
         model,
         tp=split.tp,
@@ -157,6 +163,7 @@ def _dense_staging(
         num_layers=split.num_layers,
         layer_order=order,
         tied=split.tied,
+        layer_extra=extra,
     )
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.plan.conversions import KeyMap, Piece, Shapes
 from ckptools.producers.megatron import moe
+from ckptools.producers.megatron.hf_config import common_config
 
 _LAYERS = "decoder.layers."
 FAMILY = "deepseek_v3"
@@ -264,20 +265,9 @@ def _expert_pieces(
     _, gate, up, down = moe.MOE_NAMES["qwen3_moe"]  # DeepseekV3 saves the same names
     pieces: list[Piece] = []
     for i in range(first, len(layers)):
-        fc1 = _LAYERS + moe.EXPERT_FC1 if stacked else f"{_LAYERS}{i}.{moe.EXPERT_FC1}"
-        fc2 = _LAYERS + moe.EXPERT_FC2 if stacked else f"{_LAYERS}{i}.{moe.EXPERT_FC2}"
+        known |= set(moe.expert_keys(i, stacked))
         _, rows2f, h = layers[i][moe.EXPERT_FC1]
-        f = rows2f // 2
-        known |= {fc1, fc2}
-        for e in range(n):
-            at = i * n + e if stacked else e
-            pre = f"model.layers.{i}."
-            pieces.append(Piece(pre + gate.format(e=e), fc1, (at, 0, 0), (1, f, h), 0,
-                                "expert linear_fc1 -> gate"))  # fmt: skip
-            pieces.append(Piece(pre + up.format(e=e), fc1, (at, f, 0), (1, f, h), 0,
-                                "expert linear_fc1 -> up"))  # fmt: skip
-            pieces.append(Piece(pre + down.format(e=e), fc2, (at, 0, 0), (1, h, f), 0,
-                                "expert linear_fc2 -> down"))  # fmt: skip
+        pieces += moe.layer_experts((gate, up, down), i, n, rows2f // 2, h, stacked)
     return pieces
 
 
@@ -304,31 +294,15 @@ def _config(
               or layer["self_attention.linear_q_proj.weight"])[0]  # fmt: skip
     nope = q_rows // heads - rope
     v = layer["self_attention.linear_kv_up_proj.weight"][0] // heads - nope
-    made: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
-        "model_type": FAMILY,
-        "hidden_size": hidden,
-        "num_hidden_layers": len(layers),
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "q_lora_rank": q_norm[0] if q_norm is not None else None,
-        "kv_lora_rank": kv_rank,
-        "qk_nope_head_dim": nope,
-        "qk_rope_head_dim": rope,
-        "v_head_dim": v,
-        "head_dim": rope,
-        "vocab_size": vocab,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.get("max_position_embeddings") or 4096,
-        "rms_norm_eps": args.get("norm_epsilon") or 1e-6,
-        "rope_theta": args.get("rotary_base") or 10000.0,
-        "rope_interleave": True,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "num_nextn_predict_layers": 0,
-        "torch_dtype": args.get("params_dtype") or "float32",
-        "first_k_dense_replace": first_dense,
-    }
+    made = common_config(
+        ARCHITECTURE, FAMILY, hidden=hidden, layers=len(layers), heads=heads, groups=heads,
+        head_dim=rope, vocab=vocab, tied=False, args=args, norm_eps=1e-6,
+    )  # fmt: skip
+    made.update(
+        q_lora_rank=q_norm[0] if q_norm is not None else None, kv_lora_rank=kv_rank,
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, rope_interleave=True,
+        attention_bias=False, num_nextn_predict_layers=0, first_k_dense_replace=first_dense,
+    )  # fmt: skip
     dense = layers[0].get("mlp.linear_fc1.weight")
     made["intermediate_size"] = dense[0] // 2 if dense else args.get("ffn_hidden_size")
     if first_dense < len(layers):

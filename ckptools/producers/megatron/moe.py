@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.plan.conversions import Piece, Shapes
+from ckptools.producers.megatron.hf_config import common_config
 
 #: :class:`ckptools.producers.megatron.plan.Dims` (which imports this module)
 Dims = Any
@@ -62,20 +63,40 @@ def expert_pieces(d: Dims, family: str) -> tuple[list[Piece], dict[str, tuple[in
     pieces: list[Piece] = []
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(d.layers):
-        fc1 = _LAYERS + EXPERT_FC1 if d.stacked else f"{_LAYERS}{i}.{EXPERT_FC1}"
-        fc2 = _LAYERS + EXPERT_FC2 if d.stacked else f"{_LAYERS}{i}.{EXPERT_FC2}"
+        fc1, fc2 = expert_keys(i, d.stacked)
         rows = d.layers * n if d.stacked else n
         shapes[fc1], shapes[fc2] = (rows, 2 * f, h), (rows, h, f)
-        for e in range(n):
-            at = i * n + e if d.stacked else e
-            pre = f"model.layers.{i}."
-            pieces.append(Piece(pre + gate.format(e=e), fc1, (at, 0, 0), (1, f, h), 0,
-                                "expert linear_fc1 -> gate"))  # fmt: skip
-            pieces.append(Piece(pre + up.format(e=e), fc1, (at, f, 0), (1, f, h), 0,
-                                "expert linear_fc1 -> up"))  # fmt: skip
-            pieces.append(Piece(pre + down.format(e=e), fc2, (at, 0, 0), (1, h, f), 0,
-                                "expert linear_fc2 -> down"))  # fmt: skip
+        pieces += layer_experts((gate, up, down), i, n, f, h, d.stacked)
     return pieces, shapes
+
+
+def expert_keys(layer: int, stacked: bool) -> tuple[str, str]:
+    """The stored ``linear_fc1`` and ``linear_fc2`` of ``layer``'s experts: the stacked
+    tensors, or its own when layers are not stacked (they differ: dense first layers)."""
+    if stacked:
+        return _LAYERS + EXPERT_FC1, _LAYERS + EXPERT_FC2
+    return f"{_LAYERS}{layer}.{EXPERT_FC1}", f"{_LAYERS}{layer}.{EXPERT_FC2}"
+
+
+def layer_experts(
+    names: tuple[str, str, str], layer: int, n: int, f: int, h: int, stacked: bool
+) -> list[Piece]:
+    """Layer ``layer``'s ``n`` experts' gate, up and down projections under ``names`` (HF's,
+    ``{e}`` the expert): boxes of one expert of ``linear_fc1`` (gate rows, then up rows) and
+    ``linear_fc2``; stacked layers folded, expert ``e`` of layer ``i`` at row ``i * n + e``."""
+    gate, up, down = names
+    fc1, fc2 = expert_keys(layer, stacked)
+    pre = f"model.layers.{layer}."
+    pieces: list[Piece] = []
+    for e in range(n):
+        at = layer * n + e if stacked else e
+        pieces.append(Piece(pre + gate.format(e=e), fc1, (at, 0, 0), (1, f, h), 0,
+                            "expert linear_fc1 -> gate"))  # fmt: skip
+        pieces.append(Piece(pre + up.format(e=e), fc1, (at, f, 0), (1, f, h), 0,
+                            "expert linear_fc1 -> up"))  # fmt: skip
+        pieces.append(Piece(pre + down.format(e=e), fc2, (at, 0, 0), (1, h, f), 0,
+                            "expert linear_fc2 -> down"))  # fmt: skip
+    return pieces
 
 
 def refuse_routing(args: Mapping[str, Any], where: str) -> None:
@@ -115,23 +136,11 @@ def moe_config(d: Dims, args: Mapping[str, Any]) -> dict[str, Any]:
     Mixtral (whose router renormalises the top-k: a softmax over the top-k logits, Megatron's
     default; a softmax over all experts is Qwen3-MoE's ``norm_topk_prob`` false)."""
     family = "qwen3_moe" if d.qk_norm else "mixtral"
-    made: dict[str, Any] = {
-        "architectures": [MOE_ARCHITECTURES[family]],
-        "model_type": family,
-        "hidden_size": d.hidden,
-        "num_hidden_layers": d.layers,
-        "num_attention_heads": d.heads,
-        "num_key_value_heads": d.groups,
-        "head_dim": d.head_dim,
-        "vocab_size": d.vocab,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.get("max_position_embeddings") or 4096,
-        "rms_norm_eps": args.get("norm_epsilon") or 1e-5,
-        "rope_theta": args.get("rotary_base") or 10000.0,
-        "tie_word_embeddings": d.tied,
-        "torch_dtype": args.get("params_dtype") or "float32",
-        "num_experts_per_tok": args.get("moe_router_topk") or 2,
-    }
+    made = common_config(
+        MOE_ARCHITECTURES[family], family, hidden=d.hidden, layers=d.layers, heads=d.heads,
+        groups=d.groups, head_dim=d.head_dim, vocab=d.vocab, tied=d.tied, args=args,
+    )  # fmt: skip
+    made["num_experts_per_tok"] = args.get("moe_router_topk") or 2
     if family == "mixtral":
         made.update(intermediate_size=d.moe_ffn, num_local_experts=d.experts)
     else:

@@ -41,13 +41,12 @@ from typing import Any
 
 from ckptools.core import geometry
 from ckptools.errors import UnsupportedCheckpointError
-from ckptools.producers.megatron.buckets import Parallelism
+from ckptools.producers.megatron.buckets import Parallelism, dense_staging
 from ckptools.producers.megatron.optimizer import (
     LAYER_ORDERS,
     WITHOUT_OPTIMIZER,
     LocalParam,
     ModelTensor,
-    stage_params,
 )
 
 _LAYERS = "decoder.layers."
@@ -252,22 +251,9 @@ def parts(
             path=where,
         )
 
-    def dense_staging(
-        order: Sequence[str], extra: Callable[[int, int], list[LocalParam]] | None
-    ) -> Callable[[], Mapping[int, Sequence[LocalParam]]]:
-        return lambda: stage_params(
-            dense,
-            tp=split.tp,
-            pp=split.pp,
-            num_layers=split.num_layers,
-            layer_order=order,
-            tied=split.tied,
-            layer_extra=extra,
-        )
-
     if not moe.separate:
         stagings = [
-            dense_staging(order, dense_layer_experts(mine, moe, eorder))
+            dense_staging(dense, split, order, dense_layer_experts(mine, moe, eorder))
             for order in LAYER_ORDERS
             for eorder in EXPERT_ORDERS
         ]
@@ -279,6 +265,6 @@ def parts(
         functools.partial(expert_stage_params, mine, moe, o) for o in EXPERT_ORDERS
     ]
     return [
-        (prefixes[0], dense, split, [dense_staging(order, None) for order in LAYER_ORDERS]),
+        (prefixes[0], dense, split, [dense_staging(dense, split, order) for order in LAYER_ORDERS]),
         (prefixes[1], mine, expert_split, expert_stagings),
     ]

@@ -21,9 +21,11 @@ executor as transformers' MoE mapping. What Megatron does differently is all box
 MoE runs (Mixtral, Qwen3-MoE) map too, Megatron → HF: the router is HF's ``gate`` and each
 expert's gate / up / down a box of the stacked experts (:mod:`ckptools.producers.megatron.moe`).
 
-Families this does not describe are refused by name (multi-latent attention, shared experts,
-sigmoid routers and expert bias, grouped or scaled routing, layers mixing dense and MoE MLPs,
-non-SwiGLU MLPs, LayerNorm with bias).
+Multi-latent attention runs (DeepSeek-V3-shaped, or MLA with dense MLPs) are mapped by
+:mod:`ckptools.producers.megatron.mla` instead (``converted`` picks it); this module refuses
+them, as it does the families it does not describe (shared experts, sigmoid routers and
+expert bias, grouped or scaled routing, layers mixing dense and MoE MLPs, non-SwiGLU MLPs,
+LayerNorm with bias), by name.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.plan.conversions import KeyMap, Piece, Shapes
 from ckptools.producers.megatron import moe
+from ckptools.producers.megatron.hf_config import common_config
 
 #: the Hugging Face ``model_type`` s whose layers are this module's layout
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -489,23 +492,11 @@ def hf_config(d: Dims, args: Mapping[str, Any], config: Mapping[str, Any] | None
     if d.experts:
         return moe.moe_config(d, args)
     family = "qwen3" if d.qk_norm else "qwen2" if d.qkv_bias else "llama"
-    made: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[family]],
-        "model_type": family,
-        "hidden_size": d.hidden,
-        "intermediate_size": d.ffn,
-        "num_hidden_layers": d.layers,
-        "num_attention_heads": d.heads,
-        "num_key_value_heads": d.groups,
-        "head_dim": d.head_dim,
-        "vocab_size": d.vocab,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.get("max_position_embeddings") or 4096,
-        "rms_norm_eps": args.get("norm_epsilon") or 1e-5,
-        "rope_theta": args.get("rotary_base") or 10000.0,
-        "tie_word_embeddings": d.tied,
-        "torch_dtype": args.get("params_dtype") or "float32",
-    }
+    made = common_config(
+        ARCHITECTURES[family], family, hidden=d.hidden, layers=d.layers, heads=d.heads,
+        groups=d.groups, head_dim=d.head_dim, vocab=d.vocab, tied=d.tied, args=args,
+    )  # fmt: skip
+    made["intermediate_size"] = d.ffn
     if family == "llama":
         made["attention_bias"] = d.qkv_bias
         made["mlp_bias"] = False
