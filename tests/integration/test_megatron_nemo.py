@@ -116,10 +116,14 @@ def test_inspect_names_the_writer_and_the_run(source: str) -> None:
 
 
 def test_list_knows_both_writers_runs() -> None:
-    nemo = _ok("list", str(NEMO_RUN / "checkpoints"))
-    bridge = _ok("list", str(BRIDGE_RUN))
-    assert json.dumps(nemo).count("step=9") >= 1, nemo
-    assert "iter_0000010" in json.dumps(bridge), bridge
+    (nemo,) = _ok("list", str(NEMO_RUN / "checkpoints"))["checkpoints"]
+    assert (nemo["producer"], nemo["step"], nemo["complete"], nemo["latest"]) == (
+        "nemo2", 9, True, True,
+    )  # fmt: skip
+    (bridge,) = _ok("list", str(BRIDGE_RUN))["checkpoints"]
+    assert (bridge["producer"], bridge["name"], bridge["latest"]) == (
+        "megatron_bridge", "iter_0000010", True,
+    )  # fmt: skip
 
 
 def test_nemo_weights_alone_reads_with_a_config(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ PICKLE_ENUMS = (
 )
 PICKLE_RECORDS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",)
 #: its layouts whose stored names are not the model's (their ``views`` convert them)
-VIEWED = ("megatron", "nemo2", "megatron_bridge")
+VIEWED = ("nemo2", "megatron_bridge", "megatron")  # in detection order
 
 #: Megatron-LM ``iter_0000010`` (7 digits at least)
 ITER_SAVE = re.compile(r"^iter_(\d{7,})$")

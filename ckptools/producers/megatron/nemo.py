@@ -36,8 +36,6 @@ from ckptools.producers.megatron import NEMO_SAVE
 from ckptools.producers.megatron.layout import (
     DETAILS_KEY,
     ITER_DIR,
-    _latest,
-    _save_lacks,
     common_state,
     is_save,
     read_save,
@@ -113,7 +111,7 @@ def config_args(config: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field, key in _FROM_CONFIG:
         value = config.get(key)
-        if isinstance(value, bool) or isinstance(value, (int, float, str)):
+        if isinstance(value, (bool, int, float, str)):
             out[field] = value
     if "rotary_base" in out or "norm_epsilon" in out:
         for k in ("rotary_base", "norm_epsilon"):
@@ -380,10 +378,8 @@ class BridgeLayout(Layout):
             return None
         return f"no iter_*/ save with {RUN_CONFIG} (nor {LATEST_TRAIN_STATE})"
 
-    def numbered_saves(self) -> NumberedSaves:
-        from ckptools.producers.dcp.wrappers import dcp_ranks
-
-        return NumberedSaves(ITER_DIR, _save_lacks, recorded=_latest, ranks=dcp_ranks)
+    # its run's iter_*/ saves are listed by the "megatron" layout, which names the run's writer
+    # (``label``): one listing of one run directory
 
     def read_manifest(self, path: str) -> Manifest:
         return read_bridge(path)
