@@ -140,3 +140,14 @@ def test_nemo_weights_alone_reads_with_a_config(tmp_path: Path) -> None:
     assert torch.equal(
         _hf(out)["model.norm.weight"], truth["model"]["decoder.final_layernorm.weight"]
     )
+
+
+def test_reshard_carries_bridges_optimizer_and_says_nemos_gathered_one_is_not(
+    tmp_path: Path,
+) -> None:
+    """Megatron-Bridge's dp_reshardable optimizer reshards as a Megatron-LM run's does; NeMo's
+    dp_zero_gather_scatter state (pickled per DP group) is not read, and the output says so."""
+    bridge = _ok("reshard", str(BRIDGE_RUN), str(tmp_path / "b"), "--world-size", "2")
+    assert any("fp32 masters (dp_reshardable)" in n for n in bridge["notes"]), bridge["notes"]
+    nemo = _ok("reshard", str(NEMO_CKPT), str(tmp_path / "n"), "--world-size", "2")
+    assert any("dp_zero_gather_scatter" in n for n in nemo["notes"]), nemo["notes"]

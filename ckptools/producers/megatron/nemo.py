@@ -52,6 +52,12 @@ RUN_CONFIG = "run_config.yaml"
 TRAIN_STATE = "train_state.pt"
 BRIDGE_TOKENIZER = "tokenizer"
 PREFIX = "module."
+#: what a reshard of such a save carries (masters.read_optimizer places bucket / per-parameter
+#: state only)
+GATHERED_NOTE = (
+    "the distributed optimizer's state is stored gathered (dp_zero_gather_scatter: one pickled "
+    "object per DP group), which ckptools does not read: only the model is carried"
+)
 _GATHERED = re.compile(r"^optimizer\.distributed\.dp_group_idx_\d+\.param_state/")
 #: the writer each layout names in ``details["megatron"]["writer"]``
 NEMO2, BRIDGE = "NeMo 2", "Megatron-Bridge"
@@ -174,7 +180,10 @@ def _with_facts(manifest: Manifest, writer: str, config: Mapping[str, Any]) -> M
             step = None
         facts["iteration"] = step if isinstance(step, int) and not isinstance(step, bool) else None
     facts["writer"] = writer
-    return replace(manifest, details={**manifest.details, DETAILS_KEY: facts})
+    notes = manifest.notes
+    if facts.get("optimizer_sharding") == "dp_zero_gather_scatter":
+        notes = (*notes, GATHERED_NOTE)
+    return replace(manifest, details={**manifest.details, DETAILS_KEY: facts}, notes=notes)
 
 
 def _unprefixed(manifest: Manifest) -> Manifest:
