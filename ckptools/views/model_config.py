@@ -102,18 +102,26 @@ def find_model_files(
             return _copied_from(config, found)
         raise UsageError(f"--config {config}: no such file or directory")
     directories: list[str] = []
+    named: list[str] = []  # the layout's own model-files directory, from each start
     for start in (data_dir, src) if data_dir not in (None, src) else (src,):
         assert start is not None
         if storage.is_url(start):
             here = start.rstrip("/") if storage.isdir(start) else storage.dirname(start)
         else:
             here = start if os.path.isdir(start) else os.path.dirname(os.path.abspath(start))
-        if inside and not directories:  # named by the layout, kept inside the checkpoint
-            directories.append(storage.contained(here, inside, named_by=here, entry="holds"))
+        if inside:  # named by the layout, kept inside the checkpoint
+            own = storage.contained(here, inside, named_by=here, entry="holds")
+            if own not in named:
+                named.append(own)
+                directories.insert(len(named) - 1, own)
         directories += [d for d in _up_to_the_run(here) if d not in directories]
     for directory in directories:
         found = _config_dir_files(directory)
         if "config.json" in found:
+            return _copied_from(directory, found)
+    for directory in named:  # the layout's directory holds the tokenizer alone: the config is
+        found = _config_dir_files(directory)  # made from the checkpoint's own record
+        if found and storage.isdir(directory):
             return _copied_from(directory, found)
     return []
 

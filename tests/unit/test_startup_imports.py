@@ -43,7 +43,8 @@ print(json.dumps({
 #: ``probing`` is the directory probe dcp_rank_local's layout shares, as small as ``base``
 _DCP_LAYOUTS = {
     "base", "probing", "registry", "numbered", "part_files", "dcp", "dcp.wrappers",
-    "dcp.rank_local", "dcp.layout", "megatron", "megatron.layout", "deepspeed", "fsdp1", "hf",
+    "dcp.rank_local", "dcp.layout", "megatron", "megatron.layout", "megatron.nemo", "deepspeed",
+    "fsdp1", "hf",
     "compressed", "orbax", "orbax.layout", "fsdp1.local_state",
 }  # fmt: skip
 
@@ -165,7 +166,7 @@ def test_load_leaves_a_producers_own_names_to_its_views_asking_the_registry() ->
     # (the family packages' __init__ modules are plain data the registry read already); the
     # layouts a family recognises only to refuse are asked too (registry.REFUSED)
     refusing = {registry.MODULES[name] for name in registry.REFUSED}
-    assert new == {"megatron.layout", *refusing}, sorted(new)
+    assert new == {"megatron.layout", "megatron.nemo", *refusing}, sorted(new)
 
 
 def _loads(data: bytes) -> Any:

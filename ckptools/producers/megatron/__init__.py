@@ -8,7 +8,13 @@ import re
 
 #: the layouts this package defines: (name, module, detection priority; lower first): a run
 #: directory and its iter_*/ saves hold DCP data, so before "dcp"
-LAYOUTS = (("megatron", "layout", 14),)
+LAYOUTS = (
+    ("megatron", "layout", 14),
+    # NeMo 2 (weights/ + context/) and Megatron-Bridge (iter_*/ with run_config.yaml): Megatron
+    # saves in their writers' directories, so before "megatron" (module nemo)
+    ("nemo2", "nemo", 12),
+    ("megatron_bridge", "nemo", 13),
+)
 #: ``shard --to NAME``: this package's writer module, which plans a save in its layout
 WRITE_TARGETS = (("megatron", "writer"),)
 #: What Megatron-core's ``common_state`` and ``rng_state`` objects name beside plain training
@@ -27,7 +33,7 @@ PICKLE_ENUMS = (
 )
 PICKLE_RECORDS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",)
 #: its layouts whose stored names are not the model's (their ``views`` convert them)
-VIEWED = ("megatron",)
+VIEWED = ("nemo2", "megatron_bridge", "megatron")  # in detection order
 
 #: Megatron-LM ``iter_0000010`` (7 digits at least)
 ITER_SAVE = re.compile(r"^iter_(\d{7,})$")
@@ -67,8 +73,12 @@ HELP = (
      "Read iteration N of a Megatron run directory (iter_000000N/) instead of the one "
      "latest_checkpointed_iteration.txt names."),
 )  # fmt: skip
-SAVES = (ITER_SAVE,)
-RUN_RECORDS = (TRACKER_FILE,)
+#: NeMo 2's checkpoint directories (``<name>--...-step=<N>-...``, ModelCheckpoint's ``{step}``)
+NEMO_SAVE = re.compile(r"^.*\bstep=(\d+)(?!\d).*$")
+SAVES = (ITER_SAVE, NEMO_SAVE)
+#: Megatron-Bridge's record of its last save, beside the tracker file
+BRIDGE_RECORD = "latest_train_state.pt"
+RUN_RECORDS = (TRACKER_FILE, BRIDGE_RECORD)
 #: what ``--masters`` takes from a save of this family (its views' ``with_masters``)
 MASTERS = ("a Megatron distributed optimizer's fp32 masters",)
 #: the model ``--masters`` exports from it (which LoRA options and ``--select`` do not apply to)
@@ -77,4 +87,7 @@ PARTS = (
     # a save's marker and a run's tracker: never a checkpoint alone
     (re.compile(r"^metadata\.json$"), "megatron"),
     (re.compile(r"^latest_checkpointed_iteration\.txt$"), "megatron"),
+    # Megatron-Bridge's side files of a save and of its run
+    (re.compile(r"^(latest_)?train_state\.pt$"), "megatron_bridge"),
+    (re.compile(r"^run_config\.yaml$"), "megatron_bridge"),
 )

@@ -40,8 +40,8 @@ from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.producers.base import Chosen, Layout, NumberedSaves, directory_names, register
 from ckptools.producers.dcp.layout import METADATA_FILE, read_dcp_tree
+from ckptools.producers.megatron import BRIDGE_RECORD, ITER_SAVE, PARTS_KEY, TRACKER_FILE
 from ckptools.producers.megatron import DETAILS_KEY as DETAILS_KEY  # the run's facts' key
-from ckptools.producers.megatron import ITER_SAVE, PARTS_KEY, TRACKER_FILE
 
 CONFIG_FILE = "metadata.json"
 BACKEND = "torch_dist"
@@ -521,6 +521,14 @@ def _save_lacks(path: str) -> str | None:
     return "no metadata.json naming torch_dist with a DCP .metadata"
 
 
+def _writer(run: str) -> str:
+    """Who ``ckpt list`` says reads the run directory ``run``: Megatron-Bridge's run records
+    its latest save in ``latest_train_state.pt`` too (:mod:`.nemo`)."""
+    if storage.isfile(storage.join(run, BRIDGE_RECORD)):
+        return "megatron_bridge"
+    return "megatron"
+
+
 class MegatronLayout(Layout):
     name = "megatron"
     views = "megatron.views"
@@ -551,7 +559,9 @@ class MegatronLayout(Layout):
     def numbered_saves(self) -> NumberedSaves:
         from ckptools.producers.dcp.wrappers import dcp_ranks
 
-        return NumberedSaves(ITER_DIR, _save_lacks, recorded=_latest, ranks=dcp_ranks)
+        return NumberedSaves(
+            ITER_DIR, _save_lacks, recorded=_latest, ranks=dcp_ranks, label=_writer
+        )
 
     def read_manifest(self, path: str) -> Manifest:
         inner, chosen = resolve(path)
