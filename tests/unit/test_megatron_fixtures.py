@@ -41,7 +41,7 @@ def _on_disk() -> set[str]:
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         for name in files:
             rel = os.path.relpath(os.path.join(dirpath, name), HERE).replace(os.sep, "/")
-            if rel not in NOT_FIXTURES and not name.endswith(".pyc"):
+            if name not in NOT_FIXTURES and not name.endswith(".pyc"):
                 found.add(rel)
     return found
 
