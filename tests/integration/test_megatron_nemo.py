@@ -142,12 +142,21 @@ def test_nemo_weights_alone_reads_with_a_config(tmp_path: Path) -> None:
     )
 
 
-def test_reshard_carries_bridges_optimizer_and_says_nemos_gathered_one_is_not(
+def test_reshard_carries_bridges_optimizer_and_refuses_to_drop_nemos_gathered_one(
     tmp_path: Path,
 ) -> None:
     """Megatron-Bridge's dp_reshardable optimizer reshards as a Megatron-LM run's does; NeMo's
-    dp_zero_gather_scatter state (pickled per DP group) is not read, and the output says so."""
+    dp_zero_gather_scatter state (pickled per DP group) is not read: a resume that silently
+    lost it would not be the run's, so reshard refuses in one line until --drop-optimizer."""
     bridge = _ok("reshard", str(BRIDGE_RUN), str(tmp_path / "b"), "--world-size", "2")
     assert any("fp32 masters (dp_reshardable)" in n for n in bridge["notes"]), bridge["notes"]
-    nemo = _ok("reshard", str(NEMO_CKPT), str(tmp_path / "n"), "--world-size", "2")
-    assert any("dp_zero_gather_scatter" in n for n in nemo["notes"]), nemo["notes"]
+    refused = CliRunner().invoke(
+        cli, ["reshard", str(NEMO_CKPT), str(tmp_path / "n"), "--world-size", "2"]
+    )
+    assert refused.exit_code != 0 and not (tmp_path / "n").exists(), refused.output
+    assert "dp_zero_gather_scatter" in refused.output and "--drop-optimizer" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1, refused.output
+    nemo = _ok(
+        "reshard", str(NEMO_CKPT), str(tmp_path / "n"), "--world-size", "2", "--drop-optimizer"
+    )
+    assert any("--drop-optimizer" in n for n in nemo["notes"]), nemo["notes"]

@@ -41,6 +41,9 @@ from ckptools.producers.megatron.layout import CONFIG_FILE, DETAILS_KEY
 from ckptools.producers.megatron.masters import MegatronOptimizer, read_optimizer
 
 OPTIMIZER = "optimizer"
+#: a save whose distributed optimizer state is gathered per DP group (NeMo 2's
+#: ``dp_zero_gather_scatter``): recognised, not read
+GATHERED = "dp_zero_gather_scatter"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -55,6 +58,14 @@ def training_manifest(
         CorruptCheckpointError: the optimizer's buckets do not add up to the model.
         UnsupportedCheckpointError: a model or optimizer layout ckptools does not place.
     """
+    sharding = (manifest.details.get(DETAILS_KEY) or {}).get("optimizer_sharding")
+    if sharding == GATHERED and not drop_optimizer:  # resuming without it would lose it
+        raise UnsupportedCheckpointError(
+            f"{manifest.root}: the distributed optimizer's state is stored gathered ({GATHERED}:"
+            " one pickled object per DP group), which ckptools does not read; pass "
+            "--drop-optimizer (ckptools.load: no optimizer) to carry the model alone",
+            path=manifest.root,
+        )
     opt = None if drop_optimizer else read_optimizer(manifest)
     names = dict(model_keys(manifest))
     notes = list(manifest.notes)
