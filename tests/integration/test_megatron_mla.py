@@ -62,10 +62,12 @@ def _config_file(tmp_path: Path, case: str) -> Path:
     return path
 
 
-def _in_memory(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor]:
-    """The truth as transformers 5 holds DeepseekV3 in memory (experts fused ``gate_up_proj``
-    [E, 2F, H] and ``down_proj`` [E, H, F]), mapped from the documented layouts."""
-    m, vocab = truth["model"], config.vocab_size
+def _in_memory(truth: dict[str, Any], config: Any, which: str = "model") -> dict[str, torch.Tensor]:
+    """The truth's model (or its optimizer's ``masters``, ``exp_avg``, ``exp_avg_sq``; the expert
+    bias is a buffer: the model's) as transformers 5 holds DeepseekV3 in memory (experts fused
+    ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]), mapped from the documented
+    layouts."""
+    m, vocab = truth[which], config.vocab_size
     out = {
         "model.embed_tokens.weight": m["embedding.word_embeddings.weight"][:vocab],
         "model.norm.weight": m["decoder.final_layernorm.weight"],
@@ -96,14 +98,16 @@ def _in_memory(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _saved_by_transformers(tmp_path: Path, case: str) -> dict[str, torch.Tensor]:
+def _saved_by_transformers(
+    tmp_path: Path, case: str, which: str = "model"
+) -> dict[str, torch.Tensor]:
     truth = _truth(case)
     raw = json.loads(truth["hf_config"])
     config = transformers.AutoConfig.for_model(raw["model_type"]).from_dict(raw)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
-    missing, unexpected = model.load_state_dict(_in_memory(truth, config), strict=False)
+    missing, unexpected = model.load_state_dict(_in_memory(truth, config, which), strict=False)
     assert not missing and not unexpected, (missing, unexpected)
-    out = tmp_path / "save_pretrained"
+    out = tmp_path / f"save_pretrained_{which}"
     model.save_pretrained(out)
     return _hf_tensors(out)
 
@@ -138,6 +142,49 @@ def test_consolidate_writes_what_save_pretrained_writes_and_megatrons_logits(
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
     assert json.loads((out / "config.json").read_text()) == json.loads(truth["hf_config"])
     assert _logits_gap(out, truth) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_optimizer_state_placed_in_the_buckets_is_what_megatron_held(case: str) -> None:
+    """Every parameter's fp32 master, exp_avg and exp_avg_sq, read from the buckets where
+    ckptools places MLA, shared experts and dense first layers (the dense part of the
+    ChainedOptimizer at EP 2; TP 2 splitting the down projections too), is the truth's bit for
+    bit; the router's expert bias, a buffer, has none."""
+    from ckptools.producers import read_manifest
+    from ckptools.producers.megatron import masters
+    from tests.integration.test_megatron_optimizer_state import TRUTH_SECTIONS, _read
+
+    truth = _truth(case)
+    manifest = read_manifest(str(FIXTURES / case))
+    opt = masters.read_optimizer(manifest)
+    assert opt is not None and opt.step == truth["optimizer_step"]
+    root = Path(manifest.data_dir())
+    for kind, section in TRUTH_SECTIONS.items():
+        values = {fqn: _read(root, e) for fqn, e in opt.state[kind].items()}
+        assert not [f for f in values if f.endswith("expert_bias")]
+        for name, want in truth[section].items():
+            key, parts = truth["checkpoint_keys"][name], name.split(".")
+            got = values[key]
+            if name.startswith("decoder.layers.") and not key.split(".")[2].isdigit():  # stacked
+                got = got[int(parts[2])]
+            if ".local_experts." in name:  # [E, ...] of the layer
+                got = got[int(parts[parts.index("local_experts") + 1])]
+            assert got.tobytes() == want.numpy().tobytes(), (kind, name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_consolidate_masters_is_what_save_pretrained_writes_of_the_masters(
+    tmp_path: Path, case: str
+) -> None:
+    """``--masters``: every tensor is the fp32 master the optimizer (part) holding it kept, as
+    ``save_pretrained`` names it; the expert bias (a buffer) is the model's."""
+    out = tmp_path / "hf"
+    _ok("consolidate", str(FIXTURES / case), str(out), "--masters",
+        "--config", str(_config_file(tmp_path, case)))  # fmt: skip
+    ours, theirs = _hf_tensors(out), _saved_by_transformers(tmp_path, case, "masters")
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -102,7 +102,8 @@ def with_masters(manifest: Manifest, opt: MegatronOptimizer | None) -> Manifest:
             "distributed optimizer; drop --masters to convert the stored weights"
         )
     model = model_keys(manifest)
-    missing = [f for f in model.values() if f not in masters]
+    # a buffer (the router's expert bias) has no master: it is the model's as stored
+    missing = [f for f in model.values() if f not in masters and not mo.is_buffer(f)]
     if missing:
         raise UsageError(
             f"{manifest.root}: the optimizer holds no master of {missing[0]!r}; drop --masters "
@@ -147,6 +148,7 @@ def _bucket_state(
     model = [
         mo.ModelTensor(f, manifest.tensors[f].shape, _boxes(manifest.tensors[f]))
         for f in model_keys(manifest).values()
+        if not mo.is_buffer(f)  # in no gradient buffer
     ]
     experts = args.get("num_experts")
     if not experts:

@@ -152,7 +152,10 @@ class _Experts:
         return self.names.get((None, fc)) or self.names[(layer, fc)]
 
     def layer(self, layer: int, ep: int, etp: int) -> list[LocalParam]:
-        """EP rank ``ep``'s, expert-TP rank ``etp``'s expert parameters of ``layer``."""
+        """EP rank ``ep``'s, expert-TP rank ``etp``'s expert parameters of ``layer`` (none for a
+        dense layer of a run whose layers differ: DeepSeek's first layers)."""
+        if not any(k in self.names for k in ((None, 1), (layer, 1), (layer, 2))):
+            return []
         per_rank = self.split.experts // self.split.ep
         local = range(ep * per_rank, (ep + 1) * per_rank)
         if self.order == "sequential":

@@ -87,10 +87,23 @@ _LOCAL_LAYER_ORDER = (
     "self_attention.linear_proj.bias",
     "self_attention.linear_qkv.weight",
     "self_attention.linear_qkv.bias",
+    # multi-latent attention (``MLASelfAttention.__init__``, ``transformer/
+    # multi_latent_attention.py`` lines 509-629 of core 0.19.2): after ``linear_proj`` (its
+    # base class's, line 221) the q projection(s), the kv projections, then the latent norms (the
+    # Transformer Engine spec fuses them into the up projections, registered before their weight)
+    "self_attention.linear_q_proj.weight",
+    "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.linear_q_up_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "self_attention.linear_kv_up_proj.weight",
     "self_attention.q_layernorm.weight",
     "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight",
     "self_attention.k_layernorm.bias",
+    "self_attention.kv_layernorm.weight",
+    "self_attention.kv_layernorm.bias",
     "pre_mlp_layernorm.weight",
     "pre_mlp_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight",
@@ -99,10 +112,22 @@ _LOCAL_LAYER_ORDER = (
     "mlp.linear_fc1.bias",
     "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias",
-    # an MoE layer's MLP (``MoELayer``) registers its router first, then its experts (placed by
-    # :mod:`ckptools.producers.megatron.moe_optimizer`)
+    # an MoE layer's MLP (``MoELayer.__init__``, ``transformer/moe/moe_layer.py`` lines 259, 326,
+    # 338) registers its router first, then its experts (placed by
+    # :mod:`ckptools.producers.megatron.moe_optimizer`: ``stage_params``' ``layer_extra``), then
+    # its shared experts (``SharedExpertMLP``, an ``MLP``: ``linear_fc1`` then ``linear_fc2``,
+    # ``transformer/mlp.py`` lines 222, 242; dense parameters, ``is_expert=False``)
     "mlp.router.weight",
+    "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc2.weight",
 )
+#: a layer's tensors that are buffers, not parameters: saved with the model, in no gradient
+#: buffer and with no optimizer state (the router's ``expert_bias``: ``register_buffer``,
+#: ``transformer/moe/router.py`` line 188)
+BUFFERS = ("mlp.router.expert_bias",)
+#: the layer tensor after which a layer's ``layer_extra`` parameters (an MoE layer's experts)
+#: are registered
+_EXTRA_AFTER = "mlp.router.weight"
 
 
 def _projection_first(order: tuple[str, ...]) -> tuple[str, ...]:
@@ -121,8 +146,15 @@ _FIRST_STAGE = ("embedding.word_embeddings.weight", "embedding.position_embeddin
 _LAST_STAGE = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
 _OUTPUT = "output_layer.weight"
 _LAYERS = "decoder.layers."
-_FC1 = "mlp.linear_fc1"
+#: a SwiGLU fc1 (dense or shared experts): its TP rank holds gate rows and up rows
+_FC1 = ".linear_fc1"
 _LAYER_INDEX = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def is_buffer(fqn: str) -> bool:
+    """``fqn`` (a model tensor, stacked or per layer) is a buffer (:data:`BUFFERS`), which the
+    optimizer does not hold."""
+    return fqn.startswith(_LAYERS) and fqn.endswith(tuple("." + b for b in BUFFERS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,8 +457,8 @@ def stage_params(
     experts, when they share the dense buffer).
 
     Raises:
-        UnsupportedCheckpointError: a tensor this placement does not know (MLA, shared
-            experts, vision towers...; routed experts are the caller's: ``layer_extra``) or
+        UnsupportedCheckpointError: a tensor this placement does not know (vision towers,
+            a shared-expert gate...; routed experts are the caller's: ``layer_extra``) or
             layers that do not split evenly.
     """
     if num_layers % pp:
@@ -456,8 +488,8 @@ def stage_params(
                 layers.setdefault(layer, []).append((rank_of[t.fqn[len(_LAYERS) :]], t, True))
         else:
             raise UnsupportedCheckpointError(
-                f"{t.fqn}: a tensor the Megatron optimizer placement does not know (MLA, "
-                f"shared experts and vision towers are not supported); {WITHOUT_OPTIMIZER}",
+                f"{t.fqn}: a tensor the Megatron optimizer placement does not know (vision "
+                f"towers, a shared-expert gate, biases of another spec); {WITHOUT_OPTIMIZER}",
                 fqn=t.fqn,
             )
     first.sort(key=lambda t: _FIRST_STAGE.index(t.fqn))
@@ -470,12 +502,20 @@ def stage_params(
             if stage == 0:
                 mine += [_whole(t, rank, tp) for t in first]
             for layer in range(stage * per_stage, (stage + 1) * per_stage):
-                for _, t, stacked in sorted(layers.get(layer, ()), key=lambda x: x[0]):
+                own = sorted(layers.get(layer, ()), key=lambda x: x[0])
+                # the experts follow the router (before the shared experts), else the layer
+                extra_at = next(
+                    (i + 1 for i, (o, _, _) in enumerate(own) if layer_order[o] == _EXTRA_AFTER),
+                    len(own),
+                )
+                for i, (_, t, stacked) in enumerate(own):
+                    if i == extra_at and layer_extra is not None:
+                        mine += layer_extra(layer, rank)
                     if stacked and t.fqn not in per_layer_boxes:
                         per_layer_boxes[t.fqn] = _layer_boxes(t)
                     boxes = per_layer_boxes[t.fqn].get(layer, []) if stacked else list(t.boxes)
                     mine.append(_pick(t.fqn, boxes, rank, tp))
-                if layer_extra is not None:
+                if extra_at == len(own) and layer_extra is not None:
                     mine += layer_extra(layer, rank)
             if stage == pp - 1:
                 mine += [_whole(t, rank, tp) for t in last]
