@@ -39,6 +39,7 @@ from ckptools.errors import UnsupportedCheckpointError
 from ckptools.producers.megatron.converted import as_hf
 from ckptools.producers.megatron.layout import CONFIG_FILE, DETAILS_KEY
 from ckptools.producers.megatron.masters import MegatronOptimizer, read_optimizer
+from ckptools.producers.megatron.optimizer import is_buffer
 
 OPTIMIZER = "optimizer"
 #: a save whose distributed optimizer state is gathered per DP group (NeMo 2's
@@ -85,8 +86,12 @@ def training_manifest(
             f"the experts as transformers holds them in memory (fused: {', '.join(fused)})"
         )
     if opt is not None:
-        moments = {k: _as_hf(manifest, names, config, opt, k)[0] for k in MOMENTS}
-        _put_optimizer(manifest, opt, model, moments, tensors, objects, paths)
+        # a buffer (the router's expert bias, transformers' ``e_score_correction_bias``) is the
+        # model's as stored: no moments, in no param group
+        params = {k: f for k, f in names.items() if not is_buffer(f)}
+        moments = {k: _as_hf(manifest, params, config, opt, k)[0] for k in MOMENTS}
+        trained = {hf: e for hf, e in model.items() if hf in moments[MOMENTS[0]]}
+        _put_optimizer(manifest, opt, trained, moments, tensors, objects, paths)
     _tie_head(manifest, model, tensors, paths, notes)
     notes.append(
         "not carried (an FSDP2 job has no place for them): Megatron's RNG state, "
@@ -145,7 +150,7 @@ def _as_hf(
     source = manifest
     if kind is not None and opt is not None:
         state = opt.state.get(kind) or {}
-        missing = [f for f in names.values() if f not in state]
+        missing = [f for f in names.values() if f not in state and not is_buffer(f)]
         if missing:
             raise UnsupportedCheckpointError(
                 f"{manifest.root}: the optimizer holds no {kind} of {missing[0]!r}; pass "
