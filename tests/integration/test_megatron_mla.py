@@ -292,3 +292,40 @@ def test_what_deepseek_v3_does_not_compute_is_refused_by_name(tmp_path: Path) ->
     gated = {**shapes, "decoder.layers.1.mlp.shared_experts.gate_weight": (1, 16)}
     with pytest.raises(Exception, match=r"shared_experts\.gate_weight' has no place"):
         mla.to_hf(gated, args, None, "run")
+
+
+def test_a_bf16_router_is_refused_by_name_and_its_masters_convert() -> None:
+    """DeepseekV3 keeps ``mlp.gate.weight`` and ``e_score_correction_bias`` in float32
+    (``_keep_in_fp32_modules_strict``): a run storing its router in bf16 (as Megatron's
+    ``Float16Module`` does: ``mixtral_tp2_ep2_bf16`` stores ``router.weight`` so) is refused
+    naming the tensor, and ``--masters`` (fp32) converts. No bf16 MLA run is checked in: the real
+    ``deepseek_v3_ep2`` save's router entries are relabelled bf16 here, nothing is read."""
+    from dataclasses import replace
+
+    from ckptools.core.keys import model_keys
+    from ckptools.core.manifest import TensorEntry
+    from ckptools.errors import UnsupportedCheckpointError
+    from ckptools.producers import read_manifest
+    from ckptools.producers.megatron import masters, views
+
+    real = read_manifest(str(FIXTURES / "deepseek_v3_ep2"))
+    assert (
+        read_manifest(str(FIXTURES / "mixtral_tp2_ep2_bf16"))
+        .tensors["decoder.layers.mlp.router.weight"]
+        .dtype
+        == "bfloat16"
+    )
+    tensors = {
+        f: (TensorEntry(f, "bfloat16", e.shape, e.chunks) if f.endswith("router.weight") else e)
+        for f, e in real.tensors.items()
+    }
+    bf16 = replace(real, tensors=tensors)
+    config = json.loads(_truth("deepseek_v3_ep2")["hf_config"])
+    names = dict(model_keys(bf16))
+    views.as_hf(real, dict(names), config, check=False)  # fp32: converts
+    with pytest.raises(UnsupportedCheckpointError, match=r"model\.layers\.1\.mlp\.gate\.weight "
+                       r"in bfloat16.*keeps in float32.*--masters"):  # fmt: skip
+        views.as_hf(bf16, dict(names), config, check=False)
+    fp32 = masters.with_masters(bf16, masters.read_optimizer(bf16))
+    _, out, _, _ = views.as_hf(fp32, dict(model_keys(fp32)), config, check=False)
+    assert "model.layers.2.mlp.gate.weight" in out

@@ -49,9 +49,13 @@ def as_hf(
         manifest, names = _folded(manifest, names, folded)
         shapes.update(folded)
     args = manifest.details.get(DETAILS_KEY) or {}
-    to_hf = mla.to_hf if mla.is_mla(shapes, args) else plan.to_hf
+    is_mla = mla.is_mla(shapes, args)
+    to_hf = mla.to_hf if is_mla else plan.to_hf
     keymap, made = to_hf(shapes, args, config, manifest.root)
     derived, out = split_source(manifest, names, keymap, check=check)
+    if is_mla:
+        mla.refuse_narrow_kept({hf: derived.tensors[f].dtype for hf, f in out.items()},
+                               manifest.root)  # fmt: skip
     return derived, out, keymap, made
 
 
