@@ -414,3 +414,23 @@ def test_megatron_loads_what_shard_writes_at_another_tp_ep(
 
     verdict = cached_output(f"megatron-check-load-{hf}", sources, check_load) / "check-load.log"
     assert "args_differ={}" in verdict.read_text()
+
+
+def test_shard_refuses_what_stacked_moe_layers_cannot_hold_by_name(tmp_path: Path) -> None:
+    """A Qwen3-MoE model with a dense layer among the MoE ones (``mlp_only_layers``), and
+    DeepSeek-V3 (MLA, not written yet), are named; nothing is written."""
+    config = json.loads((FIXTURES / "hf_qwen3_moe" / "config.json").read_text())
+    mixed = tmp_path / "mixed"
+    made = transformers.Qwen3MoeConfig.from_dict({**config, "mlp_only_layers": [0]})
+    transformers.Qwen3MoeForCausalLM(made).save_pretrained(mixed)
+    deepseek = tmp_path / "deepseek.json"
+    deepseek.write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    cases = [
+        (mixed, [], "mlp_only_layers [0]"),
+        (FIXTURES / "hf_qwen3_moe", ["--config", str(deepseek)], "'deepseek_v3'"),
+    ]
+    for i, (src, extra, why) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        result = _invoke("shard", str(src), str(out), "--to", "megatron", *extra)
+        assert result.exit_code != 0 and why in result.output, result.output
+        assert not out.exists()
