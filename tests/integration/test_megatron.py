@@ -314,16 +314,19 @@ def test_world_size_is_required_for_a_dcp_target(tmp_path: Path) -> None:
         assert not (tmp_path / command).exists()
 
 
-def test_families_beyond_the_llama_family_are_refused_by_name(tmp_path: Path) -> None:
-    config = transformers.MixtralConfig(
+def test_families_beyond_the_mapped_ones_are_refused_by_name(tmp_path: Path) -> None:
+    """Qwen2-MoE (a shared expert, which no mapped family has) is named and nothing written
+    (Mixtral and Qwen3-MoE are written: tests/integration/test_megatron_moe.py)."""
+    config = transformers.Qwen2MoeConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=2, vocab_size=100,
+        num_key_value_heads=2, num_experts=2, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, vocab_size=100,
     )  # fmt: skip
-    src = tmp_path / "mixtral"
-    transformers.MixtralForCausalLM(config).save_pretrained(src)
+    src = tmp_path / "qwen2_moe"
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(src)
     result = _invoke("shard", str(src), str(tmp_path / "out"), "--world-size", "1",
                      "--to", "megatron")  # fmt: skip
-    assert result.exit_code != 0 and "mixtral" in result.output
+    assert result.exit_code != 0 and "qwen2_moe" in result.output
     assert not (tmp_path / "out").exists()
 
 

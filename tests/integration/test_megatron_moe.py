@@ -11,6 +11,9 @@ transformers' own ``save_pretrained`` (what the directory must be, name for name
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +231,206 @@ def test_what_is_not_converted_yet_is_refused_by_name(tmp_path: Path) -> None:
         result = _invoke(*args[:2], str(target), *args[2:])
         assert result.exit_code != 0 and why in result.output, (args, result.output)
         assert not target.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# shard --to megatron: Hugging Face MoE models (save_pretrained's per-expert names) to a run
+# --------------------------------------------------------------------------------------------
+
+#: HF fixture -> (Megatron's own save of that model, the proof of Megatron-LM's load_checkpoint
+#: of what shard wrote: generate.py check-load-moe --proof, and how it loaded)
+HF_MOE = {
+    "hf_mixtral": ("mixtral_ep1", "hf_mixtral.proof_tp2sp_ep2.pt",
+                   ["--tp", "2", "--sp", "--ep", "2", "--etp", "1"]),
+    "hf_qwen3_moe": ("qwen3_moe_ep2", "hf_qwen3_moe.proof_ep2.pt", ["--ep", "2"]),
+}  # fmt: skip
+#: the fixtures' runs pad the vocabulary to a multiple of 8 (generate.py COMMON)
+_SHARD = ("--to", "megatron", "--world-size", "2", "--make-vocab-size-divisible-by", "8")
+
+
+def _model_entries(inspected: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {
+        t["fqn"]: (t["dtype"], tuple(t["shape"]))
+        for t in inspected["tensors"]
+        if not t["fqn"].startswith(("optimizer.", "chained_"))
+    }
+
+
+@pytest.mark.parametrize("hf", sorted(HF_MOE))
+def test_shard_to_megatron_writes_what_megatron_saves_and_comes_back_bit_exact(
+    tmp_path: Path, hf: str
+) -> None:
+    """The same model keys, shapes and dtypes (stacked experts ``[L, E, 2F, H]``) and
+    ``_extra_state`` objects as Megatron-core's own save of that model, the MoE args recorded;
+    consolidated back, the very tensors ``save_pretrained`` wrote and the same logits."""
+    src, run, back = FIXTURES / hf, tmp_path / "megatron", tmp_path / "back"
+    _ok("shard", str(src), str(run), *_SHARD)
+    ours, theirs = _ok("inspect", str(run)), _ok("inspect", str(FIXTURES / HF_MOE[hf][0]))
+    assert _model_entries(ours) == _model_entries(theirs)
+    extra = {o["fqn"] for o in theirs["objects"] if "._extra_state/" in o["fqn"]}
+    assert extra and extra == {o["fqn"] for o in ours["objects"] if "._extra_state/" in o["fqn"]}
+    shown, config = ours["megatron"], json.loads((src / "config.json").read_text())
+    assert (shown["num_experts"], shown["moe_router_topk"]) == (4, config["num_experts_per_tok"])
+    _ok("consolidate", str(run), str(back))  # the config made from the args it recorded
+    got, want = _hf_tensors(back), _hf_tensors(src)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    ids = torch.tensor([[1, 17, 42, 99, 3, 64, 8]])
+    logits = []
+    for directory in (back, src):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def _per_module(stored: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
+    """torch's DCP read of a run, unstacked (layers, then experts) into the names Megatron's
+    loaded modules have (``…local_experts.<e>.linear_fc1.weight``; the local spec's fused norm
+    names as its modules name them), independently of ckptools."""
+    norms = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    }
+    out: dict[str, torch.Tensor] = {}
+    for key, t in stored.items():
+        if not key.startswith("decoder.layers."):
+            out[key] = t
+            continue
+        rest = key[len("decoder.layers.") :]
+        for i in range(t.shape[0]):
+            if rest.startswith("mlp.experts.experts."):
+                fc = rest[len("mlp.experts.experts.") :]
+                for e in range(experts):
+                    out[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{fc}"] = t[i, e]
+            else:
+                out[f"decoder.layers.{i}.{norms.get(rest, rest)}"] = t[i]
+    return out
+
+
+def _proof_as_hf(model: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The weights Megatron held under the names ``save_pretrained`` writes per expert (gate
+    rows then up rows of each expert's fc1), mapped here independently of ckptools."""
+    hf_config = transformers.AutoConfig.for_model(config["model_type"]).from_dict(config)
+    fused = _in_memory({"model": model, "num_experts": 4}, hf_config)
+    names = (("block_sparse_moe.experts.{e}.w1", "block_sparse_moe.experts.{e}.w3",
+              "block_sparse_moe.experts.{e}.w2", "block_sparse_moe.gate")
+             if config["model_type"] == "mixtral" else
+             ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
+              "mlp.experts.{e}.down_proj", "mlp.gate"))  # fmt: skip
+    out = {}
+    for name, t in fused.items():
+        i, _, part = name.removeprefix("model.layers.").partition(".")
+        pre = f"model.layers.{i}."
+        if part == "mlp.experts.gate_up_proj":
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[pre + names[0].format(e=e) + ".weight"] = t[e, :half]
+                out[pre + names[1].format(e=e) + ".weight"] = t[e, half:]
+        elif part == "mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                out[pre + names[2].format(e=e) + ".weight"] = t[e]
+        elif part == "mlp.gate.weight":
+            out[pre + names[3] + ".weight"] = t
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("hf", sorted(HF_MOE))
+def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path, hf: str) -> None:
+    """``fixtures/megatron/<hf>.proof_*.pt`` holds the weights real Megatron-core 0.19.2 held
+    after Megatron-LM's ``load_checkpoint`` of ``ckpt shard <hf> --to megatron`` at another
+    TP / EP than it was written for (Mixtral at TP 2 with sequence parallelism x EP 2, Qwen3-MoE
+    at EP 2; gathered from every EP and TP rank), whose logits matched the HF model's
+    (``generate.py check-load-moe --proof``). What shard writes today, read by torch's own DCP
+    reader and unstacked here, must be those bytes; and those bytes, mapped to HF names
+    independently of ckptools, the HF model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    proof = torch.load(FIXTURES / HF_MOE[hf][1], weights_only=True)
+    assert proof["max_abs_diff"] <= 1e-4 and proof["ep"] == 2
+    config = json.loads((FIXTURES / hf / "config.json").read_text())
+    want = _hf_tensors(FIXTURES / hf)
+    loaded = _proof_as_hf(proof["model"], config)
+    assert loaded.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(loaded[name], tensor), name
+
+    run = tmp_path / "megatron"
+    _ok("shard", str(FIXTURES / hf), str(run), *_SHARD)
+    save = run / "iter_0000001"
+    metadata = FileSystemReader(str(save)).read_metadata()
+    stored = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if hasattr(m, "size")
+    }
+    dcp.load(stored, checkpoint_id=str(save), no_dist=True)
+    written = _per_module(stored, proof["num_experts"])
+    assert written.keys() == proof["model"].keys()
+    for name, held in proof["model"].items():
+        assert torch.equal(written[name], held), name
+
+
+#: the Python of a venv with megatron-core 0.19.2 (fixtures/megatron/make_venv.sh)
+MEGATRON_PYTHON = os.environ.get("CKPTOOLS_MEGATRON_PYTHON", "/work/megatron-venv/bin/python")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(MEGATRON_PYTHON), reason="no megatron-core venv")
+@pytest.mark.parametrize("hf", sorted(HF_MOE))
+def test_megatron_loads_what_shard_writes_at_another_tp_ep(
+    tmp_path: Path, hf: str, cached_output: Callable[..., Path]
+) -> None:
+    """fixtures/megatron/generate.py check-load-moe: Megatron-LM builds the MoE model at the
+    TP / EP of ``HF_MOE`` (written at TP 1, EP 1), ``load_checkpoint`` (strict) loads what
+    ``shard --to megatron`` wrote, the MoE args it recorded are the model's, and its logits match
+    transformers' on the HF model (exit 1 above 1e-4). The verdict is kept across sessions under
+    a key of every byte shard wrote (``cached_output``), as the dense check-load's."""
+    from tests.integration.test_megatron import _megatron_venv, _metadata_without_ids
+
+    run = tmp_path / "megatron"
+    _ok("shard", str(FIXTURES / hf), str(run), *_SHARD)
+    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".metadata"]
+    written += [_metadata_without_ids(p, tmp_path) for p in sorted(run.rglob(".metadata"))]
+    sources = [*written, *sorted(p for p in (FIXTURES / hf).rglob("*") if p.is_file()),
+               FIXTURES / "generate.py", _megatron_venv(tmp_path)]  # fmt: skip
+    parallel = HF_MOE[hf][2]
+
+    def check_load(entry: Path) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        env.pop("PYTHONPATH", None)
+        done = subprocess.run(
+            [MEGATRON_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=2",
+             f"--master-port={29300 + os.getpid() % 300}", str(FIXTURES / "generate.py"),
+             "check-load-moe", "--ckpt", str(run), "--hf", str(FIXTURES / hf), *parallel],
+            capture_output=True, text=True, env=env, timeout=600, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        (entry / "check-load.log").write_text(done.stdout + done.stderr)
+
+    verdict = cached_output(f"megatron-check-load-{hf}", sources, check_load) / "check-load.log"
+    assert "args_differ={}" in verdict.read_text()
+
+
+def test_shard_refuses_what_stacked_moe_layers_cannot_hold_by_name(tmp_path: Path) -> None:
+    """A Qwen3-MoE model with a dense layer among the MoE ones (``mlp_only_layers``), and
+    DeepSeek-V3 (MLA, not written yet), are named; nothing is written."""
+    config = json.loads((FIXTURES / "hf_qwen3_moe" / "config.json").read_text())
+    mixed = tmp_path / "mixed"
+    made = transformers.Qwen3MoeConfig.from_dict({**config, "mlp_only_layers": [0]})
+    transformers.Qwen3MoeForCausalLM(made).save_pretrained(mixed)
+    deepseek = tmp_path / "deepseek.json"
+    deepseek.write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    cases = [
+        (mixed, [], "mlp_only_layers [0]"),
+        (FIXTURES / "hf_qwen3_moe", ["--config", str(deepseek)], "'deepseek_v3'"),
+    ]
+    for i, (src, extra, why) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        result = _invoke("shard", str(src), str(out), "--to", "megatron", *extra)
+        assert result.exit_code != 0 and why in result.output, result.output
+        assert not out.exists()

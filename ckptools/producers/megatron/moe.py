@@ -8,7 +8,8 @@ stacked over layers and experts (SequentialMLP and TEGroupedMLP alike):
 rows) and ``linear_fc2`` ``[L, E, H, F]``. The plan sees them with the layer and expert dims folded
 into one (``[L*E, ...]``, :func:`fold_experts`), so each HF expert tensor is a box with one dim
 dropped. HF's names are what ``save_pretrained`` writes per family (transformers 5 fuses the
-experts in memory only).
+experts in memory only). ``shard --to megatron`` reads the same boxes the other way
+(:func:`sizes_from_hf`, :func:`run_args`, :func:`extra_states`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ckptools.errors import UnsupportedCheckpointError
+from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.plan.conversions import Piece, Shapes
 from ckptools.producers.megatron.hf_config import common_config
 
@@ -25,7 +26,7 @@ Dims = Any
 
 _LAYERS = "decoder.layers."
 
-#: the MoE families a Megatron run maps to (Megatron -> HF only)
+#: the MoE families a Megatron run maps to and from
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 MOE_ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 #: per MoE family, what ``save_pretrained`` names in a layer: the router, then each expert's
@@ -51,6 +52,14 @@ def fold_experts(shapes: Shapes) -> dict[str, tuple[int, ...]]:
         if shape is not None and len(shape) == 4:
             out[_LAYERS + suffix] = (shape[0] * shape[1], *shape[2:])
     return out
+
+
+def folded_experts(shapes: Shapes) -> dict[str, tuple[int, ...]]:
+    """The stacked expert tensors of a keymap's Megatron ``shapes``, as the plan sees them
+    (layer and expert dims folded: ``[L*E, ...]``); per-layer keys are not folded."""
+    return {
+        n: tuple(shapes[n]) for n in (_LAYERS + EXPERT_FC1, _LAYERS + EXPERT_FC2) if n in shapes
+    }
 
 
 def expert_pieces(d: Dims, family: str) -> tuple[list[Piece], dict[str, tuple[int, ...]]]:
@@ -194,3 +203,74 @@ def agrees(d: Dims, config: Mapping[str, Any], args: Mapping[str, Any], where: s
             f"{where}: the config has dense MLP layers (mlp_only_layers / decoder_sparse_step); "
             "every layer of the run is MoE"
         )
+
+
+def _positive(config: Mapping[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(f"{where}: config.json has no positive integer {key!r}")
+    return value
+
+
+def sizes_from_hf(config: Mapping[str, Any], family: str, where: str) -> tuple[int, int]:
+    """(experts per layer, each expert's hidden size) of an HF MoE model's ``config``.
+
+    Raises:
+        UsageError: the config lacks a size.
+        UnsupportedCheckpointError: dense MLP layers among the MoE ones (Qwen3-MoE's
+            ``mlp_only_layers`` / ``decoder_sparse_step``), which stacked layers cannot hold.
+    """
+    # transformers 5 writes num_local_experts for both (Qwen3-MoE's num_experts an alias)
+    key = "num_local_experts" if "num_local_experts" in config else "num_experts"
+    if family == "mixtral":
+        return _positive(config, key, where), _positive(config, "intermediate_size", where)
+    if config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) != 1:
+        raise UnsupportedCheckpointError(
+            f"{where}: the config has dense MLP layers among the MoE ones (mlp_only_layers "
+            f"{config.get('mlp_only_layers')}, decoder_sparse_step "
+            f"{config.get('decoder_sparse_step')}): not written to Megatron yet"
+        )
+    return _positive(config, key, where), _positive(config, "moe_intermediate_size", where)
+
+
+def run_args(d: Dims, config: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The Megatron-LM ``args`` of an MoE model's experts and router that a converted run
+    records (what ``--use-checkpoint-args`` reads back: ``load_args_from_checkpoint``): every
+    layer MoE, SequentialMLP's layout, a softmax router over the top-k logits (Mixtral's, and
+    Qwen3-MoE's ``norm_topk_prob``) or over all experts (``moe_router_pre_softmax``)."""
+    topk = _positive(config, "num_experts_per_tok", where)
+    pre_softmax = config.get("model_type") == "qwen3_moe" and not config.get("norm_topk_prob")
+    return {
+        "num_experts": d.experts,
+        "moe_ffn_hidden_size": d.moe_ffn,
+        "moe_router_topk": topk,
+        "moe_router_pre_softmax": pre_softmax,
+        "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False,
+        "moe_router_topk_scaling_factor": None,
+        "moe_shared_expert_intermediate_size": None,
+        "moe_layer_freq": 1,
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": 1,
+    }
+
+
+#: the local spec's modules of an MoE layer whose ``_extra_state`` Megatron saves: attention's
+#: per layer, each expert's per layer and expert (SequentialMLP's ``linear_fc1``/``linear_fc2``)
+_EXTRA_STATE_LAYER = ("self_attention.linear_proj", "self_attention.linear_qkv")
+_EXTRA_STATE_EXPERT = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+
+
+def extra_states(layers: int, experts: int) -> dict[str, list[None]]:
+    """The ``_extra_state`` objects Megatron's local MoE layer spec saves and loads (``[None]``
+    each): ``decoder.layers.<module>._extra_state/shard_<i>_<layers>`` for attention and
+    ``…/shard_<i>.<e>_<layers>.<experts>`` for each expert of each layer."""
+    out: dict[str, list[None]] = {}
+    for i in range(layers):
+        for m in _EXTRA_STATE_LAYER:
+            out[f"{_LAYERS}{m}._extra_state/shard_{i}_{layers}"] = [None]
+        for e in range(experts):
+            for m in _EXTRA_STATE_EXPERT:
+                out[f"{_LAYERS}{m}._extra_state/shard_{i}.{e}_{layers}.{experts}"] = [None]
+    return out

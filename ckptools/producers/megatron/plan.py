@@ -18,7 +18,7 @@ executor as transformers' MoE mapping. What Megatron does differently is all box
   ``vocab_size``; going to Megatron the padding rows repeat the last row, as Megatron-LM's own
   converter (``tools/checkpoint``) pads.
 
-MoE runs (Mixtral, Qwen3-MoE) map too, Megatron → HF: the router is HF's ``gate`` and each
+MoE runs (Mixtral, Qwen3-MoE) map too, both ways: the router is HF's ``gate`` and each
 expert's gate / up / down a box of the stacked experts (:mod:`ckptools.producers.megatron.moe`).
 
 Multi-latent attention runs (DeepSeek-V3-shaped, or MLA with dense MLPs) are mapped by
@@ -262,7 +262,7 @@ def refuse_family(names: Any, where: str, *, with_moe: bool = False) -> None:
 
 def family_of(config: Mapping[str, Any], where: str, *, with_moe: bool = False) -> str:
     """The config's ``model_type``, one of :data:`FAMILIES` (or :data:`.moe.MOE_FAMILIES` with
-    ``with_moe``: Megatron -> HF maps those too).
+    ``with_moe``).
 
     Raises:
         UnsupportedCheckpointError: another family, named.
@@ -270,10 +270,9 @@ def family_of(config: Mapping[str, Any], where: str, *, with_moe: bool = False) 
     family = config.get("model_type")
     known = FAMILIES + moe.MOE_FAMILIES if with_moe else FAMILIES
     if family not in known:
-        also = "" if with_moe else f" (and {', '.join(moe.MOE_FAMILIES)} from Megatron to HF only)"
         raise UnsupportedCheckpointError(
             f"{where}: model_type {family!r}: ckptools maps only {', '.join(known)} between "
-            f"Megatron and Hugging Face{also}"
+            "Megatron and Hugging Face"
         )
     return str(family)
 
@@ -301,8 +300,10 @@ def dims_from_hf(config: Mapping[str, Any], shapes: Shapes, divisor: int, where:
     Raises:
         UsageError: the config lacks a size; UnsupportedCheckpointError: not this family.
     """
-    family_of(config, where)
-    refuse_family(shapes, where)
+    family = family_of(config, where, with_moe=True)
+    is_moe = family in moe.MOE_FAMILIES
+    refuse_family(shapes, where, with_moe=is_moe)
+    experts, moe_ffn = moe.sizes_from_hf(config, family, where) if is_moe else (0, 0)
     heads = _int(config, "num_attention_heads", where)
     hidden = _int(config, "hidden_size", where)
     groups = config.get("num_key_value_heads") or heads
@@ -316,6 +317,7 @@ def dims_from_hf(config: Mapping[str, Any], shapes: Shapes, divisor: int, where:
         padded_vocab=padded_vocab(vocab, divisor), tied=tied,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in shapes,
+        experts=experts, moe_ffn=moe_ffn,
     )  # fmt: skip
 
 
@@ -558,13 +560,15 @@ def from_hf(
     shapes: Shapes, config: Mapping[str, Any], divisor: int, where: str
 ) -> tuple[KeyMap, Dims]:
     """The pieces that place a Hugging Face model's tensors ``shapes`` into Megatron's
-    (stacked layers, fused QKV and fc1, vocabulary padded to a multiple of ``divisor``).
+    (stacked layers, fused QKV and fc1, vocabulary padded to a multiple of ``divisor``; an MoE
+    model's experts as boxes of the stacked experts, layer and expert dims folded:
+    :func:`.moe.fold_experts`).
 
     Raises:
         UnsupportedCheckpointError: a family this does not map, or a tensor missing or of
             another shape than the config gives it.
     """
     dims = dims_from_hf(config, shapes, divisor, where)
-    km = keymap(dims, FUSED_NORMS, family_of(config, where), padding=True)
+    km = keymap(dims, FUSED_NORMS, family_of(config, where, with_moe=True), padding=True)
     check_shapes(km, shapes, "disk", where)
     return km, dims

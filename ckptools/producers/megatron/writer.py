@@ -6,15 +6,15 @@ config and writes what this plans."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptools.core.manifest import Manifest
+from ckptools.core.manifest import Chunk, Manifest, TensorEntry
 from ckptools.engine.converted import merge_source
-from ckptools.errors import UsageError
+from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.formats import torch_archive
 from ckptools.plan.dcp import Archived, DcpPlan, plan_dcp
-from ckptools.producers.megatron import layout, plan
+from ckptools.producers.megatron import layout, moe, plan
 
 #: what the model's ``config.json`` gives the writer (shown when none is found or it misfits)
 CONFIG_NEEDED = "Megatron's sizes and the true vocabulary come from it"
@@ -53,18 +53,29 @@ def planned(
     """The HF model ``tensors`` (name -> FQN of ``manifest``) of ``src`` as Megatron-core saves
     it: a run directory with ``latest_checkpointed_iteration.txt`` and ``iter_0000001/`` (the
     DCP with Megatron's names, stacked layers, fused QKV and fc1, padded vocabulary,
-    ``common_state``, and ``metadata.json``), its files split over ``world_size`` ranks."""
+    ``common_state``, and ``metadata.json``), its files split over ``world_size`` ranks.
+
+    An MoE model's experts (Mixtral, Qwen3-MoE) go into the stacked ``[L, E, 2F, H]`` /
+    ``[L, E, H, F]`` expert tensors: each HF expert tensor's stored bytes placed as one box
+    (:func:`_unfolded`), never read into memory."""
     divisor = make_vocab_size_divisible_by
     shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
     keymap, dims = plan.from_hf(shapes, cfg, divisor, src)
     source, names = merge_source(manifest, dict(tensors), keymap)
+    if dims.experts:
+        source = _unfolded(source, names, moe.folded_experts(keymap.memory_shapes), dims)
     dtype = source.tensors[names["embedding.word_embeddings.weight"]].dtype
     args = layout.converted_args(dims, dtype)
     args.update(make_vocab_size_divisible_by=divisor, norm_epsilon=cfg.get("rms_norm_eps"),
                 rotary_base=plan.rope_theta(cfg),
                 max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
+    if dims.experts:
+        args.update(moe.run_args(dims, cfg, src))
+        extra = moe.extra_states(dims.layers, dims.experts)
+    else:
+        extra = layout.extra_states(dims.layers)
     common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
-    values: dict[str, Any] = {layout.COMMON_STATE: common, **layout.extra_states(dims.layers)}
+    values: dict[str, Any] = {layout.COMMON_STATE: common, **extra}
     paths = {n: (n,) for n in (*names, *values)}
     dcp_plan = plan_dcp(source, world_size, names, paths, objects=[], values=values)
     notes = [
@@ -80,4 +91,46 @@ def planned(
         notes=notes,
         made=layout.marker_files(),
         fingerprint_options={"to": "megatron", "divisor": divisor},
+    )
+
+
+def _unfolded(
+    source: Manifest, names: dict[str, str], folded: Mapping[str, tuple[int, ...]], dims: Any
+) -> Manifest:
+    """``source`` with each stacked expert tensor of ``folded`` (memory name -> folded shape
+    ``[L*E, ...]``) in Megatron's shape ``[L, E, ...]``: the placed HF chunks re-boxed, the
+    reverse of :func:`ckptools.producers.megatron.converted._fold`.
+
+    Raises:
+        UnsupportedCheckpointError: a placed chunk spans experts of two layers (no HF tensor
+            holds one).
+    """
+    tensors = dict(source.tensors)
+    experts = dims.experts
+    for name, shape in folded.items():
+        entry = tensors[names[name]]
+        chunks = []
+        for c in entry.chunks:
+            row, count = c.offsets[0], c.sizes[0]
+            if row % experts + count > experts:
+                raise UnsupportedCheckpointError(
+                    f"{name}: a source chunk holds rows {row}..{row + count} of the folded "
+                    f"experts, across two layers of {experts} experts; not written",
+                    fqn=name,
+                )
+            strides = c.strides
+            if strides is not None:
+                strides = (strides[0] * experts, *strides)
+            chunks.append(_reboxed(c, experts, strides))
+        unfolded = (dims.layers, experts, *shape[1:])
+        tensors[entry.fqn] = TensorEntry(entry.fqn, entry.dtype, unfolded, tuple(chunks))
+    return replace(source, tensors=tensors)
+
+
+def _reboxed(c: Chunk, experts: int, strides: tuple[int, ...] | None) -> Chunk:
+    row, count = c.offsets[0], c.sizes[0]
+    return c._replace(
+        offsets=(row // experts, row % experts, *c.offsets[1:]),
+        sizes=(1, count, *c.sizes[1:]),
+        strides=strides,
     )
