@@ -17,7 +17,11 @@ then ``save_pretrained``.
 
 Usage::
 
-    python bench/dequantize.py --size-gb 1.0 [--library /work/q-venv/bin/python] [--keep DIR]
+    python bench/dequantize.py --size-gb 1.0 --repeat 3 [--baseline /tmp/old-tree]
+        [--library /work/q-venv/bin/python] [--keep DIR]
+
+``--baseline``: also time another tree's ``ckptools`` (``git archive`` of an older commit),
+alternating with this one, for a before/after ratio in the same run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,6 +148,8 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--library", default=None, help="python of a venv with compressed-tensors")
     ap.add_argument("--keep", default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each command (medians)")
+    ap.add_argument("--baseline", default=None, help="another tree whose ckptools to time too")
     args = ap.parse_args()
     work = args.keep or tempfile.mkdtemp(prefix="bench-dequant-")
     src = os.path.join(work, "fp8")
@@ -154,16 +161,28 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", gen], check=True)
     size = sum(os.path.getsize(os.path.join(src, n)) for n in os.listdir(src))
     env = {**os.environ, "PYTHONPATH": REPO}
-    rows = []
-    for name, cmd in (
-        ("cp -r", ["cp", "-r", src, os.path.join(work, "cp")]),
-        ("cp -r + sync", ["sh", "-c", f"cp -r {src} {work}/cps && sync {work}/cps/*"]),
+    commands = [
+        ("cp -r", ["cp", "-r", src, os.path.join(work, "cp")], None),
+        ("cp -r + sync", ["sh", "-c", f"cp -r {src} {work}/cps && sync {work}/cps/*"], None),
         ("ckpt consolidate --dtype bfloat16",
          [sys.executable, "-P", "-m", "ckptools", "consolidate", src, os.path.join(work, "ckpt"),
-          "--dtype", "bfloat16", "--quiet"]),
-    ):  # fmt: skip
-        wall, rss = timed(cmd, env)
-        rows.append((name, wall, rss))
+          "--dtype", "bfloat16", "--quiet"], env),
+    ]  # fmt: skip
+    if args.baseline:  # the same command with another tree's ckptools, in the same run
+        base_env = {**os.environ, "PYTHONPATH": args.baseline}
+        cmd = [*commands[2][1][:-4], os.path.join(work, "base"), "--dtype", "bfloat16", "--quiet"]
+        commands.append((f"ckpt consolidate --dtype bfloat16 ({args.baseline})", cmd, base_env))
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name, _, _ in commands}
+    for _ in range(args.repeat):
+        for name, cmd, cmd_env in commands:
+            for out in ("cp", "cps", "ckpt", "base"):
+                shutil.rmtree(os.path.join(work, out), ignore_errors=True)
+            subprocess.run(["sync"], check=True)
+            runs[name].append(timed(cmd, cmd_env))
+    rows = [
+        (name, statistics.median(w for w, _ in got), max(r for _, r in got), got)
+        for name, got in runs.items()
+    ]
     if args.library:
         wall, rss = timed([args.library, "-c", _LIBRARY, src, os.path.join(work, "lib")])
         rows.append(
@@ -171,13 +190,18 @@ def main() -> None:
                 "compressed-tensors from_pretrained(run_compressed=False) + save_pretrained",
                 wall,
                 rss,
+                [(wall, rss)],
             )
         )
     base = rows[0][1]
     print(f"source: {size / 2**30:.2f} GiB ({src})")
-    print("| command | wall s | vs cp -r | peak RSS MiB |\n| --- | ---: | ---: | ---: |")
-    for name, wall, rss in rows:
-        print(f"| {name} | {wall:.2f} | {wall / base:.2f}x | {rss / 2**20:.0f} |")
+    print("| command | wall s (median) | runs | vs cp -r | vs cp -r + sync | peak RSS MiB |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    for name, wall, rss, got in rows:
+        print(
+            f"| {name} | {wall:.2f} | {[round(w, 2) for w, _ in got]} | {wall / base:.2f}x | "
+            f"{wall / rows[1][1]:.2f}x | {rss / 2**20:.0f} |"
+        )
     if args.library:
         out = os.path.join(work, "ckpt", "model.safetensors")
         lib = [

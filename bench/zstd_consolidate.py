@@ -3,7 +3,12 @@ against its floor: ``zstd -d`` of the same items (extracted beforehand, not time
 what they decode to. Both in the same run, alternating, page cache warm; peak memory is each
 process's VmHWM.
 
-Usage: ``python bench/zstd_consolidate.py --size-gb 1.0 --repeat 3``
+``zstd -d + cp + sync`` is the floor with its copy made durable (``ckpt consolidate`` fsyncs its
+output before its atomic rename, so on a slow disk the floor's own bytes reaching the disk bound
+it). ``--baseline DIR``: also time the ``ckptools`` of another tree (``git archive`` of an older
+commit), alternating with this one, for a before/after ratio in the same run.
+
+Usage: ``python bench/zstd_consolidate.py --size-gb 1.0 --repeat 3 [--baseline /tmp/old]``
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--baseline", default=None, help="another tree whose ckptools to time too")
     args = ap.parse_args()
-    env = {**os.environ, "PYTHONPATH": REPO}
+    trees = {"ckpt": REPO, **({"baseline": args.baseline} if args.baseline else {})}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         src = os.path.join(tmp, "zstd")
         subprocess.run(
@@ -79,31 +85,47 @@ def main() -> None:
                 stored += len(data)
                 with open(os.path.join(items, f"{t.fqn}.zst"), "wb") as f:
                     f.write(data)
-        times: dict[str, list[float]] = {"ckpt": [], "floor": []}
-        peaks: list[int] = []
+        times: dict[str, list[float]] = {name: [] for name in [*trees, "floor", "floor+sync"]}
+        peaks: dict[str, list[int]] = {name: [] for name in trees}
         for _ in range(args.repeat):
-            out = os.path.join(tmp, "out")
-            shutil.rmtree(out, ignore_errors=True)
-            took, err = _run(
-                [sys.executable, "-c", _PEAK, "consolidate", src, out, "--weights-only"], env=env
-            )
-            assert os.path.getsize(os.path.join(out, "model.safetensors")) >= m.total_bytes
-            times["ckpt"].append(took)
-            peaks.append(int(err.split("peak_kib")[-1].split()[0]))
+            for name, tree in trees.items():
+                out = os.path.join(tmp, "out")
+                shutil.rmtree(out, ignore_errors=True)
+                subprocess.run(["sync"], check=True)
+                took, err = _run(
+                    [sys.executable, "-c", _PEAK, "consolidate", src, out, "--weights-only"],
+                    env={**os.environ, "PYTHONPATH": tree},
+                    cwd=tree,  # the tree's ckptools, not the one in the working directory
+                )
+                assert os.path.getsize(os.path.join(out, "model.safetensors")) >= m.total_bytes
+                times[name].append(took)
+                peaks[name].append(int(err.split("peak_kib")[-1].split()[0]))
             dec, copy = os.path.join(tmp, "dec"), os.path.join(tmp, "copy")
             shutil.rmtree(dec, ignore_errors=True)
             shutil.rmtree(copy, ignore_errors=True)
+            subprocess.run(["sync"], check=True)
             files = sorted(os.path.join(items, f) for f in os.listdir(items))
             os.makedirs(dec)
             t1, _ = _run(["zstd", "-d", "-q", *files, "--output-dir-flat", dec])
             t2, _ = _run(["cp", "-r", dec, copy])
+            t3, _ = _run(["sync", *(os.path.join(copy, f) for f in os.listdir(copy))])
             times["floor"].append(t1 + t2)
-        ckpt, floor = statistics.median(times["ckpt"]), statistics.median(times["floor"])
-        logical = m.total_bytes
-        print(f"logical {logical / 2**30:.2f} GiB, stored (zstd) {stored / 2**30:.2f} GiB")
-        print(f"ckpt consolidate: {ckpt:.2f} s (runs {[round(x, 2) for x in times['ckpt']]})")
-        print(f"zstd -d + cp:     {floor:.2f} s (runs {[round(x, 2) for x in times['floor']]})")
-        print(f"ratio {ckpt / floor:.2f}x; ckpt peak memory {max(peaks) / 1024:.0f} MiB")
+            times["floor+sync"].append(t1 + t2 + t3)
+        med = {name: statistics.median(runs) for name, runs in times.items()}
+        floor = med["floor"]
+        print(f"logical {m.total_bytes / 2**30:.2f} GiB, stored (zstd) {stored / 2**30:.2f} GiB")
+        print("| command | wall s (median) | runs | vs floor | vs floor+sync | peak MiB |")
+        print("| --- | ---: | --- | ---: | ---: | ---: |")
+        for name, runs in times.items():
+            label = {"ckpt": "`ckpt consolidate --weights-only`",
+                     "baseline": f"`ckpt consolidate --weights-only` ({args.baseline})",
+                     "floor": "`zstd -d` + `cp -r`",
+                     "floor+sync": "`zstd -d` + `cp -r` + `sync`"}[name]  # fmt: skip
+            peak = f"{max(peaks[name]) / 1024:.0f}" if name in peaks else ""
+            print(
+                f"| {label} | {med[name]:.2f} | {[round(x, 2) for x in runs]} | "
+                f"{med[name] / floor:.2f}x | {med[name] / med['floor+sync']:.2f}x | {peak} |"
+            )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ bit in the source stops the run with one line naming the file, the byte range an
 instead of being copied into a fresh output whose own CRCs would then look clean.
 
 * :func:`copy_range` moves a byte range of a record to the output and returns its CRC-32:
-  in the kernel (``copy_file_range``), window by window, each window checksummed in place over
+  from memory for an item decoded there (each window checksummed, then written), else in the
+  kernel (``copy_file_range``), window by window, each window checksummed in place over
   the source's page cache (``Reader.crc32``: a read-only mapping, no copy) right before the
   kernel copies those same pages, so the bytes come from the disk once; where the kernel cannot
   copy, or the source has no page cache (an object store), through the block buffer, the CRC
@@ -150,6 +151,20 @@ def copy_range(
     src = raw.offset + start
     crc = 0
     done = 0
+    held = reader.decoded.view(raw.file)
+    if held is not None:  # an item decoded in memory: written from there, no copy between
+        if src + length > len(held):
+            raise truncated(reader, raw, len(held))
+        while done < length:
+            if stop is not None and stop.is_set():
+                break
+            view = held[src + done : src + min(length, done + WINDOW_BYTES)]
+            if checksum:
+                crc = crc32(view, crc)
+            pwrite_all(fd, view, pos + done)
+            done += len(view)
+            progress(len(view))
+        return crc, 0
     src_fd = reader.fileno(raw.file) if kernel else None
     while src_fd is not None and done < length:
         n = min(WINDOW_BYTES, length - done)

@@ -235,8 +235,8 @@ class ChunkCopier:
                 self.progress.update, self.buffer, kernel=self.copy_range_ok, stop=self.stop,
                 checksum=raw.crc32 is not None,
             )  # fmt: skip
-            if in_kernel < n * isz:
-                self.copy_range_ok = False
+            if in_kernel < n * isz and not self.reader.decoded.in_memory(raw.file):
+                self.copy_range_ok = False  # (an item decoded in memory is never the kernel's)
             with self._lock:
                 self.kernel_copied += in_kernel
             self._check(raw, tensor.fqn, crc if src == 0 and n * isz == raw.length else None)

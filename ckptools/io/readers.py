@@ -7,8 +7,8 @@ archive's head and tail fetched together by :meth:`~RemoteReader.prefetch`) for 
 errors that name the file; a short read is a truncated file, not the bare ``EOFError`` torch gives.
 
 Each reader also holds the items ckptools decoded for it (:class:`DecodedFiles`: a DCP item
-stored through a stream transform, decoded once into a private local spool): reads of such a
-file's name go to that spool, which is the one place outside the checkpoint a reader reads.
+stored through a stream transform, decoded once, in memory or into a private local spool):
+reads of such an item's name go there, the one place outside the checkpoint a reader reads.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ckptools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
-from ckptools.io import spool
 from ckptools.io.containment import contained
+from ckptools.io.decoded import DecodedFiles
 from ckptools.io.paths import filesystem, is_url, join, local_path
 from ckptools.io.tunables import env_int
 
@@ -53,7 +53,7 @@ class Reader(Protocol):
     root: str
     #: bytes :func:`ckptools.formats.torch_archive.read_archive` reads from an archive's end
     archive_tail_bytes: int
-    #: items decoded for this reader: their names read from the spool ckptools made
+    #: items decoded for this reader: their names read from memory or the spool ckptools made
     decoded: DecodedFiles
 
     def fileno(self, rel: str) -> int | None: ...
@@ -73,66 +73,6 @@ class Reader(Protocol):
     def __enter__(self) -> Reader: ...
 
     def __exit__(self, *exc: object) -> None: ...
-
-
-class DecodedFiles:
-    """Items a reader has decoded (stream transforms undone), each once, into files of a private
-    spool directory (:func:`ckptools.io.spool.make_spool_dir`, made at the first item, removed
-    at :meth:`close`). Each is known to the reader under a name of its own (:meth:`add`), so
-    every read of it (``read``, ``readinto``, ``crc32``, ``fileno``: ``copy_file_range`` from
-    it) goes to the spool file instead of the checkpoint; nothing else outside the checkpoint
-    is ever read. Thread-safe: :meth:`lock` serialises the decoding of one item, so threads
-    meeting the same item wait for the first to decode it instead of decoding it again.
-    """
-
-    def __init__(self) -> None:
-        self._dir: str | None = None
-        self._paths: dict[str, str] = {}  # name -> local path
-        self._items: dict[tuple[str, int], tuple[str, int]] = {}  # (file, offset) -> name, size
-        self._locks: dict[tuple[str, int], threading.Lock] = {}
-        self._lock = threading.Lock()
-
-    def __contains__(self, rel: str) -> bool:
-        return rel in self._paths
-
-    def path(self, rel: str) -> str:
-        """The local spool file holding the decoded item named ``rel``."""
-        return self._paths[rel]
-
-    def lock(self, key: tuple[str, int]) -> threading.Lock:
-        """The lock held while the item at ``key`` (its file, its offset) is decoded."""
-        with self._lock:
-            return self._locks.setdefault(key, threading.Lock())
-
-    def get(self, key: tuple[str, int]) -> tuple[str, int] | None:
-        """``(name, decoded size)`` of the item at ``key`` when decoded already."""
-        return self._items.get(key)
-
-    def new_file(self) -> str:
-        """A fresh path in the spool directory (made now if needed) for an item to decode."""
-        with self._lock:
-            if self._dir is None:
-                self._dir = spool.make_spool_dir(prefix="ckptools-decoded-")
-            return os.path.join(self._dir, f"{len(self._locks)}-{threading.get_ident()}.item")
-
-    def add(self, key: tuple[str, int], local: str, size: int) -> str:
-        """Make the decoded item at ``key``, written to ``local``, readable under a name of its
-        own (which error messages show: the stored file and the item's offset); its name."""
-        file, offset = key
-        rel = f"{file}[decoded item at byte {offset}]"
-        with self._lock:
-            self._paths[rel] = local
-            self._items[key] = (rel, size)
-        return rel
-
-    def close(self) -> None:
-        """Remove the spool directory and forget the items."""
-        with self._lock:
-            if self._dir is not None:
-                spool.remove_spool_dir(self._dir)
-            self._dir = None
-            self._paths.clear()
-            self._items.clear()
 
 
 def open_reader(root: str) -> Reader:
@@ -209,18 +149,42 @@ class LocalReader:
                 self._fds[rel] = fd
             return fd
 
-    def fileno(self, rel: str) -> int:
-        """The open descriptor of ``rel`` (for ``os.copy_file_range``); owned by the reader."""
+    def fileno(self, rel: str) -> int | None:
+        """The open descriptor of ``rel`` (for ``os.copy_file_range``); owned by the reader.
+        None for an item decoded in memory (no file holds it)."""
+        if self.decoded.in_memory(rel):
+            return None
         return self._fd(rel)
 
     def size(self, rel: str) -> int:
+        held = self.decoded.view(rel)
+        if held is not None:
+            return len(held)
         return os.fstat(self._fd(rel)).st_size
+
+    def _held(self, rel: str, offset: int, length: int) -> memoryview | None:
+        """Bytes ``offset..offset+length`` of ``rel`` when it is an item decoded in memory
+        (None otherwise); raises as :meth:`read` past its end."""
+        held = self.decoded.view(rel)
+        if held is None:
+            return None
+        if offset + length > len(held):
+            path = join(self.root, rel)
+            raise CorruptCheckpointError(
+                f"{path}: file is truncated: needed bytes {offset}..{offset + length} but it "
+                f"ends at {len(held)}",
+                path=path,
+            )
+        return held[offset : offset + length]
 
     def prefetch(self, rel: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Nothing to do: the page cache and read-ahead serve local files."""
 
     def read(self, rel: str, offset: int, length: int) -> bytes:
         """Read exactly ``length`` bytes at ``offset`` of ``rel`` or raise."""
+        held = self._held(rel, offset, length)
+        if held is not None:
+            return bytes(held)
         fd = self._fd(rel)
         data = os.pread(fd, length, offset)
         if len(data) < length:
@@ -242,6 +206,10 @@ class LocalReader:
         return data
 
     def readinto(self, rel: str, offset: int, buf: memoryview) -> None:
+        held = self._held(rel, offset, len(buf))
+        if held is not None:
+            buf[:] = held
+            return
         fd = self._fd(rel)
         got = 0
         while got < len(buf):
@@ -265,6 +233,9 @@ class LocalReader:
         """
         from ckptools.core.crc32 import crc32
 
+        held = self._held(rel, offset, length)
+        if held is not None:  # an item decoded in memory: checksummed there
+            return crc32(held, 0)
         fd = self._fd(rel)
         end = offset + length
         size = os.fstat(fd).st_size

@@ -94,6 +94,26 @@ def memory_budget(value: str | int | None = None) -> int:
     return parse_size(value)
 
 
+#: most bytes of one decoded item held in memory (see decoded_item_memory)
+DECODED_ITEM_MEMORY_ENV = "CKPTOOLS_DECODED_ITEM_MEMORY"
+#: An item decoded into memory (:class:`ckptools.io.readers.DecodedFiles`) is written out from
+#: there, with no spool file between (which doubled the bytes the disk took: 4.2x of the floor
+#: on the 1 GiB zstd bench). 64 MiB of data and its archive framing: torch's ZStandard writer
+#: makes one item per tensor shard, and FSDP shards of large models are 1-64 MiB. A larger item
+#: is decoded into the spool instead.
+DEFAULT_DECODED_ITEM_MEMORY_BYTES = 64 * 2**20 + 64 * 1024
+
+
+def decoded_item_memory() -> int:
+    """Most bytes of one item decoded in memory: ``CKPTOOLS_DECODED_ITEM_MEMORY`` or
+    :data:`DEFAULT_DECODED_ITEM_MEMORY_BYTES`.
+
+    Raises:
+        UsageError: the variable is not a positive size.
+    """
+    return env_size(DECODED_ITEM_MEMORY_ENV, DEFAULT_DECODED_ITEM_MEMORY_BYTES)
+
+
 #: floor of the objects one pickle from a checkpoint may decode into (see pickle_objects)
 MAX_PICKLE_OBJECTS_ENV = "CKPTOOLS_MAX_PICKLE_OBJECTS"
 #: A pickle of a few KB can describe a huge value: shared references make a DAG that any walk

@@ -61,6 +61,22 @@ def test_consolidate_dtype_dequantizes_as_the_library_reads(
     }
 
 
+@pytest.mark.parametrize("fixture", ["ct_fp8_block", "deepseek_fp8"])
+def test_dequantizing_a_few_rows_at_a_time_gives_the_same_bits(
+    fixture: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table indices are made a few rows at a time (a cache-sized scratch per thread):
+    one row at a time, blocks of rows split many times over, the library's bits still."""
+    from ckptools.producers.compressed import dequantize
+
+    monkeypatch.setattr(dequantize, "_INDEX_ELEMENTS", 1)
+    out = tmp_path / "hf"
+    code, output = _consolidate(FIXTURES / fixture, out, "--dtype", "bfloat16")
+    assert code == 0, output
+    expected = FIXTURES / f"{fixture}.expected.bfloat16.safetensors"
+    _assert_bits_equal(out, expected, torch.bfloat16)
+
+
 def test_the_dequantized_model_loads_and_diff_does_not_call_it_the_source(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

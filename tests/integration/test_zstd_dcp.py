@@ -1,5 +1,5 @@
 """zstd DCP: items written by torch's own ``FileSystemWriter(path, _extensions=[ZStandard()])``
-are decoded (``ckptools.producers.compressed.zstd``, once per item, bounded, into a private
+are decoded (``ckptools.producers.compressed.zstd``, once per item, bounded, in memory or a private
 spool) and read by every verb as usual: consolidate writes what the plain save gives, bit for
 bit; reshard writes plain items that ``dcp.load`` reads at another world size; verify checks the
 decoded archives' CRCs and finds a damaged compressed item; diff finds nothing against the plain
@@ -225,3 +225,63 @@ def test_without_zstandard_every_verb_says_what_to_install(tmp_path: Path) -> No
     assert run.returncode == 0, run.stderr
     (enc,) = json.loads(run.stdout)["encodings"]
     assert enc["decoded"] is False and enc["missing"] == "pip install 'ckptools[zstd]'"
+
+
+def test_items_are_decoded_in_memory_and_only_larger_ones_into_the_spool(
+    produced: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item of at most ``CKPTOOLS_DECODED_ITEM_MEMORY`` bytes is decoded into memory and
+    written from there (no spool file: the spool doubled the bytes the disk took); a larger
+    one goes to the spool; both write what the plain save gives, bit for bit."""
+    from ckptools.io import spool
+
+    zstd, plain = produced("single", zstd=True), produced("single")
+    spools: list[str] = []
+    made = spool.make_spool_dir
+
+    def counted(prefix: str = "ckptools-spool-") -> str:
+        spools.append(prefix)
+        return made(prefix)
+
+    monkeypatch.setattr(spool, "make_spool_dir", counted)
+    _ok(["consolidate", str(plain.path), str(tmp_path / "p"), "--weights-only"])
+    _ok(["consolidate", str(zstd.path), str(tmp_path / "m"), "--weights-only"])
+    assert spools == []  # every item decoded in memory
+    monkeypatch.setenv("CKPTOOLS_DECODED_ITEM_MEMORY", "1KB")
+    _ok(["consolidate", str(zstd.path), str(tmp_path / "s"), "--weights-only"])
+    assert spools == ["ckptools-decoded-"]  # the items past 1 KB went to the spool
+    for name in ("m", "s"):
+        for f in (tmp_path / "p").glob("*.safetensors"):
+            assert (tmp_path / name / f.name).read_bytes() == f.read_bytes(), (name, f.name)
+
+
+def test_items_let_go_past_the_memory_bound_are_decoded_again_when_read(
+    produced: Any,
+) -> None:
+    """The items held in memory take at most ``DecodedFiles.memory`` bytes: decoding one more
+    lets the least recently used go (its memory freed), and reading that one again decodes it
+    again, to the same bytes."""
+    import ckptools
+    from ckptools.engine.reader import resolve_chunk
+    from ckptools.io.storage import open_reader
+
+    zstd, plain = produced("single", zstd=True), produced("single")
+    m, p = ckptools.read_manifest(str(zstd.path)), ckptools.read_manifest(str(plain.path))
+    big = sorted(
+        (t for t in m.tensors.values() if t.chunks and t.chunks[0].numel > 1),
+        key=lambda t: t.fqn,
+    )[:3]
+    assert len(big) == 3
+    with open_reader(str(zstd.path)) as reader, open_reader(str(plain.path)) as ref:
+        reader.decoded.memory = 1  # one item held at a time
+        raws = [resolve_chunk(reader, t, t.chunks[0]) for t in big]
+        assert all(reader.decoded.in_memory(r.file) for r in raws)
+        decoded = reader.decoded._held  # what is held now
+        assert list(decoded) == [raws[-1].file]
+        for t, raw in zip(big, raws, strict=True):  # the first two are decoded again
+            want = resolve_chunk(ref, p.tensors[t.fqn], p.tensors[t.fqn].chunks[0])
+            assert reader.read(raw.file, raw.offset, raw.length) == ref.read(
+                want.file, want.offset, want.length
+            ), t.fqn
+            assert reader.crc32(raw.file, raw.offset, raw.length) == raw.crc32
+            assert list(decoded) == [raw.file]
