@@ -36,6 +36,7 @@ HELP: tuple[tuple[str, object], ...] = (
 #: ``ckptools.producers`` whose ``decoder(version)`` undoes it (imported when an item stored
 #: with it is met; :func:`ckptools.formats.stream_transforms.admit`)
 DECODERS = (("stream.zstd", "compressed.zstd"),)
+HELP = (*HELP, ("reads", ("zstd-compressed DCP", "ckpt consolidate zstd_ckpt hf_model")))
 
 # --- quantized Hugging Face model directories (quantized, forms, dequantize) ------------------
 # FP8 weights beside their scales: compressed-tensors' "float-quantized" (llmcompressor's

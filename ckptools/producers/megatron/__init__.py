@@ -52,6 +52,7 @@ ITERATIONS = ("megatron.layout",)
 HELP = (
     ("reads", ("Megatron-core torch_dist",
                "ckpt consolidate megatron_run hf_model --config hf_config")),
+    ("reads", ("NeMo 2, Megatron-Bridge", "ckpt consolidate nemo_run/checkpoints hf_model")),
     ("consolidate --masters",
      "Megatron save: write the distributed optimizer's fp32 masters instead of the stored "
      "model weights (bf16 runs keep fp32 masters there)."),

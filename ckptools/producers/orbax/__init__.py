@@ -8,6 +8,8 @@ from __future__ import annotations
 LAYOUTS = (("orbax", "layout", 8),)
 #: recognised only to be refused (its read_manifest names it): never handed to dcp.load
 REFUSED = ("orbax",)
+#: ``ckpt --help``'s row (cli/options.producers_say)
+HELP = (("reads", ("Orbax (JAX): inspect only", "ckpt inspect maxtext_run/checkpoints")),)
 #: ``inspect``'s facts of an Orbax checkpoint (its arrays)
 FACTS = ("orbax.facts",)
 #: the key of those facts in ``Manifest.details`` and ``inspect --json``
