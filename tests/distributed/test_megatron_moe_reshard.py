@@ -35,6 +35,7 @@ CASES = [
     for c, w in (
         ("mixtral_tp2_ep2_bf16", 2),
         ("mixtral_ep2", 2),
+        ("mixtral_ep2_fully_reshardable", 2),
         ("mixtral_ep1", 2),
         ("qwen3_moe_ep2", 2),
     )
@@ -140,14 +141,15 @@ def test_megatron_moe_run_resumes_in_fsdp2(tmp_path: Path, case: str, world_size
     assert any(not torch.equal(got["after"][n], got["model"][n]) for n in got["model"])
 
 
-def test_load_resumes_straight_from_a_megatron_moe_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["mixtral_ep2", "mixtral_ep2_fully_reshardable"])
+def test_load_resumes_straight_from_a_megatron_moe_run(tmp_path: Path, case: str) -> None:
     """``ckptools.load(run, model, opt)`` into an FSDP2 job reads the MoE run as ``reshard``
-    maps it: the chained optimizer's masters, moments and step, bit for bit."""
+    maps it: the chained optimizer's masters, moments and step, bit for bit (its parts saved
+    dp_reshardable, or fully_reshardable: one ``optimizer.state.*`` namespace for both)."""
     import torch
 
     from tests.support.dist import run_ranks
 
-    case = "mixtral_ep2"
     truth = torch.load(FIXTURES / f"{case}.truth.pt", weights_only=True)
     config = _config_dir(tmp_path, truth)
     gathered = tmp_path / "gathered.pt"

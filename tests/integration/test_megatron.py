@@ -29,7 +29,13 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 ALL_CASES = sorted(p.name[: -len(".truth.pt")] for p in FIXTURES.glob("*.truth.pt"))
 #: the dense runs (the MoE ones: tests/integration/test_megatron_moe.py; multi-latent
 #: attention: tests/integration/test_megatron_mla.py)
-MOE_CASES = ("mixtral_ep1", "mixtral_ep2", "mixtral_tp2_ep2_bf16", "qwen3_moe_ep2")
+MOE_CASES = (
+    "mixtral_ep1",
+    "mixtral_ep2",
+    "mixtral_ep2_fully_reshardable",
+    "mixtral_tp2_ep2_bf16",
+    "qwen3_moe_ep2",
+)
 MLA_CASES = ("deepseek_v3_ep2", "mla_dense_tp2")
 CASES = [c for c in ALL_CASES if c not in MOE_CASES + MLA_CASES]
 #: logits of from_pretrained (fp32) against Megatron's own forward: fp32 runs agree to float

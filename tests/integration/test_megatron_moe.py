@@ -26,7 +26,13 @@ from safetensors.torch import load_file, save_file
 from ckptools.cli.main import cli
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
-MOE_CASES = ("mixtral_ep1", "mixtral_ep2", "mixtral_tp2_ep2_bf16", "qwen3_moe_ep2")
+MOE_CASES = (
+    "mixtral_ep1",
+    "mixtral_ep2",
+    "mixtral_ep2_fully_reshardable",
+    "mixtral_tp2_ep2_bf16",
+    "qwen3_moe_ep2",
+)
 #: from_pretrained (fp32) against Megatron's forward: fp32 runs agree to rounding (6e-8
 #: measured); the bf16 run computed in bf16 (1.9e-3 measured)
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
@@ -191,6 +197,19 @@ def test_inspect_shows_experts_router_ep_and_the_chained_optimizer() -> None:
     )
     one = _ok("inspect", str(FIXTURES / "mixtral_ep1"))["megatron"]
     assert (one["optimizer_sharding"], one["chained_optimizers"]) == ("dp_reshardable", None)
+    # fully_reshardable parts share one unprefixed optimizer.state.* namespace: common_state's
+    # per-part entries name the ChainedOptimizer
+    full = _ok("inspect", str(FIXTURES / "mixtral_ep2_fully_reshardable"))["megatron"]
+    assert full["optimizer_sharding"] == "chained"
+    assert full["chained_optimizers"] == ["fully_reshardable", "fully_reshardable"]
+    assert full["parts"]["model"] == 10 and full["parts"]["optimizer"] == 30
+    text = _invoke("inspect", str(FIXTURES / "mixtral_ep2_fully_reshardable")).output
+    assert (
+        "optimizer sharding: ChainedOptimizer of 2 (chained_0 fully_reshardable, chained_1 "
+        "fully_reshardable)" in text
+    )
+    dense = _ok("inspect", str(FIXTURES / "dp2_fully_reshardable"))["megatron"]
+    assert (dense["optimizer_sharding"], dense["chained_optimizers"]) == ("fully_reshardable", None)
 
 
 def test_diff_calls_a_moe_run_identical_to_its_export(tmp_path: Path) -> None:

@@ -244,22 +244,50 @@ def _sharding_of(fqn: str) -> str | None:
     return None
 
 
-def chained_parts(manifest: Manifest) -> tuple[str, ...] | None:
+def chained_parts(
+    manifest: Manifest, common: Mapping[str, Any] | None = None
+) -> tuple[str, ...] | None:
     """A ChainedOptimizer's parts in order, each's sharding (``dp_reshardable`` ...); None when
-    the save's optimizer is not chained."""
+    the save's optimizer is not chained.
+
+    A ``dp_reshardable`` part's entries carry its ``chained_<i>.`` prefix. Megatron-LM saves
+    ``fully_reshardable`` parts without one (``_build_sharded_state_dict_metadata`` sets
+    ``chained_optim_avoid_prefix``, ``training/checkpointing.py`` line 508 of 0.19.2, and
+    ``ChainedOptimizer.sharded_state_dict`` then adds none: ``core/optimizer/optimizer.py``
+    lines 1550-1555): every part's ``optimizer.state.<kind>.<model fqn>`` shares one namespace,
+    and only ``common_state``'s ``optimizer`` (``common``), one dict per part keyed by its index,
+    each with its ``param_state_sharding_type``, tells the parts apart.
+    """
     found: dict[int, str] = {}
     for fqn in manifest.tensors:
         m = CHAINED.match(fqn)
         if m is not None:
             found.setdefault(int(m[1]), _sharding_of(fqn[m.end() :]) or "none")
-    if not found:
+    if found:
+        return tuple(found.get(i, "none") for i in range(max(found) + 1))
+    held = common_parts((common or {}).get("optimizer"))
+    if held is None:
         return None
-    return tuple(found.get(i, "none") for i in range(max(found) + 1))
+    return tuple(str(p.get("param_state_sharding_type") or "none") for p in held)
 
 
-def optimizer_sharding(manifest: Manifest) -> str:
+def common_parts(optimizer: Any) -> list[dict[str, Any]] | None:
+    """A ChainedOptimizer's parts' ``common_state`` entries (``{0: {...}, 1: {...}}``: what each
+    part's ``sharded_state_dict`` left unsharded, its ``optimizer`` param groups and its
+    ``param_state_sharding_type``), in order; None for one optimizer's."""
+    if not (isinstance(optimizer, dict) and len(optimizer) > 1):
+        return None
+    if set(optimizer) != set(range(len(optimizer))):
+        return None
+    parts = [optimizer[i] for i in range(len(optimizer))]
+    return parts if all(isinstance(p, dict) for p in parts) else None
+
+
+def optimizer_sharding(manifest: Manifest, common: Mapping[str, Any] | None = None) -> str:
     """How the distributed optimizer stored its state: by DP buckets, per parameter, in a
     ChainedOptimizer's parts (``chained``: :func:`chained_parts` says each one's), or none."""
+    if common_parts((common or {}).get("optimizer")) is not None:
+        return "chained"
     for fqn in manifest.tensors:
         sharding = _sharding_of(fqn)
         if sharding is not None:
@@ -354,8 +382,8 @@ def run_args(common: Mapping[str, Any] | None, manifest: Manifest) -> RunArgs:
     return RunArgs(
         iteration=iteration if isinstance(iteration, int) else None,
         params_dtype=_dtype(args),
-        optimizer_sharding=optimizer_sharding(manifest),
-        chained_optimizers=chained_parts(manifest),
+        optimizer_sharding=optimizer_sharding(manifest, common),
+        chained_optimizers=chained_parts(manifest, common),
         **fields,
     )
 

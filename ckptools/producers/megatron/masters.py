@@ -8,7 +8,8 @@ the state (pure); this module gathers what it needs from a save's manifest
   is a ``torch.save`` archive: its directory is read, a few hundred bytes per item, the tensor
   bytes are not), and each buffer's ``per_bucket_numel(_unpadded)`` objects decoded through the
   allowlist;
-* ``fully_reshardable``: the ``optimizer.state.*`` entries, renamed;
+* ``fully_reshardable``: the ``optimizer.state.*`` entries, renamed (an MoE run's
+  ChainedOptimizer saves both its parts' there, unprefixed: :func:`~.layout.chained_parts`);
 * the optimizer's ``param_groups`` (Megatron's: weight decay on matrices, none on norms and
   biases) and its ``step``, from the ``optimizer`` objects (or ``common_state``) that hold them.
 
@@ -31,7 +32,13 @@ from ckptools.io import storage
 from ckptools.io.readers import Reader
 from ckptools.producers.megatron import buckets, moe_optimizer
 from ckptools.producers.megatron import optimizer as mo
-from ckptools.producers.megatron.layout import DETAILS_KEY, chained_parts, common_state
+from ckptools.producers.megatron.layout import (
+    CHAINED,
+    DETAILS_KEY,
+    chained_parts,
+    common_parts,
+    common_state,
+)
 
 #: what ``consolidate --masters`` and ``reshard`` say when a save holds no distributed optimizer
 NO_OPTIMIZER = "holds no distributed-optimizer state (it was saved without the optimizer)"
@@ -64,19 +71,29 @@ def read_optimizer(manifest: Manifest) -> MegatronOptimizer | None:
             way forward).
         UnsupportedCheckpointError: a layout this placement does not know.
     """
-    chained = chained_parts(manifest)
+    common = common_state(manifest)
+    chained = chained_parts(manifest, common)
     sharding = _sharding(manifest)
     prefixes = [""]
     if chained:
-        if any(s != "dp_reshardable" for s in chained):
+        kinds = set(chained)
+        prefixed = any(CHAINED.match(f) for f in manifest.tensors)
+        if kinds == {"dp_reshardable"}:
+            sharding, prefixes = "dp_reshardable", [f"chained_{i}." for i in range(len(chained))]
+        elif kinds == {"fully_reshardable"} and not prefixed and sharding == "fully_reshardable":
+            # every part's state under one optimizer.state.* namespace (layout.chained_parts):
+            # read as one optimizer's; the parts' groups are in common_state, one per part
+            prefixes = [f"chained_{i}." for i in range(len(chained))]
+        else:
             raise UnsupportedCheckpointError(
                 f"{manifest.root}: the optimizer is a ChainedOptimizer of "
-                f"{', '.join(f'chained_{i} {s}' for i, s in enumerate(chained))}: ckptools "
-                "places a ChainedOptimizer's dp_reshardable parts only (no fully_reshardable MoE "
-                f"save has been checked); {mo.WITHOUT_OPTIMIZER}",
+                f"{', '.join(f'chained_{i} {s}' for i, s in enumerate(chained))}"
+                f"{' saved under chained_<i>. prefixes' if prefixed else ''}: ckptools places "
+                "a ChainedOptimizer whose parts are all dp_reshardable, or all "
+                "fully_reshardable as Megatron-LM saves them (unprefixed, "
+                f"chained_optim_avoid_prefix); {mo.WITHOUT_OPTIMIZER}",
                 path=manifest.root,
             )
-        sharding, prefixes = "dp_reshardable", [f"chained_{i}." for i in range(len(chained))]
     if sharding is None:
         return None
     with storage.open_reader(manifest.data_dir()) as reader:
@@ -84,7 +101,7 @@ def read_optimizer(manifest: Manifest) -> MegatronOptimizer | None:
             state = buckets.model_space_state(manifest.tensors)
         else:
             state = _bucket_state(manifest, reader, prefixes)
-        groups, step = _param_groups(manifest, reader, prefixes)
+        groups, step = _param_groups(manifest, reader, prefixes, common, sharding)
     return MegatronOptimizer(sharding, state, groups, step)
 
 
@@ -302,22 +319,31 @@ def _object(manifest: Manifest, reader: Reader, key: str, *, required: bool = Tr
 
 
 def _param_groups(
-    manifest: Manifest, reader: Reader, prefixes: list[str]
+    manifest: Manifest,
+    reader: Reader,
+    prefixes: list[str],
+    common: Mapping[str, Any] | None,
+    sharding: str,
 ) -> tuple[tuple[dict[str, Any], ...], int | float | None]:
     """The optimizer's param groups and step: in the ``optimizer`` object of model-parallel
-    rank 0 (``dp_reshardable``), or in ``common_state`` (``fully_reshardable``). A
+    rank 0 (``dp_reshardable``), or in ``common_state`` (``fully_reshardable``: a
+    ChainedOptimizer's as one entry per part, :func:`~.layout.common_parts`). A
     ChainedOptimizer's later parts' groups (an MoE run's experts) join the first part's group
     of the same settings (see :func:`_join_groups`)."""
     found: list[tuple[dict[str, Any], ...]] = []
-    for prefix in prefixes:
+    held = (common or {}).get("optimizer")
+    parts = common_parts(held) if sharding == "fully_reshardable" else None
+    for i, prefix in enumerate(prefixes):
         holders: list[Any] = []
-        key = f"{prefix}{mo.DISTRIBUTED_PREFIX}dp_group_idx_0.optimizer"
-        value = _object(manifest, reader, key, required=False)
-        if value is not None:
-            holders.append(value)
-        common = common_state(manifest) if prefix == "" else None
-        if common is not None:
-            holders.append(common.get("optimizer"))
+        if parts is not None:
+            holders.append(parts[i])
+        else:
+            key = f"{prefix}{mo.DISTRIBUTED_PREFIX}dp_group_idx_0.optimizer"
+            value = _object(manifest, reader, key, required=False)
+            if value is not None:
+                holders.append(value)
+            if prefix == "":
+                holders.append(held)
         groups = next((g for h in holders for g in _find_groups(h)), None)
         if groups is not None:
             found.append(
