@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "ckptools.producers.megatron.plan": 5,
     "ckptools.producers.megatron.moe": 5,
     "ckptools.producers.megatron.mla": 5,
+    "ckptools.producers.megatron.mla_shard": 5,
     "ckptools.producers.megatron.converted": 6,
     "ckptools.producers.megatron.writer": 6,
     "ckptools.producers.megatron.training": 7,

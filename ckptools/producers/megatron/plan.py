@@ -184,7 +184,7 @@ def _layer_pieces(d: Dims, t: _Tensor) -> tuple[str, tuple[int, ...], list[Piece
     return _LAYERS + t.megatron, shape, pieces
 
 
-def _vocab_pieces(d: Dims, megatron: str, hf: str, padding: bool) -> list[Piece]:
+def vocab_pieces(d: Dims, megatron: str, hf: str, padding: bool) -> list[Piece]:
     """The embedding (or output layer): HF's rows are Megatron's first ``vocab``; with
     ``padding`` (going to Megatron) each padding row is a copy of the last real row."""
     h, v = d.hidden, d.vocab
@@ -228,13 +228,13 @@ def keymap(d: Dims, norms: Mapping[str, str], family: str, *, padding: bool) -> 
         else:
             shapes.update({p.memory: shape for p in made})
     embedding = "embedding.word_embeddings.weight"
-    pieces.extend(_vocab_pieces(d, embedding, "model.embed_tokens.weight", padding))
+    pieces.extend(vocab_pieces(d, embedding, "model.embed_tokens.weight", padding))
     shapes[embedding] = (d.padded_vocab, d.hidden)
     pieces.append(Piece("model.norm.weight", "decoder.final_layernorm.weight", (0,), (d.hidden,),
                         None, "rename"))  # fmt: skip
     shapes["decoder.final_layernorm.weight"] = (d.hidden,)
     if not d.tied:
-        pieces.extend(_vocab_pieces(d, "output_layer.weight", "lm_head.weight", padding))
+        pieces.extend(vocab_pieces(d, "output_layer.weight", "lm_head.weight", padding))
         shapes["output_layer.weight"] = (d.padded_vocab, d.hidden)
     return KeyMap(tuple(pieces), shapes, f"megatron <-> {family}")
 

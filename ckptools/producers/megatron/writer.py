@@ -14,7 +14,7 @@ from ckptools.engine.converted import merge_source
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.formats import torch_archive
 from ckptools.plan.dcp import Archived, DcpPlan, plan_dcp
-from ckptools.producers.megatron import layout, moe, plan
+from ckptools.producers.megatron import layout, mla, mla_shard, moe, plan
 
 #: what the model's ``config.json`` gives the writer (shown when none is found or it misfits)
 CONFIG_NEEDED = "Megatron's sizes and the true vocabulary come from it"
@@ -57,10 +57,22 @@ def planned(
 
     An MoE model's experts (Mixtral, Qwen3-MoE) go into the stacked ``[L, E, 2F, H]`` /
     ``[L, E, H, F]`` expert tensors: each HF expert tensor's stored bytes placed as one box
-    (:func:`_unfolded`), never read into memory."""
+    (:func:`_unfolded`), never read into memory. A DeepSeek-V3 model (multi-latent attention,
+    dense first layers, shared experts, a sigmoid router with expert bias) is placed as
+    :mod:`.mla_shard` describes: per-layer keys, each MoE layer's experts ``[E, ...]``."""
     divisor = make_vocab_size_divisible_by
     shapes = {n: manifest.tensors[f].shape for n, f in tensors.items()}
-    keymap, dims = plan.from_hf(shapes, cfg, divisor, src)
+    family_args: dict[str, Any] = {}
+    if cfg.get("model_type") == mla.FAMILY:
+        dtypes = {n: manifest.tensors[f].dtype for n, f in tensors.items()}
+        keymap, dims, family_args, extra = mla_shard.from_hf(shapes, dtypes, cfg, divisor, src)
+    else:
+        keymap, dims = plan.from_hf(shapes, cfg, divisor, src)
+        if dims.experts:
+            family_args = moe.run_args(dims, cfg, src)
+            extra = moe.extra_states(dims.layers, dims.experts)
+        else:
+            extra = layout.extra_states(dims.layers)
     source, names = merge_source(manifest, dict(tensors), keymap)
     if dims.experts:
         source = _unfolded(source, names, moe.folded_experts(keymap.memory_shapes), dims)
@@ -69,11 +81,7 @@ def planned(
     args.update(make_vocab_size_divisible_by=divisor, norm_epsilon=cfg.get("rms_norm_eps"),
                 rotary_base=plan.rope_theta(cfg),
                 max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
-    if dims.experts:
-        args.update(moe.run_args(dims, cfg, src))
-        extra = moe.extra_states(dims.layers, dims.experts)
-    else:
-        extra = layout.extra_states(dims.layers)
+    args.update(family_args)
     common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
     values: dict[str, Any] = {layout.COMMON_STATE: common, **extra}
     paths = {n: (n,) for n in (*names, *values)}
