@@ -65,7 +65,7 @@ HELP = (
     ("shard --to",
      "megatron: a Megatron-core torch_dist run directory "
      "(latest_checkpointed_iteration.txt + iter_0000001/) from a Llama-family, Mixtral, "
-     "Qwen3-MoE or DeepSeek-V3 (multi-latent attention) model."),
+     "Qwen3-MoE or DeepSeek-V3 (MLA) model."),
     ("shard --make-vocab-size-divisible-by",
      "--to megatron: pad the vocabulary to a multiple of this (Megatron-LM's option of that "
      "name times the tensor-parallel size it will load with)."),
