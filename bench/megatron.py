@@ -38,7 +38,10 @@ Usage (the main venv runs this; the generator runs in the Megatron venv)::
     python bench/megatron.py --workdir /tmp/mgbench --size-gb 1.0 --tp 2 --repeat 3 \\
         [--megatron-python /work/megatron-venv/bin/python] [--keep] [--no-torch]
     python bench/megatron.py --moe --workdir /tmp/mgbench --size-gb 1.2 --tp 1 --ep 2 \\
-        --repeat 5 --keep
+        --repeat 5 --keep [--base REV]
+
+``--base REV`` adds a row: ckpt from git revision ``REV`` (exported as files), in the same
+rounds, so a change is measured against its parent under the same load.
 
 Targets from the issues: consolidate ≤ 1.25× ``cp`` (+ ``sync``) and ≤ 512 MiB peak RSS
 (issue 26, dense); for the MoE run (issue 38) ≤ 1.25× ``cp -r`` + ``sync`` and ≤ 256 MiB.
@@ -183,6 +186,7 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="the Mixtral-shaped MoE run (issue 38)")
     ap.add_argument("--ep", type=int, default=2, help="--moe: expert-parallel size")
     ap.add_argument("--no-torch", action="store_true", help="time the floors and ckpt only")
+    ap.add_argument("--base", help="also run ckpt from this git revision, in the same rounds (A/B)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--megatron-python", default="/work/megatron-venv/bin/python")
     ap.add_argument(
@@ -237,13 +241,25 @@ def main() -> None:
     }
     if args.moe or args.no_torch:
         tools = {k: v for k, v in tools.items() if not k.startswith("torch")}
+    if args.base:
+        from ab import _export  # bench/ab.py: the package at a revision, as files
+
+        tree = _export(args.base, args.workdir)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", tree], check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+        base_cmd = ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "ckptools"]
+        tools[f"ckpt consolidate at {args.base}"] = [
+            *base_cmd,
+            *(a.format(**fill, out="{out}") for a in args.ckpt_args.split()),
+        ]
     # one untimed ckpt run first: the page cache holds the source, and the user's cache the
     # conversion transformers' mapping gives (derived once per config and transformers version,
     # with transformers imported: seconds, which every later run is spared)
     warm = os.path.join(args.workdir, "out-warm")
     _clean(warm)
-    subprocess.run([c.replace("{out}", warm) for c in tools["ckpt consolidate"]], check=True)
-    _clean(warm)
+    for name in [k for k in tools if k.startswith("ckpt")]:
+        subprocess.run([c.replace("{out}", warm) for c in tools[name]], check=True)
+        _clean(warm)
     results: dict[str, list[tuple[float, int]]] = {k: [] for k in tools}
     failed: dict[str, str] = {}
     loads: list[float] = []
