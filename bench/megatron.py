@@ -11,7 +11,7 @@ vocab 32000, layers to reach ``--size-gb``) at TP ``--tp``, PP 1, and saves it w
 ``save_checkpoint`` without optimizer state (``--no-save-optim``), plus
 ``<run>-hf/config.json`` (the equivalent ``LlamaConfig``). Then, alternating for ``--repeat``
 rounds (each command in a fresh child; wall time around it, peak RSS = the child's
-``ru_maxrss``; warm page cache):
+``ru_maxrss``; warm page cache; the order of the tools rotates each round):
 
 * ``cp -r ITER_DIR OUT`` and ``cp -r`` + ``sync`` (the floors);
 * ``ckpt consolidate RUN_DIR OUT --quiet`` (the command line is ``--ckpt-args``);
@@ -265,7 +265,11 @@ def main() -> None:
     loads: list[float] = []
     for r in range(args.repeat):
         loads.append(os.getloadavg()[0])
-        for name, cmd in tools.items():
+        # the order rotates each round: a tool that always ran right after another's output
+        # was deleted (1 GB of page cache and extents freed) would always pay for it
+        names = list(tools)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            cmd = tools[name]
             if name in failed:
                 continue
             out = os.path.join(args.workdir, f"out-{r}")
