@@ -11,10 +11,11 @@ vocab 32000, layers to reach ``--size-gb``) at TP ``--tp``, PP 1, and saves it w
 ``save_checkpoint`` without optimizer state (``--no-save-optim``), plus
 ``<run>-hf/config.json`` (the equivalent ``LlamaConfig``). Then, alternating for ``--repeat``
 rounds (each command in a fresh child; wall time around it, peak RSS = the child's
-``ru_maxrss``; warm page cache; the order of the tools rotates each round):
+``ru_maxrss``, CPU = its user + sys: on a shared machine the steadier figure; warm page
+cache; the order of the tools rotates each round):
 
 * ``cp -r ITER_DIR OUT`` and ``cp -r`` + ``sync`` (the floors);
-* ``ckpt consolidate RUN_DIR OUT --quiet`` (the command line is ``--ckpt-args``);
+* ``ckpt consolidate RUN_DIR OUT --config HF_DIR --quiet`` (the command line is ``--ckpt-args``);
 * torch ``dcp.load`` into preallocated tensors + mapping + ``save_file``;
 * torch ``dcp_to_torch_save`` + ``torch.load`` + mapping + ``save_file`` (it has to unpickle
   Megatron's objects, ``args`` with Megatron enums among them: without Megatron installed it
@@ -59,7 +60,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from consolidate import _du, _measure  # the measuring wrapper
+from consolidate import _du, measure  # the measuring wrapper
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GENERATOR = os.path.join(REPO, "fixtures", "megatron", "generate.py")
@@ -260,7 +261,7 @@ def main() -> None:
     for name in [k for k in tools if k.startswith("ckpt")]:
         subprocess.run([c.replace("{out}", warm) for c in tools[name]], check=True)
         _clean(warm)
-    results: dict[str, list[tuple[float, int]]] = {k: [] for k in tools}
+    results: dict[str, list[tuple[float, int, float]]] = {k: [] for k in tools}
     failed: dict[str, str] = {}
     loads: list[float] = []
     for r in range(args.repeat):
@@ -276,7 +277,7 @@ def main() -> None:
             _clean(out)
             subprocess.run(["sync"], check=True)
             try:
-                results[name].append(_measure([c.replace("{out}", out) for c in cmd]))
+                results[name].append(measure([c.replace("{out}", out) for c in cmd]))
             except subprocess.CalledProcessError as e:
                 failed[name] = f"exit {e.returncode}"
             _clean(out)
@@ -287,14 +288,14 @@ def main() -> None:
 
 
 def _report(
-    results: dict[str, list[tuple[float, int]]],
+    results: dict[str, list[tuple[float, int, float]]],
     failed: dict[str, str],
     nbytes: int,
     args: argparse.Namespace,
     loads: list[float],
 ) -> str:
-    cp_walls = [w for w, _ in results["cp -r"]]
-    sync_walls = [w for w, _ in results["cp -r + sync"]]
+    cp_walls = [w for w, _, _ in results["cp -r"]]
+    sync_walls = [w for w, _, _ in results["cp -r + sync"]]
     cp = statistics.median(cp_walls)
     now = datetime.datetime.now(datetime.timezone.utc)
     what = f"TP {args.tp}" if not args.moe else f"Mixtral-shaped MoE, TP {args.tp} x EP {args.ep}"
@@ -306,25 +307,26 @@ def _report(
         f"{platform.python_version()}, {now:%Y-%m-%d %H:%M} UTC; load average (1 min) before "
         f"each round: {' '.join(f'{x:.1f}' for x in loads)}",
         "",
-        "| tool | wall s (median) | min s | GB/s | peak RSS MiB | × cp | × cp + sync "
-        "(same-round median) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tool | wall s (median) | min s | GB/s | peak RSS MiB | CPU s (median) | × cp | "
+        "× cp + sync (same-round median) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, runs in results.items():
         if name in failed or not runs:
-            lines.append(f"| {name} | failed ({failed.get(name, 'no run')}) | | | | | |")
+            lines.append(f"| {name} | failed ({failed.get(name, 'no run')}) | | | | | | |")
             continue
-        walls = [w for w, _ in runs]
+        walls = [w for w, _, _ in runs]
         med = statistics.median(walls)
-        rss = max(r for _, r in runs)
+        rss = max(r for _, r, _ in runs)
+        cpu = statistics.median(c for _, _, c in runs)
         same_round = statistics.median(w / s for w, s in zip(walls, sync_walls, strict=False))
         lines.append(
             f"| {name} | {med:.2f} | {min(walls):.2f} | {nbytes / med / 1e9:.2f} | "
-            f"{rss / 2**20:.0f} | {med / cp:.2f} | {same_round:.2f} |"
+            f"{rss / 2**20:.0f} | {cpu:.2f} | {med / cp:.2f} | {same_round:.2f} |"
         )
     lines.append("")
     lines.append("each round's wall s: " + "; ".join(
-        f"{name} " + " ".join(f"{w:.2f}" for w, _ in runs) for name, runs in results.items()
+        f"{name} " + " ".join(f"{w:.2f}" for w, _, _ in runs) for name, runs in results.items()
     ))  # fmt: skip
     return "\n".join(lines)
 
