@@ -100,11 +100,15 @@ class _Memo(dict[int, int]):
 
 
 #: Pickle bytes a process follows opcode by opcode before it compiles the regular expressions
-#: of :func:`.pickle_patterns.known_safe` and :func:`_skip_records` (~28 ms of CPU for both,
-#: about what the opcode-by-opcode scan of ~100 KB costs): a small checkpoint's one
+#: of :func:`.pickle_patterns.known_safe` and :func:`_skip_records`: a small checkpoint's one
 #: ``.metadata`` (2.5 KB for 10 tensors: 0.7 ms) never pays for them, and a run of many
 #: pickles pays at most about twice what compiling first would have cost (issue 27, goal 5).
-_EXACT_BYTES_BEFORE_PATTERNS = 64 * 1024
+#: Measured on this project's 2-core VM (CPU ms, fresh process; issue 38): a 1.1 GB Mixtral
+#: run's 96 KB ``.metadata`` 10 exactly against 32-41 with the patterns (compiling them is
+#: most of it); a 208 KB DCP ``.metadata`` of 1,000 small tensors 37-43 against 52-70. The
+#: exact scan wins below ~300 KB, so 64 KiB (the first setting) made mid-sized runs pay
+#: ~30 ms of start-up for nothing.
+_EXACT_BYTES_BEFORE_PATTERNS = 256 * 1024
 _exact_bytes = 0  # followed so far without the patterns (threads may race: only a heuristic)
 
 

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from ckptools.io import user_cache
+from ckptools.io import installed, user_cache
 from ckptools.io.user_cache import Miss
 from ckptools.plan.conversion_lookup import lookup_names, mapping_source, mentioned
 from ckptools.plan.conversions import KeyMap, Piece, Shapes, rules_for
@@ -40,12 +40,9 @@ Direction = Literal["disk", "memory"]
 
 
 def _version() -> str:
-    from importlib import metadata  # ~30 ms: only where a config asks for the conversion
-
-    try:
-        return metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    """The installed transformers' version (:func:`ckptools.io.installed.version`: no
+    ``importlib.metadata`` import, ~60-90 ms of start-up, where its directory names it)."""
+    return installed.version("transformers") or "unknown"
 
 
 def _model_class(config: Mapping[str, Any]) -> str:

@@ -217,11 +217,11 @@ def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
 def _dtype_keys() -> tuple[str, ...]:
     """The key the installed transformers' ``save_pretrained`` writes a model's dtype under:
     ``dtype`` since 4.56, ``torch_dtype`` before."""
-    from importlib import metadata
+    from ckptools.io import installed
 
     try:
-        major, minor = (int(p) for p in metadata.version("transformers").split(".")[:2])
-    except (metadata.PackageNotFoundError, ValueError):
+        major, minor = (int(p) for p in (installed.version("transformers") or "").split(".")[:2])
+    except ValueError:
         return ("dtype",)
     return ("dtype",) if (major, minor) >= (4, 56) else ("torch_dtype",)
 

@@ -184,7 +184,7 @@ def _shared_tuple(levels: int) -> bytes:
 def test_verdicts_are_the_same_with_and_without_the_patterns(
     patterns: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # before 64 KiB of pickles a process scans opcode by opcode, after it compiles the patterns
+    # before 256 KiB of pickles a process scans opcode by opcode, after it compiles the patterns
     spent = pickle_scan._EXACT_BYTES_BEFORE_PATTERNS if patterns else 0
     monkeypatch.setattr(pickle_scan, "_exact_bytes", spent)
     # a memo index past the pickle's end but below 2**16: known_safe lets it through unscanned,
@@ -207,7 +207,35 @@ def test_a_big_pickle_uses_the_patterns(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(pickle_patterns, "known_safe", lambda d: used.append(len(d)) or real(d))
     small = safe_pickle.restricted_loads(b"\x80\x02]q\x00.", {}, source="s")
     assert small == [] and not used  # scanned exactly, known_safe never asked
-    data = b"\x80\x02X\x00\x00\x01\x00" + b"a" * 65536 + b"."
-    assert len(_loads(data)) == 65536
+    n = pickle_scan._EXACT_BYTES_BEFORE_PATTERNS
+    data = b"\x80\x02X" + n.to_bytes(4, "little") + b"a" * n + b"."
+    assert len(_loads(data)) == n
     assert used == [len(data)]  # past the allowance: the C-speed check, as before
     assert pickle_scan._exact_bytes == pickle_scan._EXACT_BYTES_BEFORE_PATTERNS
+
+
+def test_a_mid_sized_dcp_metadata_is_scanned_without_the_patterns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DCP ``.metadata`` of 1,000 small tensors (~200 KB, what a 1 GB Mixtral run's is of the
+    same order: 96 KB) is followed opcode by opcode: faster than compiling the patterns first
+    (issue 38's start-up; the first setting, 64 KiB, compiled them for it)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckptools.producers.base import read_manifest
+
+    src = tmp_path / "ckpt"
+    state = {f"model.layers.{i}.w{j}": torch.ones(2, 2) for i in range(200) for j in range(5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    assert 150_000 < (src / ".metadata").stat().st_size < pickle_scan._EXACT_BYTES_BEFORE_PATTERNS
+    monkeypatch.setattr(pickle_scan, "_exact_bytes", 0)
+    used = []
+    real = pickle_patterns.known_safe
+    monkeypatch.setattr(pickle_patterns, "known_safe", lambda d: used.append(len(d)) or real(d))
+    manifest = read_manifest(str(src))
+    assert len(manifest.tensors) == 1000 and not used
