@@ -90,7 +90,7 @@ def mla_line(mg: dict[str, Any]) -> str:
     return (
         f"mla: q low-rank {shown('q_lora_rank')}, kv low-rank {shown('kv_lora_rank')}, q/k "
         f"heads {shown('qk_head_dim')} + rope {shown('qk_pos_emb_head_dim')}, v heads "
-        f"{shown('v_head_dim')}, rope {mg.get('rope_type') or 'rope'}"
+        f"{shown('v_head_dim')}, rope type {mg.get('rope_type') or 'rope'}"
     )
 
 
