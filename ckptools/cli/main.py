@@ -98,7 +98,10 @@ def _debug_details(e: CkptError) -> None:
 )
 @click.version_option(package_name="ckptools")
 @click.pass_context
-@filled(reads="".join(f"\n      {label:<30}{example}" for label, example in producers_say("reads")))
+@filled(
+    reads="".join(f"\n      {label:<30}{example}" for label, example in producers_say("reads")),
+    refuses="".join(f"\n      {label:<30}{why}" for label, why in producers_say("refuses")),
+)
 def cli(ctx: click.Context, debug: bool) -> None:
     """Inspect, consolidate, reshard and verify PyTorch distributed checkpoints, without
     running code stored in them. Point at the directory the producer wrote.
@@ -117,6 +120,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
       PEFT LoRA (on any of them)    ckpt consolidate lora_ckpt adapter --adapter --lora-alpha 16
       Hugging Face safetensors      ckpt shard hf_model ckpt-8 --world-size 8
       torch.save (.pt .pth .bin)    ckpt consolidate checkpoint.pth hf_model --key model_state_dict
+
+    \b
+    Recognised and refused in one line (nothing written):{refuses}
 
     `ckpt COMMAND --help` for each command; --debug (anywhere) shows tracebacks.
     """

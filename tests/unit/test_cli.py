@@ -233,7 +233,8 @@ def test_list_of_a_directory_without_saves_says_what_it_looked_for(tmp_path: Pat
 
 #: the command whose ``--help`` shows each place a producer's package fills (its ``HELP``)
 _HELP_PLACES = {
-    "reads": "ckpt", "consolidate --masters": "consolidate", "consolidate examples": "consolidate",
+    "reads": "ckpt", "refuses": "ckpt", "consolidate --masters": "consolidate",
+    "consolidate examples": "consolidate",
     "shard --world-size": "shard", "shard --to": "shard", "shard examples": "shard",
     "shard --make-vocab-size-divisible-by": "shard", "list saves": "list", "--iteration": "inspect",
     "consolidate --dtype": "consolidate",
@@ -252,7 +253,7 @@ def test_a_producers_words_in_the_help_are_its_packages(tmp_path: Path) -> None:
         texts[name] = command.get_help(click.Context(command, info_name=name))
     empty = CliRunner().invoke(cli, ["list", str(tmp_path)]).output
     for place, text in said:
-        if place == "reads":  # a row of the table: the family, an example
+        if place in ("reads", "refuses"):  # a row of a table: the family, an example or why
             text = " ".join(text)
         elif place == "list saves":  # the family, an example save's name
             assert f", {text[0]} {text[1]}, " in empty, text

@@ -28,3 +28,7 @@ COUNTED_PARTS = (
         0,
     ),
 )
+#: ``ckpt --help``'s row of what this family recognises only to refuse (cli/options.producers_say)
+HELP = (
+    ("refuses", ("FSDP1 LOCAL_STATE_DICT", "flat-parameter shards, no names or shapes stored")),
+)
