@@ -30,6 +30,8 @@ from typing import Any, Literal, NamedTuple
 from ckptools.core import dtypes
 
 Encoding = Literal["raw", "torch_save"]
+#: an item stored as one ``torch.save`` archive (a chunk encoding, not the ``torch_save`` layout)
+ARCHIVE: Encoding = "torch_save"
 
 
 class Chunk(NamedTuple):

@@ -23,6 +23,7 @@ from typing import Any
 
 from ckptools.core import dtypes
 from ckptools.core.crc32 import crc32
+from ckptools.core.manifest import ARCHIVE
 from ckptools.engine import collective
 from ckptools.engine.reader import decoded_bound, decoded_item, prefetch_archive
 from ckptools.errors import CkptError
@@ -211,7 +212,7 @@ class _Scanner:
         for item in items:
             if item.transforms:
                 self._decoded_item(item, full, res)
-            elif item.encoding == "torch_save":
+            elif item.encoding == ARCHIVE:
                 self._item_segments(item, full, segments, res)
             else:
                 segments.append(_Segment(item.offset, item.end, _READ_ONLY))
@@ -254,7 +255,7 @@ class _Scanner:
         res: _FileResult,
     ) -> None:
         """A whole-file ``torch.save`` archive (``model.pt``, ``meta.pt``): check its records."""
-        if any(i.encoding == "torch_save" for i in items) or rel.endswith(".safetensors"):
+        if any(i.encoding == ARCHIVE for i in items) or rel.endswith(".safetensors"):
             return
         if size < 22 or self.reader.read(rel, 0, 4) != _ZIP_MAGIC:
             return

@@ -24,6 +24,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckptools.cli.main import cli
+from tests.support.megatron_truth import config_file as _config_file
+from tests.support.megatron_truth import invoke as _invoke
+from tests.support.megatron_truth import ok as _ok
+from tests.support.megatron_truth import truth as _truth
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 ALL_CASES = sorted(p.name[: -len(".truth.pt")] for p in FIXTURES.glob("*.truth.pt"))
@@ -41,29 +45,6 @@ CASES = [c for c in ALL_CASES if c not in MOE_CASES + MLA_CASES]
 #: logits of from_pretrained (fp32) against Megatron's own forward: fp32 runs agree to float
 #: rounding (~1e-7 measured); the bf16 run computed in bf16 (~2e-3 measured)
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
-
-
-def _truth(case: str) -> dict[str, Any]:
-    truth: dict[str, Any] = torch.load(FIXTURES / f"{case}.truth.pt", weights_only=True)
-    return truth
-
-
-def _invoke(*args: str) -> Any:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def _ok(*args: str) -> dict[str, Any]:
-    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
-    result = _invoke(*args, "--json", *quiet)
-    assert result.exit_code == 0, result.output
-    out: dict[str, Any] = json.loads(result.output)
-    return out
-
-
-def _config_file(tmp_path: Path, case: str) -> Path:
-    path = tmp_path / f"{case}-config.json"
-    path.write_text(_truth(case)["hf_config"])
-    return path
 
 
 def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:

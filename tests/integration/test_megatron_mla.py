@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from ckptools.cli.main import cli
 from ckptools.producers.megatron import mla
+from tests.support.megatron_truth import config_file as _config_file
+from tests.support.megatron_truth import invoke as _invoke
+from tests.support.megatron_truth import ok as _ok
+from tests.support.megatron_truth import truth as _truth
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 CASES = ("deepseek_v3_ep2", "mla_dense_tp2")
@@ -37,29 +39,6 @@ ATTENTION = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
 }
-
-
-def _truth(case: str) -> dict[str, Any]:
-    truth: dict[str, Any] = torch.load(FIXTURES / f"{case}.truth.pt", weights_only=True)
-    return truth
-
-
-def _invoke(*args: str) -> Any:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def _ok(*args: str) -> dict[str, Any]:
-    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
-    result = _invoke(*args, "--json", *quiet)
-    assert result.exit_code == 0, result.output
-    out: dict[str, Any] = json.loads(result.output)
-    return out
-
-
-def _config_file(tmp_path: Path, case: str) -> Path:
-    path = tmp_path / f"{case}-config.json"
-    path.write_text(_truth(case)["hf_config"])
-    return path
 
 
 def _in_memory(truth: dict[str, Any], config: Any, which: str = "model") -> dict[str, torch.Tensor]:

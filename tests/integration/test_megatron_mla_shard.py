@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from ckptools.cli.main import cli
+from tests.support.megatron_truth import invoke as _invoke
+from tests.support.megatron_truth import ok as _ok
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 #: HF fixture -> (Megatron's own save of that shape, the vocabulary divisor it padded with x TP)
@@ -38,18 +38,6 @@ _ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
          "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
          "moe_router_num_groups", "moe_router_group_topk", "moe_shared_expert_intermediate_size",
          "moe_layer_freq", "moe_grouped_gemm", "untie_embeddings_and_output_weights")  # fmt: skip
-
-
-def _invoke(*args: str) -> Any:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def _ok(*args: str) -> dict[str, Any]:
-    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
-    result = _invoke(*args, "--json", *quiet)
-    assert result.exit_code == 0, result.output
-    out: dict[str, Any] = json.loads(result.output)
-    return out
 
 
 def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckptools.cli.main import cli
+from tests.support.megatron_truth import ok as _ok
+from tests.support.megatron_truth import truth
 
 HERE = Path(__file__).resolve().parents[2] / "fixtures" / "megatron" / "nemo"
 NEMO_RUN = HERE / "nemo2_tp2"
@@ -31,16 +33,7 @@ SOURCES = {
 
 
 def _truth(case: str) -> dict[str, Any]:
-    out: dict[str, Any] = torch.load(HERE / f"{case}.truth.pt", weights_only=True)
-    return out
-
-
-def _ok(*args: str) -> dict[str, Any]:
-    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
-    result = CliRunner().invoke(cli, [*args, "--json", *quiet], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    out: dict[str, Any] = json.loads(result.output)
-    return out
+    return truth(case, HERE)
 
 
 def _hf(directory: Path) -> dict[str, torch.Tensor]:

@@ -5,7 +5,42 @@ fc1: gate rows then up rows; the padded vocabulary cut), independently of ckptoo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
+
+import torch
+from click.testing import CliRunner, Result
+
+from ckptools.cli.main import cli
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+
+
+def truth(case: str, where: Path = FIXTURES) -> dict[str, Any]:
+    """The ground truth of the fixture ``case`` (``<case>.truth.pt`` in ``where``)."""
+    out: dict[str, Any] = torch.load(where / f"{case}.truth.pt", weights_only=True)
+    return out
+
+
+def invoke(*args: str) -> Result:
+    """``ckpt ARGS`` in this process (an exception propagates: a traceback is a failure)."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def ok(*args: str) -> dict[str, Any]:
+    """``ckpt ARGS --json`` (quiet where the verb writes), which must exit 0: its JSON."""
+    quiet = ("-q",) if args[0] not in ("inspect", "list") else ()
+    result = invoke(*args, "--json", *quiet)
+    assert result.exit_code == 0, result.output
+    out: dict[str, Any] = json.loads(result.output)
+    return out
+
+
+def config_file(tmp_path: Path, case: str) -> Path:
+    """The HF ``config.json`` the truth of ``case`` records, written under ``tmp_path``."""
+    path = tmp_path / f"{case}-config.json"
+    path.write_text(truth(case)["hf_config"])
+    return path
 
 
 def hf_truth(truth: dict[str, Any], section: str) -> dict[str, Any]:
