@@ -196,11 +196,33 @@ def test_iteration_picks_a_save_and_a_missing_one_lists_them() -> None:
     )
 
 
-def test_consolidate_without_config_asks_for_it(tmp_path: Path) -> None:
-    result = _invoke("consolidate", str(FIXTURES / "tp2_pp1"), str(tmp_path / "out"))
-    assert result.exit_code != 0
-    assert "true vocabulary size" in result.output and "--config" in result.output
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("case", ["tp2_pp1", "mixtral_ep2", "qwen3_moe_ep2", "deepseek_v3_ep2"])
+def test_the_run_directory_alone_gives_the_model_with_its_padded_vocabulary(
+    tmp_path: Path, case: str
+) -> None:
+    """A run with a Hugging Face tokenizer keeps only the padded vocabulary size in its args:
+    with no flag the model keeps Megatron's padded rows (the embedding and head as stored), says
+    so with the way to drop them, and computes Megatron's logits, padded columns included."""
+    truth = _truth(case)
+    out = tmp_path / "hf"
+    result = _ok("consolidate", str(FIXTURES / case), str(out))
+    assert any("vocab padding kept" in n and "--config" in n for n in result["notes"])
+    config = json.loads((out / "config.json").read_text())
+    padded = truth["padded_vocab_size"]
+    assert padded > truth["true_vocab_size"] and config["vocab_size"] == padded
+    sizes = ("model_type", "hidden_size", "num_hidden_layers", "tie_word_embeddings")
+    expected = json.loads(truth["hf_config"])
+    assert {k: config[k] for k in sizes} == {k: expected[k] for k in sizes}
+    hf = _hf_tensors(out)
+    assert torch.equal(hf["model.embed_tokens.weight"],
+                       truth["model"]["embedding.word_embeddings.weight"])  # fmt: skip
+    logits = _logits(out, truth["input_ids"])
+    tol = BF16_TOL if "bfloat16" in truth["params_dtype"] else FP32_TOL
+    assert logits.shape[-1] == padded
+    assert (logits - truth["logits"].float()).abs().max().item() < tol
+    trimmed = _ok("consolidate", str(FIXTURES / case), str(tmp_path / "trimmed"),
+                  "--config", str(_config_file(tmp_path, case)))  # fmt: skip
+    assert not any("vocab padding kept" in n for n in trimmed["notes"])
 
 
 @pytest.mark.parametrize("name", ["iter_0000010/__0_0.distcp", "iter_0000010/metadata.json",

@@ -105,8 +105,14 @@ def test_refusals_name_the_family() -> None:
         "decoder.layers.self_attention.linear_qkv.weight": (2, 32, 16),
         "decoder.layers.mlp.linear_fc1.weight": (2, 64, 16),
     }
-    with pytest.raises(UsageError, match="--config"):
-        megatron.dims_from_run(shapes, {"num_attention_heads": 4, "num_query_groups": 2}, None, "r")
+    with pytest.raises(UsageError, match="--config"):  # the head count is nowhere
+        megatron.dims_from_run(shapes, {"num_query_groups": 2}, None, "r")
+    # the true vocabulary is nowhere: Megatron's padded rows are the model's, and said so
+    dims, _ = megatron.dims_from_run(shapes, {"num_attention_heads": 4, "num_query_groups": 2},
+                                     None, "r")  # fmt: skip
+    assert (dims.vocab, dims.padded_vocab, dims.padding_kept) == (112, 112, True)
+    km = megatron.keymap(dims, megatron.FUSED_NORMS, "llama", padding=False)
+    assert megatron.PADDING_KEPT in km.rules
     with pytest.raises(UnsupportedCheckpointError, match="MoE"):
         megatron.dims_from_run(shapes, {"num_experts": 8}, None, "r")
 

@@ -8,6 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+#: the rule of an embedding (or output layer) whose padding rows are kept: a run with a Hugging
+#: Face tokenizer keeps only the padded size in its args (as Megatron's own export does then)
+PADDING_KEPT = (
+    "vocab padding kept (the run's args lack the tokenizer's true size; --config with the "
+    "model's config.json drops it)"
+)
+
 
 def common_config(
     architecture: str,

@@ -358,8 +358,12 @@ def run_args(common: Mapping[str, Any] | None, manifest: Manifest) -> RunArgs:
     fields: dict[str, Any] = {k: _arg(args, v, int) for k, v in ints.items()}
     for name in _INT_ARGS:
         fields[name] = _arg(args, name, int)
-    for name in ("norm_epsilon", "rotary_base"):
-        value = _arg(args, name, (int, float))
+    # Megatron-LM's --norm-epsilon is kept as ``layernorm_epsilon`` (the TransformerConfig
+    # field its arguments are made from); older releases kept ``norm_epsilon``
+    for name, *kept in (("norm_epsilon", "layernorm_epsilon", "norm_epsilon"),
+                        ("rotary_base", "rotary_base")):  # fmt: skip
+        values = [_arg(args, arg, (int, float)) for arg in kept]
+        value = next((v for v in values if v is not None), None)
         fields[name] = None if value is None else float(value)
     fields["normalization"] = _arg(args, "normalization", str)
     for name in _BOOL_ARGS:
@@ -460,50 +464,6 @@ def read_save(path: str, chosen: Chosen | None = None) -> Manifest:
 CONVERTED_ITERATION = 1
 #: ``common_state``'s ``checkpoint_version`` in what Megatron-LM saves today
 CHECKPOINT_VERSION = 3.0
-
-
-def run_namespace(args: Mapping[str, Any]) -> bytes:
-    """The pickle of ``torch.save``'s ``[common_state]`` for a converted model: the model's
-    ``args`` as the ``argparse.Namespace`` Megatron-LM keeps, the checkpoint version and
-    iteration (what ``load_checkpoint`` reads; Megatron admits a ``Namespace`` on load)."""
-    import argparse
-    import pickle
-
-    common = {
-        "args": argparse.Namespace(**args),
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": CONVERTED_ITERATION,
-    }
-    return pickle.dumps([common], protocol=2)
-
-
-def converted_args(d: Any, params_dtype: str) -> dict[str, Any]:
-    """The Megatron-LM ``args`` of a model of sizes ``d`` (:class:`.plan.Dims`) that a converted
-    checkpoint records: what ``--use-checkpoint-args`` would read back."""
-    return {
-        "num_layers": d.layers,
-        "hidden_size": d.hidden,
-        "ffn_hidden_size": d.ffn,
-        "num_attention_heads": d.heads,
-        "group_query_attention": d.groups != d.heads,
-        "num_query_groups": d.groups,
-        "kv_channels": d.head_dim,
-        "vocab_size": d.vocab,
-        "padded_vocab_size": d.padded_vocab,
-        "untie_embeddings_and_output_weights": not d.tied,
-        "normalization": "RMSNorm",
-        "swiglu": True,
-        "position_embedding_type": "rope",
-        "add_bias_linear": False,
-        "add_qkv_bias": d.qkv_bias,
-        "qk_layernorm": d.qk_norm,
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "bf16": params_dtype == "bfloat16",
-        "fp16": params_dtype == "float16",
-        "ckpt_format": BACKEND,
-        "iteration": CONVERTED_ITERATION,
-    }
 
 
 #: the local spec's modules whose ``_extra_state`` Megatron saves (``None`` each, per layer)

@@ -26,7 +26,7 @@ from typing import Any
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.plan.conversions import KeyMap, Piece, Shapes
 from ckptools.producers.megatron import moe
-from ckptools.producers.megatron.hf_config import common_config
+from ckptools.producers.megatron.hf_config import PADDING_KEPT, common_config
 
 _LAYERS = "decoder.layers."
 FAMILY = "deepseek_v3"
@@ -193,9 +193,9 @@ def _rows(disk: str, memory: str, shape: tuple[int, ...], first: int, n: int, i:
     return Piece(disk, memory, offsets, sizes, stack, rule, at=(0, *zeros), whole_shape=(n, *rest))
 
 
-def _vocab(megatron: str, hf: str, shape: tuple[int, ...], vocab: int) -> Piece:
+def _vocab(megatron: str, hf: str, shape: tuple[int, ...], vocab: int, kept: bool) -> Piece:
     if vocab == shape[0]:
-        return Piece(hf, megatron, (0, 0), shape, None, "rename")
+        return Piece(hf, megatron, (0, 0), shape, None, PADDING_KEPT if kept else "rename")
     return Piece(hf, megatron, (0, 0), (vocab, shape[1]), None, "vocab padding dropped",
                  at=(0, 0), whole_shape=(vocab, shape[1]))  # fmt: skip
 
@@ -208,7 +208,10 @@ def to_hf(
 
     Raises:
         UnsupportedCheckpointError: what DeepseekV3 does not compute, or a tensor it lacks.
-        UsageError: the true vocabulary size or the head count is nowhere.
+        UsageError: the head count is nowhere, or the config's vocabulary exceeds the rows.
+
+    Where the true vocabulary size is nowhere (no config, none in the args) the padded rows
+    are kept (:data:`~.hf_config.PADDING_KEPT`).
     """
     if config is not None and config.get("model_type") != FAMILY:
         raise UnsupportedCheckpointError(
@@ -225,12 +228,8 @@ def to_hf(
     if not heads or embedding is None:
         raise UsageError(f"{where}: the attention heads or the embedding are missing; give "
                          "the model's config.json with --config")  # fmt: skip
-    if not vocab:
-        raise UsageError(
-            f"{where}: the true vocabulary size is not in the run's args (Megatron keeps only "
-            f"the padded {embedding[0]} rows when it runs with a Hugging Face tokenizer); give "
-            "the model's config.json with --config"
-        )
+    kept = not vocab  # the true size is nowhere: the padded rows are the model's
+    vocab = vocab or embedding[0]
     if vocab > embedding[0]:
         raise UsageError(f"{where}: the config's vocab_size {vocab} exceeds the {embedding[0]} "
                          "embedding rows stored: --config names another model")  # fmt: skip
@@ -264,13 +263,13 @@ def to_hf(
     if experts:
         pieces.extend(_expert_pieces(layers, first_dense, stacked, int(experts), known))
     embed = "embedding.word_embeddings.weight"
-    pieces.append(_vocab(embed, "model.embed_tokens.weight", embedding, vocab))
+    pieces.append(_vocab(embed, "model.embed_tokens.weight", embedding, vocab, kept))
     pieces.append(Piece("model.norm.weight", "decoder.final_layernorm.weight",
                         (0,), (embedding[1],), None, "rename"))  # fmt: skip
     known |= {embed, "decoder.final_layernorm.weight"}
     if "output_layer.weight" in shapes:
         pieces.append(_vocab("output_layer.weight", "lm_head.weight",
-                             shapes["output_layer.weight"], vocab))  # fmt: skip
+                             shapes["output_layer.weight"], vocab, kept))  # fmt: skip
         known.add("output_layer.weight")
     for name in shapes:
         if name not in known:

@@ -38,7 +38,7 @@ from typing import Any
 from ckptools.errors import UnsupportedCheckpointError, UsageError
 from ckptools.plan.conversions import KeyMap, Piece, Shapes
 from ckptools.producers.megatron import moe
-from ckptools.producers.megatron.hf_config import common_config
+from ckptools.producers.megatron.hf_config import PADDING_KEPT, common_config
 
 #: the Hugging Face ``model_type`` s whose layers are this module's layout
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -83,6 +83,7 @@ class Dims:
     stacked: bool = True  # Megatron's layers on one leading dim (else decoder.layers.<i>.)
     experts: int = 0  # MoE experts per layer (0: a dense MLP)
     moe_ffn: int = 0  # each expert's hidden size
+    padding_kept: bool = False  # the true vocabulary is nowhere: Megatron's rows are HF's
 
     @property
     def per_group(self) -> int:
@@ -189,7 +190,8 @@ def vocab_pieces(d: Dims, megatron: str, hf: str, padding: bool) -> list[Piece]:
     ``padding`` (going to Megatron) each padding row is a copy of the last real row."""
     h, v = d.hidden, d.vocab
     if v == d.padded_vocab:
-        return [Piece(hf, megatron, (0, 0), (v, h), None, "rename")]
+        return [Piece(hf, megatron, (0, 0), (v, h), None, PADDING_KEPT if d.padding_kept else
+                      "rename")]  # fmt: skip
     shape = (v, h)
     out = [Piece(hf, megatron, (0, 0), (v, h), None, "vocab padding dropped", at=(0, 0),
                  whole_shape=shape)]  # fmt: skip
@@ -411,7 +413,10 @@ def dims_from_run(
     Raises:
         UnsupportedCheckpointError: MLA, MoE parts or routing no mapped family has, no SwiGLU,
             or tensors this layout lacks.
-        UsageError: the true vocabulary size is nowhere (no config, ``args.vocab_size`` None).
+        UsageError: the head count is nowhere, or the config's vocabulary exceeds the rows.
+
+    Where the true vocabulary size is nowhere (no config; ``args.vocab_size`` None, as with a
+    Hugging Face tokenizer) the padded rows are kept (:data:`PADDING_KEPT`).
     """
     refuse_family(shapes, where, with_moe=True)
     if args.get("multi_latent_attention"):
@@ -456,12 +461,6 @@ def dims_from_run(
             f"{where}: the number of attention heads is in neither the run's args nor a config; "
             "give the model's config.json with --config"
         )
-    if not vocab:
-        raise UsageError(
-            f"{where}: the true vocabulary size is not in the run's args (Megatron keeps only "
-            f"the padded {embedding[0]} rows when it runs with a Hugging Face tokenizer); give "
-            "the model's config.json with --config"
-        )
     rows = qkv[-2]
     if rows % (heads + 2 * groups) or heads % groups:
         raise UnsupportedCheckpointError(
@@ -472,8 +471,8 @@ def dims_from_run(
     dims = Dims(
         layers=layers, hidden=embedding[1], heads=int(heads), groups=int(groups),
         head_dim=rows // (heads + 2 * groups), ffn=fc1[-2] // 2 if fc1 is not None else
-        int(args.get("ffn_hidden_size") or moe_ffn), vocab=int(vocab),
-        padded_vocab=embedding[0], tied="output_layer.weight" not in shapes,
+        int(args.get("ffn_hidden_size") or moe_ffn), vocab=vocab or embedding[0],
+        padded_vocab=embedding[0], padding_kept=not vocab, tied="output_layer.weight" not in shapes,
         qkv_bias=_find(shapes, f"{_QKV}.bias", stacked) is not None,
         qk_norm=_find(shapes, "self_attention.q_layernorm.weight", stacked) is not None,
         stacked=stacked, experts=experts, moe_ffn=moe_ffn,

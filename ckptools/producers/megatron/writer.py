@@ -77,12 +77,12 @@ def planned(
     if dims.experts:
         source = _unfolded(source, names, moe.folded_experts(keymap.memory_shapes), dims)
     dtype = source.tensors[names["embedding.word_embeddings.weight"]].dtype
-    args = layout.converted_args(dims, dtype)
-    args.update(make_vocab_size_divisible_by=divisor, norm_epsilon=cfg.get("rms_norm_eps"),
+    args = converted_args(dims, dtype)
+    args.update(make_vocab_size_divisible_by=divisor, layernorm_epsilon=cfg.get("rms_norm_eps"),
                 rotary_base=plan.rope_theta(cfg),
                 max_position_embeddings=cfg.get("max_position_embeddings"))  # fmt: skip
     args.update(family_args)
-    common = Archived(torch_archive.pickled_archive(layout.run_namespace(args)))
+    common = Archived(torch_archive.pickled_archive(run_namespace(args)))
     values: dict[str, Any] = {layout.COMMON_STATE: common, **extra}
     paths = {n: (n,) for n in (*names, *values)}
     dcp_plan = plan_dcp(source, world_size, names, paths, objects=[], values=values)
@@ -142,3 +142,47 @@ def _reboxed(c: Chunk, experts: int, strides: tuple[int, ...] | None) -> Chunk:
         sizes=(1, count, *c.sizes[1:]),
         strides=strides,
     )
+
+
+def run_namespace(args: Mapping[str, Any]) -> bytes:
+    """The pickle of ``torch.save``'s ``[common_state]`` for a converted model: the model's
+    ``args`` as the ``argparse.Namespace`` Megatron-LM keeps, the checkpoint version and
+    iteration (what ``load_checkpoint`` reads; Megatron admits a ``Namespace`` on load)."""
+    import argparse
+    import pickle
+
+    common = {
+        "args": argparse.Namespace(**args),
+        "checkpoint_version": layout.CHECKPOINT_VERSION,
+        "iteration": layout.CONVERTED_ITERATION,
+    }
+    return pickle.dumps([common], protocol=2)
+
+
+def converted_args(d: Any, params_dtype: str) -> dict[str, Any]:
+    """The Megatron-LM ``args`` of a model of sizes ``d`` (:class:`.plan.Dims`) that a converted
+    checkpoint records: what ``--use-checkpoint-args`` would read back."""
+    return {
+        "num_layers": d.layers,
+        "hidden_size": d.hidden,
+        "ffn_hidden_size": d.ffn,
+        "num_attention_heads": d.heads,
+        "group_query_attention": d.groups != d.heads,
+        "num_query_groups": d.groups,
+        "kv_channels": d.head_dim,
+        "vocab_size": d.vocab,
+        "padded_vocab_size": d.padded_vocab,
+        "untie_embeddings_and_output_weights": not d.tied,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "add_bias_linear": False,
+        "add_qkv_bias": d.qkv_bias,
+        "qk_layernorm": d.qk_norm,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "bf16": params_dtype == "bfloat16",
+        "fp16": params_dtype == "float16",
+        "ckpt_format": layout.BACKEND,
+        "iteration": layout.CONVERTED_ITERATION,
+    }
