@@ -167,7 +167,8 @@ def test_inspect_shows_the_producers_facts_in_its_own_words() -> None:
     assert producer.lines(shown["megatron"]) == [
         "  megatron: iteration 10, TP 2 x PP 1 x DP 1, float32",
         "  model: 2 layers, hidden 16, ffn 32, 4 heads in 2 query groups, vocab 112 rows, padded "
-        "(the true size is in the model's config.json, not in the run's args)",
+        "(the true size is in the model's config.json, not in the run's args: kept padded without "
+        "--config)",
         "  optimizer sharding: dp_reshardable; entries: common 1, extra_state 8, model 9, "
         "optimizer 12, rng 2",
     ]

@@ -215,6 +215,7 @@ def test_inspect_shows_mla_dims_and_shared_experts() -> None:
     ), text
     mla = "mla: q low-rank 8, kv low-rank 8, q/k heads 4 + rope 4, v heads 4, rope type rope"
     assert mla in text, text
+    assert "ffn 32, 4 heads, vocab 104 rows" in text, text  # no query groups in MLA
     dense = _invoke("inspect", str(FIXTURES / "mla_dense_tp2")).output
     mla = "mla: q low-rank 12, kv low-rank 6, q/k heads 6 + rope 4, v heads 4, rope type rope"
     assert mla in dense, dense

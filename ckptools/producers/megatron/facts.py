@@ -31,10 +31,12 @@ def lines(mg: dict[str, Any]) -> list[str]:
     def shown(key: str) -> str:
         return "?" if mg.get(key) is None else str(mg[key])
 
-    groups = f"{shown('num_query_groups')} query groups"
+    heads = f"{shown('num_attention_heads')} heads"
+    if not mg.get("multi_latent_attention"):  # MLA's heads share no key/value groups
+        heads += f" in {shown('num_query_groups')} query groups"
     vocab = (
         f"vocab {shown('padded_vocab_size')} rows, padded (the true size is in the model's "
-        "config.json, not in the run's args)"
+        "config.json, not in the run's args: kept padded without --config)"
         if mg.get("vocab_size") is None
         else f"vocab {mg['vocab_size']} (padded {shown('padded_vocab_size')})"
     )
@@ -50,7 +52,7 @@ def lines(mg: dict[str, Any]) -> list[str]:
         f"{shown('pipeline_parallel')} x DP {shown('data_parallel')}{ep}, "
         f"{shown('params_dtype')}",
         f"  model: {shown('num_layers')} layers, hidden {shown('hidden_size')}, ffn "
-        f"{shown('ffn_hidden_size')}, {shown('num_attention_heads')} heads in {groups}, {vocab}",
+        f"{shown('ffn_hidden_size')}, {heads}, {vocab}",
     ]
     if mg.get("multi_latent_attention"):
         out.append(f"  {mla_line(mg)}")
