@@ -100,9 +100,8 @@ def _tensor(value: Any, what: str) -> TensorRef | OtherTensor:
     return value
 
 
-def _rebuild_parameter(
-    data: Any, requires_grad: Any = True, backward_hooks: Any = None, state: Any = None
-) -> TensorRef | OtherTensor:
+def _rebuild_parameter(data: Any, *_ignored: Any) -> TensorRef | OtherTensor:
+    # _ignored: requires_grad, backward_hooks, state (the Parameter's, nothing of the data)
     return _tensor(data, "nn.Parameter")
 
 
@@ -137,14 +136,9 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _rebuild_qtensor(
-    storage: Any,
-    storage_offset: Any,
-    size: Any,
-    stride: Any,
-    quantizer_params: Any,
-    requires_grad: Any = False,
-    backward_hooks: Any = None,
+    storage: Any, storage_offset: Any, size: Any, stride: Any, quantizer_params: Any, *_ignored: Any
 ) -> OtherTensor:
+    # _ignored: requires_grad, backward_hooks (a live tensor's, nothing of the data)
     data = _tensor_ref(storage, storage_offset, size, stride, None, None)
     scheme = quantizer_params[0] if isinstance(quantizer_params, tuple) and quantizer_params else ""
     kind = "quantized"

@@ -237,10 +237,9 @@ def plan_dcp(
             _plan_value_tensor(packer, fqn, value)
             continue
         try:
-            if isinstance(value, Archived):
-                data = value.data
-            else:
-                data = torch_archive.object_archive(value)
+            data = (
+                value.data if isinstance(value, Archived) else torch_archive.object_archive(value)
+            )
         except TypeError as e:
             raise UnsupportedCheckpointError(
                 f"{manifest.root}: {fqn!r} cannot be stored in DCP ({e})", fqn=fqn

@@ -192,18 +192,20 @@ def map_state_keys(
                 f"groups hold {len(ids)}"
             )
         named = _named(where, dict(zip(ids, param_order, strict=True)), by_name)
-        _check_shapes(manifest, where, opt, named, by_name, raise_on=True)
+        misplaced = _misplaced(manifest, opt, named, by_name)
+        if misplaced is not None:
+            raise UnsupportedCheckpointError(f"{where}: {misplaced}")
         return named
     if len(opt.groups) == 1 and len(ids) == len(params) and not unordered(manifest):
         named = {i: p.fqn for i, p in zip(ids, params, strict=True)}
-        if _check_shapes(manifest, where, opt, named, by_name, raise_on=False):
+        if _misplaced(manifest, opt, named, by_name) is None:
             return named
     if suggested is not None and len(suggested) == len(ids):
         try:
             named = _named(where, dict(zip(ids, suggested, strict=True)), by_name)
         except UnsupportedCheckpointError:
             named = {}
-        if named and _check_shapes(manifest, where, opt, named, by_name, raise_on=False):
+        if named and _misplaced(manifest, opt, named, by_name) is None:
             return named
     raise UnsupportedCheckpointError(_why_unplaceable(manifest, where, opt, params))
 
@@ -234,26 +236,20 @@ def _state_shapes(manifest: Manifest, opt: OptimizerState, key: str) -> list[tup
     return out
 
 
-def _check_shapes(
-    manifest: Manifest,
-    where: str,
-    opt: OptimizerState,
-    named: Mapping[str, str],
-    by_name: Mapping[str, _Param],
-    *,
-    raise_on: bool,
-) -> bool:
+def _misplaced(
+    manifest: Manifest, opt: OptimizerState, named: Mapping[str, str], by_name: Mapping[str, _Param]
+) -> str | None:
+    """The first state whose shape is not that of the parameter ``named`` places it on, said;
+    None when every one fits."""
     for key in opt.state:
         fqn = named[key]
         for shape in _state_shapes(manifest, opt, key):
             if shape != by_name[fqn].shape:
-                if raise_on:
-                    raise UnsupportedCheckpointError(
-                        f"{where}: state {key} has shape {list(shape)} but is placed on {fqn!r} "
-                        f"of shape {list(by_name[fqn].shape)}"
-                    )
-                return False
-    return True
+                return (
+                    f"state {key} has shape {list(shape)} but is placed on {fqn!r} "
+                    f"of shape {list(by_name[fqn].shape)}"
+                )
+    return None
 
 
 def _why_unplaceable(

@@ -53,9 +53,11 @@ from ckptools.training import store
 from ckptools.training.retention import RetentionPolicy
 from ckptools.training.state import (
     EXTRA_KEY,
+    NO_DIST_WARNING,
     check_saved,
     checkpoint_id,
     load,
+    no_dist_warning_silenced,
     state_to_save,
     storage_writer,
     write_model_config,
@@ -67,8 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["AsyncSaveError", "CheckpointManager"]
 
 log = logging.getLogger(__name__)
-
-_NO_DIST_WARNING = "torch.distributed is disabled"
 
 
 class AsyncSaveError(CkptError, RuntimeError):
@@ -227,7 +227,7 @@ class CheckpointManager:
                 # Single-process async saves run dcp.save on torch's upload thread, where a
                 # catch_warnings block cannot reach; its "assuming a single process" warning is
                 # exactly our intent, so it is silenced for that message only.
-                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+                warnings.filterwarnings("ignore", message=NO_DIST_WARNING, category=UserWarning)
         self._ranks.from_all(lambda: None, "starting the CheckpointManager")
 
     # ---------------------------------------------------------------------------------- queries
@@ -282,8 +282,7 @@ class CheckpointManager:
         fill = self._filler(model)
         if self._executor is None:
             with protocol.staged(self._ranks, output, fill) as stage:
-                with warnings.catch_warnings(), space.translated(stage.tmp):  # a full disk
-                    warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                with no_dist_warning_silenced(), space.translated(stage.tmp):  # a full disk
                     dcp_save(
                         state,
                         checkpoint_id=checkpoint_id(stage.tmp),
@@ -296,8 +295,7 @@ class CheckpointManager:
         stage = protocol.begin(self._ranks, output, fill)
         try:
             staged = self._stage(state)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            with no_dist_warning_silenced():
                 upload = dcp_async_save(
                     staged,
                     checkpoint_id=checkpoint_id(stage.tmp),

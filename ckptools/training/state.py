@@ -41,7 +41,8 @@ import io
 import logging
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,8 +84,22 @@ EXTRA_KEY = "extra"
 _OBJECT_PLACEHOLDER = "<ckptools: not loaded>"
 
 
+#: what torch warns when DCP runs without a process group ("assuming the intent is to ...
+#: in a single process"): with ``no_dist`` that is the intent
+NO_DIST_WARNING = "torch.distributed is disabled"
+
+
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def no_dist_warning_silenced() -> Iterator[None]:
+    """Within the block, :data:`NO_DIST_WARNING` alone is not shown (the filter is undone on
+    exit): ``dcp.save``/``dcp.load`` called on this thread without a process group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+        yield
 
 
 def _options() -> StateDictOptions:
@@ -247,9 +262,7 @@ def save(
         3
     """
     state = state_to_save(model, optimizer, extra)
-    with warnings.catch_warnings():
-        # no_dist=True is the intent without a process group; torch still warns that it assumes it.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with no_dist_warning_silenced():
         dcp_save(
             state,
             checkpoint_id=checkpoint_id(os.fspath(path)),
@@ -410,8 +423,7 @@ def load(
     _check_tops(path, tops, optimizer is not None)
     state = _state_of(model, optimizer)
     state[EXTRA_KEY] = extra_template
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with no_dist_warning_silenced():
         dcp_load(
             state,
             checkpoint_id=checkpoint_id(path),

@@ -97,21 +97,20 @@ def training_manifest(
         "not carried (an FSDP2 job has no place for them): Megatron's RNG state, "
         "common_state (args, scheduler), the layers' _extra_state"
     )
-    return Manifest(
-        root=manifest.root,
+    # the same save's files, ranks and details, holding the HF model and its optimizer: not
+    # the DCP parts it was read through, nor their files beside the data
+    return replace(
+        manifest,
         format="megatron-training",
         layout="megatron",
         tensors=tensors,
         objects=objects,
-        files=manifest.files,
-        world_size=manifest.world_size,
         paths=paths,
         # metadata.json commits a Megatron save: a marker, not a file left behind
         markers=tuple(dict.fromkeys((*manifest.markers, CONFIG_FILE))),
         notes=tuple(notes),
-        details=manifest.details,
-        data_root=manifest.data_dir(),
-        marker_digests=manifest.marker_digests,
+        parts=(),
+        aux_files=(),
     )
 
 
