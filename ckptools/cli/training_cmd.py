@@ -44,10 +44,23 @@ def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
     from ckptools.training.store import list_run
 
     infos = list_run(root, storage_options=storage_options)
-    emit({"root": root, "checkpoints": [c.to_dict() for c in infos]}, as_json, _render_list)
+    listed: dict[str, Any] = {"root": root, "checkpoints": [c.to_dict() for c in infos]}
+    if not infos:
+        from ckptools.producers.saves import runs_inside
+
+        listed["runs_inside"] = runs_inside(root)
+    emit(listed, as_json, _render_list)
 
 
 def _render_list(d: dict[str, Any]) -> str:
+    if not d["checkpoints"] and d.get("runs_inside"):
+        inside = d["runs_inside"]
+        where = (
+            f"{inside[0]} holds saves"
+            if len(inside) == 1
+            else (f"{len(inside)} directories in it hold saves: {', '.join(inside)}")
+        )
+        return f"{d['root']}: no saves here; {where}: `ckpt list {inside[0]}`"
     if not d["checkpoints"]:
         return (
             f"{d['root']}: no saves (looked for a CheckpointManager's step-N, Trainer "

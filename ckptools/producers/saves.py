@@ -99,3 +99,27 @@ def list_saves(root: str) -> list[Save]:
                 )
             )
     return saves
+
+
+#: the child directories :func:`runs_inside` looks into, at the most
+_CHILDREN_MAX = 64
+
+
+def runs_inside(root: str) -> list[str]:
+    """The child directories of ``root`` that hold numbered saves (one level down: a NeMo
+    experiment's ``checkpoints/``, a launcher's output directory), by their names alone: what
+    ``ckpt list`` names when ``root`` itself holds none. Nothing when ``root`` has more than
+    :data:`_CHILDREN_MAX` entries."""
+    names = directory_names(root) or []
+    if len(names) > _CHILDREN_MAX:
+        return []
+    patterns = [producer.pattern for _, producer in producers()]
+    found = []
+    for name in sorted(names):
+        if name.startswith(".") or storage.outside_reason(root, name) is not None:
+            continue
+        child = storage.join(root, name)
+        inside = directory_names(child) if storage.isdir(child) else None
+        if inside and any(p.match(n) for p in patterns for n in inside):
+            found.append(child)
+    return found

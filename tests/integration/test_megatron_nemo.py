@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckptools.cli.main import cli
+from tests.support.megatron_truth import invoke as _invoke
 from tests.support.megatron_truth import ok as _ok
 from tests.support.megatron_truth import truth
 
@@ -117,6 +118,18 @@ def test_list_knows_both_writers_runs() -> None:
     assert (bridge["producer"], bridge["name"], bridge["latest"]) == (
         "megatron_bridge", "iter_0000010", True,
     )  # fmt: skip
+
+
+def test_list_of_the_experiment_directory_names_its_checkpoints_directory() -> None:
+    """NeMo's experiment directory holds its saves one level down (``checkpoints/``): listing
+    the directory above names it, with the command, instead of "no saves"."""
+    shown = _ok("list", str(NEMO_RUN))
+    assert shown["checkpoints"] == [] and shown["runs_inside"] == [str(NEMO_RUN / "checkpoints")]
+    text = _invoke("list", str(NEMO_RUN)).output
+    assert text.strip() == (
+        f"{NEMO_RUN}: no saves here; {NEMO_RUN / 'checkpoints'} holds saves: "
+        f"`ckpt list {NEMO_RUN / 'checkpoints'}`"
+    )
 
 
 def test_nemo_weights_alone_reads_with_a_config(tmp_path: Path) -> None:
