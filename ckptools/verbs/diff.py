@@ -154,6 +154,21 @@ def _tied_aliases(
     return found
 
 
+def _quantized(manifest: Manifest, names: Mapping[str, str]) -> int:
+    """How many of the model's weights ``manifest`` stores quantized beside their scales (a
+    layout that decodes stored forms: :func:`ckptools.producers.base.decodes_of`); 0 for
+    every other checkpoint."""
+    from ckptools.producers.base import decodes_of
+
+    decodes = decodes_of(manifest)
+    if decodes is None:
+        return 0
+    decoded = decodes.decoded(manifest, dict(names), None)
+    if decoded.names == dict(names):
+        return 0
+    return sum(manifest.tensors[f].dtype.startswith("float8") for f in decoded.names.values())
+
+
 def _lora_views(
     paths: tuple[str, str],
     manifests: tuple[Manifest, Manifest],
@@ -280,6 +295,12 @@ def diff(
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
     for m, names in ((ma, names_a), (mb, names_b)):
         require_decodable(m, names.values(), objects=())  # before a byte is compared
+    forms = [
+        f"{side}: {count} weight(s) stored quantized, with their scales: compared as stored; "
+        f"its plain model is `ckpt consolidate {path} OUT --dtype bfloat16`"
+        for side, path, m, names in (("A", a, ma, names_a), ("B", b, mb, names_b))
+        if (count := _quantized(m, names))
+    ]
     notes: list[str] = []
     if names_a.keys() != names_b.keys():
         names_a, names_b = _lora_views((a, b), (ma, mb), (names_a, names_b), notes)
@@ -302,6 +323,8 @@ def diff(
     ]
     if not names_a and not names_b:
         notes.append("neither checkpoint holds model tensors")
+    if any(t.status != "equal" for t in out):
+        notes += forms
     return DiffReport(
         a=a,
         b=b,

@@ -441,13 +441,16 @@ def plan_export(
     if placeholders is not None:
         raise UsageError(placeholders)
     decoded = None
-    if options.dtype is not None:
-        # stored forms that are not the model's tensors (quantized data and its scales): the
-        # layout's own reading of them at the dtype asked, or its refusal by name
-        decodes = decodes_of(manifest)
-        if decodes is not None:
-            decoded = decodes.decoded(manifest, names, options.dtype)
-            names = dict(decoded.names)
+    kept: tuple[str, ...] = ()
+    # stored forms that are not the model's tensors (quantized data and its scales): the
+    # layout's own reading of them at the dtype asked, or its refusal by name; a plain copy
+    # keeps them as stored, and the layout says so
+    decodes = decodes_of(manifest)
+    if decodes is not None and options.dtype is not None:
+        decoded = decodes.decoded(manifest, names, options.dtype)
+        names = dict(decoded.names)
+    elif decodes is not None:
+        kept = decodes.decoded(manifest, names, None).notes
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:
@@ -463,7 +466,7 @@ def plan_export(
         manifest=manifest, keymap=keymap, merge=tuple(merge), config=made,
         decoders=decoded.decoders if decoded else {},
         config_drops=decoded.config_drops if decoded else (),
-        notes=decoded.notes if decoded else (),
+        notes=decoded.notes if decoded else kept,
     )  # fmt: skip
 
 

@@ -92,6 +92,9 @@ def test_the_dequantized_model_loads_and_diff_does_not_call_it_the_source(tmp_pa
         and "DIFFERENT" in r.output
         and "dtype float8_e4m3fn vs bfloat16" in r.output
     )
+    # the way to the comparison that means something: A's plain model
+    assert "A: 7 weight(s) stored quantized, with their scales: compared as stored" in r.output
+    assert f"`ckpt consolidate {FIXTURES / 'ct_fp8_block'} OUT --dtype bfloat16`" in r.output
 
 
 def test_a_plain_copy_keeps_the_quantized_form(tmp_path: Path) -> None:
@@ -99,6 +102,8 @@ def test_a_plain_copy_keeps_the_quantized_form(tmp_path: Path) -> None:
     out = tmp_path / "hf"
     code, output = _consolidate(src, out)
     assert code == 0, output
+    assert "7 weight(s) kept quantized as stored (compressed-tensors" in output, output
+    assert "--dtype bfloat16 or float32 writes the plain model" in output
     assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
     with (
         safe_open(str(src / "model.safetensors"), "pt") as a,

@@ -66,8 +66,15 @@ def decoded(manifest: Manifest, names: dict[str, str], dtype: str | None) -> Dec
         for out, fqn in names.items()
         if fqn not in consumed
     }
-    if dtype is None:  # a form not read: which stored tensors are the model's is not known
-        return Decoded(names=plain, plain_names=found.refused is None)
+    if dtype is None:  # a copy; for a form not read, which stored tensors are the model's
+        kept = (  # is not known
+            f"{len(found.weights)} weight(s) kept quantized as stored ({found.producer}, "
+            f"{found.scheme}), with their scales and quantization_config; --dtype bfloat16 "
+            "or float32 writes the plain model"
+            if found.refused is None
+            else f"kept as stored: {found.refused} (ckptools does not dequantize this form)"
+        )
+        return Decoded(names=plain, plain_names=found.refused is None, notes=(kept,))
     if found.refused is not None:
         raise UnsupportedCheckpointError(
             f"{manifest.root}: {found.refused}: ckptools does not dequantize this form; {_COPY}"
