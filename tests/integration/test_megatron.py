@@ -39,6 +39,7 @@ MOE_CASES = (
     "mixtral_ep2_fully_reshardable",
     "mixtral_tp2_ep2_bf16",
     "qwen3_moe_ep2",
+    "mixtral_pp2_ep2",
 )
 MLA_CASES = ("deepseek_v3_ep2", "mla_dense_tp2", "deepseek_v3_ep2_bf16")
 CASES = [c for c in ALL_CASES if c not in MOE_CASES + MLA_CASES]
