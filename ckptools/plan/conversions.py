@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
@@ -94,11 +94,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class KeyMap:
-    """Every tensor's pieces, and the in-memory shapes (fused tensors included)."""
+    """Every tensor's pieces, and the in-memory shapes (fused tensors included).
+
+    ``kept_dtypes``: on-disk name -> the dtype the model keeps that tensor in whatever the
+    model's dtype (transformers' ``_keep_in_fp32_modules_strict``): ``save_pretrained`` writes
+    it so, and a model loaded in bf16 holds it so; a narrower stored tensor is widened to it
+    (exactly: every bf16 or fp16 value is a float32 value) and ``--dtype`` leaves it alone.
+    """
 
     pieces: tuple[Piece, ...]
     memory_shapes: Mapping[str, tuple[int, ...]]
     mapping: str  # what was applied, for reports: "transformers qwen3_moe (2 rules)"
+    kept_dtypes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def rules(self) -> tuple[str, ...]:

@@ -182,12 +182,15 @@ def plan_consolidation(
     *,
     max_shard_size: int,
     dtype: str | None = None,
+    kept_dtypes: Mapping[str, str] | None = None,
 ) -> ConsolidationPlan:
     """Plan the safetensors files for the tensors ``names`` (output name → stored FQN).
 
     Tensors are assigned to shards in the order of ``names``; inside a file they are laid out by
     decreasing dtype size, then name, as ``safetensors.torch.save_file`` does. ``dtype`` casts
-    floating tensors only.
+    floating tensors only; ``kept_dtypes`` (output name → dtype) gives the tensors the model
+    keeps in a dtype of their own (:attr:`ckptools.plan.conversions.KeyMap.kept_dtypes`) that
+    dtype instead, whatever ``dtype`` says.
 
     Example:
         >>> from ckptools.core.manifest import Chunk, Manifest, TensorEntry
@@ -202,7 +205,9 @@ def plan_consolidation(
     for name, fqn in names.items():
         entry = manifest.tensors[fqn]
         target = entry.dtype
-        if out_dtype is not None and dtypes.dtype(entry.dtype).is_floating:
+        if kept_dtypes and name in kept_dtypes:
+            target = dtypes.canonical(kept_dtypes[name])
+        elif out_dtype is not None and dtypes.dtype(entry.dtype).is_floating:
             target = out_dtype
         safetensors_code(target, fqn=fqn)
         prepared.append((name, entry, target, entry.numel * dtypes.dtype(target).itemsize))

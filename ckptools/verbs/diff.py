@@ -107,17 +107,23 @@ def resolve_block_bytes() -> int:
 
 def _converted(
     manifest: Manifest, names: dict[str, str], cfg: dict[str, Any] | None, in_memory: bool
-) -> tuple[Manifest, dict[str, str], str | None]:
+) -> tuple[Manifest, dict[str, str], str | None, dict[str, str]]:
     """One side's model tensors in the on-disk format (or, ``in_memory``, the in-memory form)
-    of the transformers conversion ``cfg`` names, and a note naming the mapping applied."""
+    of the transformers conversion ``cfg`` names, a note naming the mapping applied, and the
+    dtype the model keeps some of them in (:attr:`ckptools.plan.conversions.KeyMap.kept_dtypes`:
+    compared so, as ``consolidate`` writes them)."""
     from ckptools.engine.converted import to_disk_names, to_memory_names
+    from ckptools.views.export import kept_note
     from ckptools.views.producer import views_of
 
     views = views_of(manifest)
     if views is not None:  # the producer's view as the HF model, as consolidate writes it
         hf, hf_names, mapping, _ = views.as_hf(manifest, names, cfg, check=False)
         rules = "; ".join(mapping.rules)
-        return hf, hf_names, f"compared as the HF model: {mapping.mapping}: {rules}"
+        note = f"compared as the HF model: {mapping.mapping}: {rules}"
+        kept = {n: d for n, d in mapping.kept_dtypes.items() if n in hf_names}
+        widened = kept_note(hf, hf_names, kept)
+        return hf, hf_names, note + (f"; {widened}" if widened else ""), kept
     # quiet: diff has no quiet option for its --json to imply yet, so no status line while a
     # conversion is derived (the cache still spares the next run the derivation)
     if in_memory:
@@ -126,8 +132,9 @@ def _converted(
         manifest, out, keymap = to_disk_names(manifest, names, cfg, check=False, quiet=True)
     kind = "in-memory layout" if in_memory else "on-disk format"
     if keymap is None:
-        return manifest, names, None
-    return manifest, out, f"compared in the {kind} of {keymap.mapping}: " + "; ".join(keymap.rules)
+        return manifest, names, None, {}
+    note = f"compared in the {kind} of {keymap.mapping}: " + "; ".join(keymap.rules)
+    return manifest, out, note, {}
 
 
 def _tied_aliases(
@@ -200,11 +207,14 @@ def _compare_all(
     tied: tuple[dict[str, str], dict[str, str]],
     atol: float | None,
     rtol: float | None,
+    kept: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {}),
 ) -> tuple[list[TensorDiff], int]:
     """Every name of either side compared (or named missing / unexpected); ``tied``: the
     output embeddings that A, then B, leaves out as tied (:func:`_tied_aliases`), each compared
-    with the input embedding it is tied to on that side."""
+    with the input embedding it is tied to on that side; ``kept``: per side, the dtype the
+    model keeps a name in (compared in it)."""
     tied_a, tied_b = tied
+    kept_a, kept_b = kept
     block = resolve_block_bytes()
     out: list[TensorDiff] = []
     compared = 0
@@ -217,7 +227,8 @@ def _compare_all(
                     TensorDiff(name, "missing", fqn_a, None, ta.dtype, None, tuple(ta.shape))
                 )
                 continue
-            result, n = compare(name, ta, mb.tensors[fqn_b], ra, rb, atol, rtol, block)
+            seen = (kept_a.get(name), kept_b.get(name))
+            result, n = compare(name, ta, mb.tensors[fqn_b], ra, rb, atol, rtol, block, seen)
             if name in tied_b:
                 result = replace(result, tied_to=tied_b[name], tied_in="B")
             out.append(result)
@@ -302,6 +313,8 @@ def diff(
         if (count := _quantized(m, names))
     ]
     notes: list[str] = []
+    kept_a: dict[str, str] = {}
+    kept_b: dict[str, str] = {}
     if names_a.keys() != names_b.keys():
         names_a, names_b = _lora_views((a, b), (ma, mb), (names_a, names_b), notes)
     if config is not None or keep_in_memory_names or names_a.keys() != names_b.keys():
@@ -309,12 +322,15 @@ def diff(
 
         # a DCP has no config.json of its own: the other side's names the model
         cfg_a, cfg_b = (model_config(find_model_files(s, config)) for s in (a, b))
-        ma, names_a, note_a = _converted(ma, dict(names_a), cfg_a or cfg_b, keep_in_memory_names)
-        mb, names_b, note_b = _converted(mb, dict(names_b), cfg_b or cfg_a, keep_in_memory_names)
+        ma, names_a, note_a, kept_a = _converted(ma, dict(names_a), cfg_a or cfg_b,
+                                                 keep_in_memory_names)  # fmt: skip
+        mb, names_b, note_b, kept_b = _converted(mb, dict(names_b), cfg_b or cfg_a,
+                                                 keep_in_memory_names)  # fmt: skip
         notes += [f"{side}: {n}" for side, n in (("A", note_a), ("B", note_b)) if n]
     tied_b = _tied_aliases(names_a, names_b, ma, b, config)  # in A, tied (not stored) in B
     tied_a = _tied_aliases(names_b, names_a, mb, a, config)  # in B, tied (not stored) in A
-    out, compared = _compare_all(ma, mb, names_a, names_b, (tied_a, tied_b), atol, rtol)
+    out, compared = _compare_all(ma, mb, names_a, names_b, (tied_a, tied_b), atol, rtol,
+                                 (kept_a, kept_b))  # fmt: skip
     notes += [
         f"{t.name}: not stored in {t.tied_in}, whose config ties it to {t.tied_to}; "
         f"compared with that"

@@ -441,7 +441,7 @@ def plan_export(
     if placeholders is not None:
         raise UsageError(placeholders)
     decoded = None
-    kept: tuple[str, ...] = ()
+    as_stored: tuple[str, ...] = ()
     # stored forms that are not the model's tensors (quantized data and its scales): the
     # layout's own reading of them at the dtype asked, or its refusal by name; a plain copy
     # keeps them as stored, and the layout says so
@@ -450,7 +450,7 @@ def plan_export(
         decoded = decodes.decoded(manifest, names, options.dtype)
         names = dict(decoded.names)
     elif decodes is not None:
-        kept = decodes.decoded(manifest, names, None).notes
+        as_stored = decodes.decoded(manifest, names, None).notes
     candidates = tuple(tied_candidates(names, manifest))
     dropped: list[tuple[str, str]] = []
     if tie:
@@ -458,16 +458,39 @@ def plan_export(
             if o in names:
                 dropped.append((o, i))
                 del names[o]
-    plan = plan_consolidation(
-        manifest, names, max_shard_size=options.max_shard_bytes, dtype=options.dtype
-    )
+    kept = {n: d for n, d in (keymap.kept_dtypes if keymap else {}).items() if n in names}
+    plan = plan_consolidation(manifest, names, max_shard_size=options.max_shard_bytes,
+                              dtype=options.dtype, kept_dtypes=kept)  # fmt: skip
+    notes = decoded.notes if decoded else as_stored
+    widened = kept_note(manifest, names, kept)
     return Export(
         names=names, dropped=tuple(dropped), candidates=candidates, plan=plan,
         manifest=manifest, keymap=keymap, merge=tuple(merge), config=made,
         decoders=decoded.decoders if decoded else {},
         config_drops=decoded.config_drops if decoded else (),
-        notes=decoded.notes if decoded else kept,
+        notes=(*notes, widened) if widened else notes,
     )  # fmt: skip
+
+
+def kept_note(manifest: Manifest, names: Mapping[str, str], kept: Mapping[str, str]) -> str | None:
+    """The note for the tensors the model keeps in a dtype of their own (``kept``: name ->
+    dtype, :attr:`ckptools.plan.conversions.KeyMap.kept_dtypes`) that are stored in another:
+    written (or compared) in the model's dtype, e.g. a bf16 run's router widened to float32.
+    None when every one is stored so."""
+    moved: dict[tuple[str, str], list[str]] = {}
+    for name, want in kept.items():
+        stored = manifest.tensors[names[name]].dtype
+        if dtypes.canonical(want) != stored:
+            moved.setdefault((stored, dtypes.canonical(want)), []).append(name)
+    parts = []
+    for (stored, want), found in moved.items():
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        exact = dtypes.dtype(stored).itemsize < dtypes.dtype(want).itemsize
+        how = "widened, exactly," if exact else "cast"
+        parts.append(f"{found[0]}{more} {how} from {stored} to {want}")
+    if not parts:
+        return None
+    return "; ".join(parts) + ": the model keeps them in that dtype whatever its own"
 
 
 def _plan_adapter(

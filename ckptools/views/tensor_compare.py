@@ -120,15 +120,19 @@ def _json_value(v: Any) -> Any:
 
 
 class _SlabReader:
-    """Reads rows ``[r0, r1)`` of one tensor from its stored chunks (replicas read once)."""
+    """Reads rows ``[r0, r1)`` of one tensor from its stored chunks (replicas read once), as
+    ``seen_as`` (a dtype its values are cast to) when given."""
 
-    def __init__(self, reader: Reader, tensor: TensorEntry, checks: ReadChecks) -> None:
+    def __init__(
+        self, reader: Reader, tensor: TensorEntry, checks: ReadChecks, seen_as: str | None = None
+    ) -> None:
         import torch
 
         self.reader = reader
         self.tensor = tensor
         self.checks = checks
         self.torch_dtype = getattr(torch, tensor.dtype)
+        self.out_dtype = getattr(torch, seen_as or tensor.dtype)
         self.itemsize = tensor.itemsize
         seen: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
         for c in tensor.chunks:
@@ -143,11 +147,11 @@ class _SlabReader:
 
         shape = self.tensor.shape
         if not shape:
-            out = torch.empty((), dtype=self.torch_dtype)
+            out = torch.empty((), dtype=self.out_dtype)
             for c in self.chunks:
                 out.copy_(self._piece(c, 0, 1))
             return out
-        out = torch.empty((r1 - r0, *shape[1:]), dtype=self.torch_dtype)
+        out = torch.empty((r1 - r0, *shape[1:]), dtype=self.out_dtype)
         for i, c in enumerate(self.chunks):
             lo, hi = max(r0, c.offsets[0]), min(r1, c.offsets[0] + c.sizes[0])
             if lo >= hi:
@@ -236,29 +240,30 @@ def compare(
     atol: float | None,
     rtol: float | None,
     block: int,
+    seen_as: tuple[str | None, str | None] = (None, None),
 ) -> tuple[TensorDiff, int]:
-    """``ta`` (A) against ``tb`` (B), in slabs of about ``block`` bytes a side; bytes read."""
-    base = TensorDiff(
-        name, "equal", ta.fqn, tb.fqn, ta.dtype, tb.dtype, tuple(ta.shape), tuple(tb.shape)
-    )
+    """``ta`` (A) against ``tb`` (B), in slabs of about ``block`` bytes a side; bytes read.
+    ``seen_as``: per side, a dtype its values are cast to as read (``KeyMap.kept_dtypes``)."""
+    wa, wb = seen_as[0] or ta.dtype, seen_as[1] or tb.dtype
+    base = TensorDiff(name, "equal", ta.fqn, tb.fqn, wa, wb, tuple(ta.shape), tuple(tb.shape))
     if ta.shape != tb.shape:
         return replace(base, status="shape"), 0
-    tolerant = atol is not None or rtol is not None
-    same_dtype = ta.dtype == tb.dtype
+    tolerant, same_dtype = atol is not None or rtol is not None, wa == wb
     if not same_dtype and not tolerant:
         return replace(base, status="dtype"), 0
     if ta.numel == 0:
         return replace(base, status="equal" if same_dtype else "dtype"), 0
-    if same_dtype and (equal := _bytes_equal(base, ta, tb, ra, rb, block)) is not None:
+    plain = (wa, wb) == (ta.dtype, tb.dtype)
+    if same_dtype and plain and (equal := _bytes_equal(base, ta, tb, ra, rb, block)):
         return equal
     import torch
 
-    sa, sb = _SlabReader(ra, ta, _checks(ra, ta)), _SlabReader(rb, tb, _checks(rb, tb))
+    sa, sb = (_SlabReader(r, t, _checks(r, t), s) for r, t, s in ((ra, ta, wa), (rb, tb, wb)))
     shape = ta.shape
     row_elems = math.prod(shape[1:]) if shape else 1
     rows_total = shape[0] if shape else 1
-    row_bytes = row_elems * max(ta.itemsize, tb.itemsize)
-    rows = max(1, block // max(1, row_bytes))
+    k = dtypes.dtype(wa).itemsize  # the compared elements' size (A's, as seen)
+    rows = max(1, block // max(1, row_elems * max(ta.itemsize, tb.itemsize, k)))
     a_tol, r_tol = atol or 0.0, rtol or 0.0
     mismatched = 0
     max_abs: float | None = None
@@ -273,7 +278,6 @@ def compare(
         b = sb.read(r0, r1).reshape(-1)
         compared += a.numel() * ta.itemsize + b.numel() * tb.itemsize
         if same_dtype:
-            k = ta.itemsize
             neq = (a.view(torch.uint8).view(-1, k) != b.view(torch.uint8).view(-1, k)).any(dim=1)
             if not bool(neq.any()):
                 continue
@@ -303,8 +307,7 @@ def compare(
             mismatched += int(bad_idx.numel())
             if first is None:
                 j = int(bad_idx[0])
-                flat = r0 * row_elems + j
-                first = _unravel(flat, shape)
+                first = _unravel(r0 * row_elems + j, shape)
                 va, vb = _scalar(a[j]), _scalar(b[j])
     if not same_dtype:
         status: DiffStatus = "dtype"

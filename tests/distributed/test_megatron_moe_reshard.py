@@ -38,6 +38,7 @@ CASES = [
         ("mixtral_ep2_fully_reshardable", 2),
         ("mixtral_ep1", 2),
         ("qwen3_moe_ep2", 2),
+        ("mixtral_pp2_ep2", 2),  # each PP stage's expert optimizer (dp_group_idx 0..3)
     )
 ]
 _MOE = (

@@ -39,8 +39,9 @@ MOE_CASES = (
     "mixtral_ep2_fully_reshardable",
     "mixtral_tp2_ep2_bf16",
     "qwen3_moe_ep2",
+    "mixtral_pp2_ep2",
 )
-MLA_CASES = ("deepseek_v3_ep2", "mla_dense_tp2")
+MLA_CASES = ("deepseek_v3_ep2", "mla_dense_tp2", "deepseek_v3_ep2_bf16")
 CASES = [c for c in ALL_CASES if c not in MOE_CASES + MLA_CASES]
 #: logits of from_pretrained (fp32) against Megatron's own forward: fp32 runs agree to float
 #: rounding (~1e-7 measured); the bf16 run computed in bf16 (~2e-3 measured)
@@ -197,7 +198,9 @@ def test_iteration_picks_a_save_and_a_missing_one_lists_them() -> None:
     )
 
 
-@pytest.mark.parametrize("case", ["tp2_pp1", "mixtral_ep2", "qwen3_moe_ep2", "deepseek_v3_ep2"])
+@pytest.mark.parametrize(
+    "case", ["tp2_pp1", "mixtral_ep2", "qwen3_moe_ep2", "deepseek_v3_ep2", "deepseek_v3_ep2_bf16"]
+)
 def test_the_run_directory_alone_gives_the_model_with_its_padded_vocabulary(
     tmp_path: Path, case: str
 ) -> None:

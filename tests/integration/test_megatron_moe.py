@@ -34,6 +34,7 @@ MOE_CASES = (
     "mixtral_ep2_fully_reshardable",
     "mixtral_tp2_ep2_bf16",
     "qwen3_moe_ep2",
+    "mixtral_pp2_ep2",
 )
 #: from_pretrained (fp32) against Megatron's forward: fp32 runs agree to rounding (6e-8
 #: measured); the bf16 run computed in bf16 (1.9e-3 measured)

@@ -69,27 +69,10 @@ _Q_NORMS = (
 
 #: what DeepseekV3 keeps in float32 whatever the model's dtype (transformers'
 #: ``DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict``): ``save_pretrained`` writes them so
+#: and a model loaded in bf16 holds them so. A bf16 run's router weight (Megatron's
+#: ``Float16Module`` casts it; its expert bias stays a float32 buffer) is widened to float32,
+#: exactly (:attr:`ckptools.plan.conversions.KeyMap.kept_dtypes`)
 KEPT_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-
-
-def refuse_narrow_kept(hf_dtypes: Mapping[str, str], where: str) -> None:
-    """Refuse an HF tensor DeepseekV3 keeps in float32 (:data:`KEPT_FP32`) that the run stores
-    narrower (a bf16 run's router: Megatron's ``Float16Module`` casts it; its expert bias stays
-    float32): ckptools copies each tensor as stored, and writing it in bf16 would not be what
-    ``save_pretrained`` writes.
-
-    Raises:
-        UnsupportedCheckpointError: naming the tensor and ``--masters`` (the fp32 masters).
-    """
-    for hf, dtype in hf_dtypes.items():
-        if hf.endswith(KEPT_FP32) and dtype != "float32":
-            raise UnsupportedCheckpointError(
-                f"{where}: the run stores {hf} in {dtype}, which {ARCHITECTURE} keeps in float32 "
-                "(transformers' _keep_in_fp32_modules_strict; save_pretrained writes it so) and "
-                "ckptools does not cast one tensor alone: convert the optimizer's fp32 masters "
-                "(--masters)",
-                fqn=hf,
-            )
 
 
 def is_mla(shapes: Shapes, args: Mapping[str, Any]) -> bool:
@@ -277,7 +260,8 @@ def to_hf(
                 f"{where}: {name!r} has no place in a {FAMILY} model: not converted", fqn=name
             )
     memory_shapes = {name: tuple(shapes[name]) for name in known}
-    return KeyMap(tuple(pieces), memory_shapes, f"megatron <-> {FAMILY}"), made
+    fp32 = {p.disk: "float32" for p in pieces if p.disk.endswith(KEPT_FP32)}
+    return KeyMap(tuple(pieces), memory_shapes, f"megatron <-> {FAMILY}", fp32), made
 
 
 def _expert_pieces(
