@@ -161,6 +161,17 @@ def _tied_aliases(
     return found
 
 
+def _quantized_notes(*sides: tuple[str, Manifest, Mapping[str, str]]) -> list[str]:
+    """For each side (path, manifest, model names) storing weights quantized: that it is
+    compared as stored, and the command that writes its plain model."""
+    return [
+        f"{side}: {count} weight(s) stored quantized, with their scales: compared as stored; "
+        f"its plain model is `ckpt consolidate {path} OUT --dtype bfloat16`"
+        for side, (path, m, names) in zip("AB", sides, strict=True)
+        if (count := _quantized(m, names))
+    ]
+
+
 def _quantized(manifest: Manifest, names: Mapping[str, str]) -> int:
     """How many of the model's weights ``manifest`` stores quantized beside their scales (a
     layout that decodes stored forms: :func:`ckptools.producers.base.decodes_of`); 0 for
@@ -306,12 +317,7 @@ def diff(
     names_a, names_b = keys.model_keys(ma), keys.model_keys(mb)
     for m, names in ((ma, names_a), (mb, names_b)):
         require_decodable(m, names.values(), objects=())  # before a byte is compared
-    forms = [
-        f"{side}: {count} weight(s) stored quantized, with their scales: compared as stored; "
-        f"its plain model is `ckpt consolidate {path} OUT --dtype bfloat16`"
-        for side, path, m, names in (("A", a, ma, names_a), ("B", b, mb, names_b))
-        if (count := _quantized(m, names))
-    ]
+    forms = _quantized_notes((a, ma, names_a), (b, mb, names_b))
     notes: list[str] = []
     kept_a: dict[str, str] = {}
     kept_b: dict[str, str] = {}
