@@ -10,9 +10,9 @@ reads a DCP item's archive directory, never its tensor), maps them to output run
   or filesystem refuses;
 * a tensor whose chunks land as many runs each (sharded on dim 1: tensor parallelism) is
   written a block of whole rows at a time: each chunk's part of those rows is read (one
-  contiguous read per chunk), the rows are assembled in the thread's buffer and written with one
-  ``os.pwrite`` (one write per run instead: a syscall per row per rank, and output pages
-  written partly, twice);
+  contiguous read per chunk), the rows are assembled in the thread's buffer and written as one
+  range (:func:`~ckptools.engine.runtime.pwrite_all`: 1 MiB writes; one write per run instead
+  would be a syscall per row per rank, and output pages written partly, twice);
 * any other chunk that lands as many runs is read in blocks into a per-thread buffer and each
   run is written with ``os.pwrite``;
 * a cast (``dtype``) converts each block with torch, elementwise, so memory stays one block;
