@@ -15,8 +15,17 @@ vocabulary is padded as for the other families (:func:`.plan.vocab_pieces`).
 What Megatron's MLA and router would compute otherwise than DeepseekV3 is refused by name: no q
 low-rank (the local spec has no kv latent norm then), rope not ``rope_interleave`` or scaled
 (YaRN), a bias on attention, tied embeddings, top-k probabilities not normalised as Megatron's
-sigmoid router does (exactly when top-k > 1), groups scored by other than their top-2, a router
-held in another dtype than the model, and tensors with no place in the model (MTP layers).
+sigmoid router does (exactly when top-k > 1), groups scored by other than their top-2, a tensor
+held in another dtype than the model (but the float32 router of a bf16 model, below), and tensors
+with no place in the model (MTP layers).
+
+A bf16 DeepseekV3 keeps its router weight and ``e_score_correction_bias`` in float32
+(:data:`.mla.KEPT_FP32`); they are written as stored. The expert bias is float32 in Megatron too
+(``_maintain_float32_expert_bias``: its own bf16 saves store it so); the router weight is a bf16
+parameter in Megatron's ``Float16Module``, and its ``dist_checkpointing`` load copies the stored
+float32 into it (torch DCP's ``FileSystemReader.read_data``: ``target_tensor.copy_(tensor)``, no
+dtype check in ``MCoreLoadPlanner``), rounding it as Megatron's own cast of that model does.
+Written as stored, the run consolidates back to the HF model bit-exactly.
 """
 
 from __future__ import annotations
@@ -235,11 +244,11 @@ def from_hf(
             )
     model_dtype = dtypes["model.embed_tokens.weight"]
     for name, dtype in dtypes.items():
-        if dtype != model_dtype:
+        if dtype != model_dtype and not (name.endswith(mla.KEPT_FP32) and dtype == "float32"):
             raise UnsupportedCheckpointError(
-                f"{where}: {name!r} is {dtype} in a {model_dtype} model (DeepseekV3 keeps its "
-                "router in float32; Megatron holds it in the model's dtype) and ckptools does "
-                "not cast one tensor alone: give a float32 model",
+                f"{where}: {name!r} is {dtype} in a {model_dtype} model (only DeepseekV3's "
+                "router weight and expert bias are kept in float32) and ckptools does not cast "
+                "one tensor alone: give the model in one dtype",
                 fqn=name,
             )
     shared = moe_layers and bool(config.get("n_shared_experts"))
