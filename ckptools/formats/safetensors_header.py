@@ -155,7 +155,7 @@ def parse_header(raw: bytes, *, path: str, file_size: int) -> Header:
     """Validate the ``len(raw)``-byte JSON header of a ``file_size``-byte file (see module doc)."""
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CorruptCheckpointError(
             f"{path}: safetensors header is not UTF-8 JSON ({e})", path=path
         ) from e

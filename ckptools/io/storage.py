@@ -67,6 +67,7 @@ from ckptools.io.readers import (
     RemoteReader,
     open_reader,
 )
+from ckptools.io.small_files import SMALL_FILE_LIMIT, TRACKER_LIMIT, read_bounded, read_json
 
 __all__ = [
     "CRC_WINDOW_BYTES",
@@ -74,6 +75,8 @@ __all__ = [
     "LOCAL_ARCHIVE_TAIL_BYTES",
     "REMOTE_ARCHIVE_TAIL_BYTES",
     "REMOTE_PART_BYTES_ENV",
+    "SMALL_FILE_LIMIT",
+    "TRACKER_LIMIT",
     "LocalReader",
     "Reader",
     "RemoteReader",
@@ -102,7 +105,9 @@ __all__ = [
     "protocol_of",
     "push_storage_options",
     "put_file",
+    "read_bounded",
     "read_bytes",
+    "read_json",
     "read_range",
     "remove",
     "remove_tree",

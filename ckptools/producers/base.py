@@ -462,19 +462,25 @@ def _markers_read_once() -> Iterator[None]:
         _PEEKED.reset(token)
 
 
-def read_marker(path: str, *, peek: bool = False) -> bytes:
-    """The bytes of the marker file ``path`` (e.g. a DCP ``.metadata``).
+#: the most bytes of one marker file read (a DCP ``.metadata``: a 405B model saved by 1,024
+#: ranks writes 144 MiB of it)
+MARKER_LIMIT = 1 << 30
+
+
+def read_marker(path: str, *, peek: bool = False, limit: int = MARKER_LIMIT) -> bytes:
+    """The bytes of the marker file ``path`` (e.g. a DCP ``.metadata``), at most ``limit``.
 
     Inside :func:`read_manifest` a file is read from storage once: a probe passes ``peek`` to
     keep the bytes for the layout that parses them, whose own read takes (and frees) them.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        CorruptCheckpointError: the file is larger than ``limit``.
     """
     peeked = _PEEKED.get()
     if peeked is not None and path in peeked:
         return peeked[path] if peek else peeked.pop(path)
-    data = storage.read_bytes(path)
+    data = storage.read_bounded(path, limit, what="marker file")
     if peek and peeked is not None:
         peeked[path] = data
     return data

@@ -22,7 +22,6 @@ the model's: transformers' conversion mapping on the way in, and transformers' i
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptools import _compat
 from ckptools.core.manifest import Manifest
+from ckptools.errors import CkptError
 from ckptools.io import storage
 from ckptools.plan.conversion_cache import keymap_for
 from ckptools.plan.conversion_entries import merge_entries
@@ -82,8 +82,8 @@ def _source_config(source: str) -> dict[str, Any] | None:
     try:
         if not storage.isfile(path):
             return None
-        config = json.loads(storage.read_bytes(path))
-    except (OSError, ValueError):
+        config = storage.read_json(path, what="model config")
+    except (OSError, CkptError):
         return None  # unreadable: the names stay as published, and the checks name them
     return config if isinstance(config, dict) else None
 

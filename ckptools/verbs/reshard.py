@@ -463,7 +463,7 @@ def _planned_target(
         source=manifest, source_root=manifest.data_dir(), notes=planned.notes,
         # the HF model's config (and tokenizer) in the run directory: what reads the run back
         # (consolidate, diff, reshard) finds the model it is by the one rule, as from the HF model
-        made={**planned.made, **{n: storage.read_bytes(p) for p, n in files}},
+        made={**planned.made, **{n: storage.read_bounded(p, what="model file") for p, n in files}},
         fingerprint_options=planned.fingerprint_options,
     )  # fmt: skip
 

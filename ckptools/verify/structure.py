@@ -295,7 +295,7 @@ def _index_findings(manifest: Manifest, root: str) -> list[Finding]:
     marker = manifest.markers[0]
     index = storage.join(root, marker)
     try:
-        weight_map = parse_index(storage.read_bytes(index), index)
+        weight_map = parse_index(storage.read_bounded(index, what="index"), index)
     except (OSError, CkptError):
         return []  # reading the manifest already checked it
     out = []

@@ -31,7 +31,7 @@ from ckptools.core import keys
 from ckptools.core.hf_files import ADAPTER_CONFIG_NAME as ADAPTER_CONFIG_NAME
 from ckptools.core.hf_files import ADAPTER_WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
 from ckptools.core.manifest import Manifest
-from ckptools.errors import UsageError
+from ckptools.errors import CkptError, UsageError
 from ckptools.io import storage
 from ckptools.views.peft_defaults import with_peft_defaults
 
@@ -346,8 +346,8 @@ def adapter_config(
     r = max(set(ranks), key=ranks.count)
     if config_file is not None:
         try:
-            given = json.loads(storage.read_bytes(config_file))
-        except (OSError, ValueError) as e:
+            given = storage.read_json(config_file, what="adapter config")
+        except (OSError, CkptError) as e:
             raise UsageError(f"--adapter-config {config_file}: cannot read it: {e}") from e
         if not isinstance(given, dict) or given.get("peft_type", "LORA") != "LORA":
             raise UsageError(f"--adapter-config {config_file}: not a LoRA adapter_config.json")

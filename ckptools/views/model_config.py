@@ -6,13 +6,12 @@ as written with a cast dtype.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptools.core.hf_files import MODEL_FILES
-from ckptools.errors import UsageError
+from ckptools.errors import CkptError, UsageError
 from ckptools.io import storage
 from ckptools.producers.numbered import is_numbered_save, run_records
 
@@ -205,9 +204,11 @@ def model_config(files: list[tuple[str, str]]) -> dict[str, Any] | None:
     for path, name in files:
         if name == "config.json":
             try:
-                cfg = json.loads(storage.read_bytes(path))
-            except (OSError, ValueError) as e:
+                cfg = storage.read_json(path, what="model config")
+            except OSError as e:
                 raise UsageError(f"{path}: cannot read the model config: {e}") from e
+            except CkptError as e:  # too large, or not JSON
+                raise UsageError(str(e)) from e
             if not isinstance(cfg, dict):
                 raise UsageError(f"{path}: the model config is not a JSON object")
             return cfg

@@ -210,7 +210,14 @@ def test_hostile_safetensors_header(st_file: Path, tmp_path: Path, case: str) ->
 
 @pytest.mark.parametrize(
     "case",
-    ["length_minus_one", "length_past_file", "length_over_limit", "not_json", "not_object"],
+    [
+        "length_minus_one",
+        "length_past_file",
+        "length_over_limit",
+        "not_json",
+        "not_object",
+        "nested_too_deep",
+    ],
 )
 def test_hostile_safetensors_header_bytes(st_file: Path, tmp_path: Path, case: str) -> None:
     header, body = _split(st_file)
@@ -223,6 +230,8 @@ def test_hostile_safetensors_header_bytes(st_file: Path, tmp_path: Path, case: s
         _write(st_file, raw, body, length=100_000_001)
     elif case == "not_json":
         _write(st_file, raw[:-1] + b"]", body)
+    elif case == "nested_too_deep":  # Python's parser recurses: a RecursionError, not a line
+        _write(st_file, b'{"a.f32":' + b"[" * 200_000 + b"]" * 200_000 + b"}", body)
     else:
         _write(st_file, b'["a.f32"]' + b" " * (len(raw) - 9), body)
     _library_refuses(st_file)

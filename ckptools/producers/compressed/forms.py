@@ -225,12 +225,12 @@ def torchao(metadata: Mapping[str, Mapping[str, str]], manifest: Manifest) -> Fo
     for meta in metadata.values():
         try:
             names = json.loads(meta.get("tensor_names", "[]"))
-        except ValueError:
+        except (ValueError, RecursionError):
             names = []
         for name in names:
             try:
                 info = json.loads(meta.get(name, "{}"))
-            except ValueError:
+            except (ValueError, RecursionError):
                 info = {}
             kind = info.get("_type")
             if kind in ("Tensor", "torch.Tensor"):

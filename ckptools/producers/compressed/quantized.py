@@ -10,12 +10,11 @@ bit), with its form (:mod:`.forms`) in ``details["quantized"]``; its ``decodes``
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
 from ckptools.core.manifest import Manifest
-from ckptools.errors import CorruptCheckpointError
+from ckptools.errors import CkptError, CorruptCheckpointError
 from ckptools.formats import safetensors_header
 from ckptools.io import storage
 from ckptools.producers.base import Layout, register
@@ -34,11 +33,8 @@ def _config(directory: str) -> dict[str, Any] | None:
     if not storage.isfile(path):
         return None
     try:
-        sizes = storage.file_sizes(directory, ["config.json"])
-        if sizes.get("config.json", 0) > _MAX_CONFIG_BYTES:
-            return None
-        value = json.loads(storage.read_bytes(path))
-    except (OSError, ValueError):
+        value = storage.read_json(path, _MAX_CONFIG_BYTES, what="model config")
+    except (OSError, CkptError):
         return None
     return value if isinstance(value, dict) else None
 

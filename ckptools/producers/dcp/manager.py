@@ -7,9 +7,9 @@ judge a save by it, here, below both.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from ckptools.errors import CkptError
 from ckptools.io import storage
 
 #: the commit marker, written last into a save's directory
@@ -25,10 +25,10 @@ def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
     """
     path = storage.join(directory, MARKER_NAME)
     try:
-        marker = json.loads(storage.read_bytes(path))
+        marker = storage.read_json(path, what="marker")
     except (FileNotFoundError, NotADirectoryError):
         return None, f"no {MARKER_NAME} marker (save never committed)"
-    except (OSError, ValueError) as e:
+    except (OSError, CkptError) as e:
         return None, f"unreadable {MARKER_NAME}: {e}"
     if not isinstance(marker, dict) or marker.get("format") != _MARKER_FORMAT:
         return None, f"{MARKER_NAME} is not a ckptools marker"

@@ -102,7 +102,7 @@ def _config(path: str) -> tuple[int, int, bytes]:
     raw = read_marker(where)
     try:
         config = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not JSON ({e})", path=where) from e
     version = config.get("FSDP_version") if isinstance(config, dict) else None
     world = config.get("world_size") if isinstance(config, dict) else None

@@ -47,7 +47,7 @@ def parse_index(raw: bytes, index_path: str) -> dict[str, str]:
     """The ``weight_map`` of a safetensors index, checked to map tensor names to file names."""
     try:
         index = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{index_path}: not a valid safetensors index ({e})", path=index_path
         ) from e
@@ -85,7 +85,7 @@ def read_safetensors(path: str) -> Manifest:
         index_name = _index_file(path)
         if index_name is not None:
             index_path = storage.contained(path, index_name, named_by=path, entry="holds")
-            raw = read_marker(index_path)
+            raw = read_marker(index_path, limit=storage.SMALL_FILE_LIMIT)
             digests = {index_name: digest(raw)}
             weight_map = parse_index(raw, index_path)
             files = index_files(path, index_path, weight_map)

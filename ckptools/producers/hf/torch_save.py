@@ -422,9 +422,9 @@ def _aux_files(root: str, used: set[str]) -> tuple[tuple[str, ...], list[str]]:
 def _bin_index(path: str) -> tuple[list[str], tuple[str, ...], dict[str, str]]:
     index_path = storage.contained(path, BIN_INDEX, named_by=path, entry="holds")
     try:
-        raw = read_marker(index_path)
+        raw = read_marker(index_path, limit=storage.SMALL_FILE_LIMIT)
         weight_map = json.loads(raw)["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{index_path}: not a valid index ({e})", path=index_path
         ) from e

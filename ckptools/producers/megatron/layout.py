@@ -61,9 +61,9 @@ def _backend(path: str) -> str | None:
     if not storage.isfile(config):
         return None
     try:
-        data = json.loads(storage.read_bytes(config))
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{config}: not JSON ({e})", path=config) from e
+        data = storage.read_json(config, what=f"torch_dist {CONFIG_FILE}")
+    except OSError as e:
+        raise CorruptCheckpointError(f"{config}: not read ({e})", path=config) from e
     backend = data.get("sharded_backend") if isinstance(data, dict) else None
     return backend if isinstance(backend, str) else ""
 
@@ -77,7 +77,8 @@ def tracked(run: str) -> str | None:
     tracker = storage.join(run, TRACKER_FILE)
     if not storage.isfile(tracker):
         return None
-    text = storage.read_bytes(tracker).decode(errors="replace").strip()
+    raw = storage.read_bounded(tracker, storage.TRACKER_LIMIT, what="tracker file")
+    text = raw.decode(errors="replace").strip()
     if text == RELEASE:
         return RELEASE
     if not text.isdigit():

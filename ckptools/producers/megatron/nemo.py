@@ -21,7 +21,6 @@ config made from the YAML and copies the tokenizer.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import replace
@@ -30,7 +29,14 @@ from typing import Any
 from ckptools.core.manifest import MODEL_FILES_DIR, Manifest
 from ckptools.errors import CkptError, CorruptCheckpointError
 from ckptools.io import storage
-from ckptools.producers.base import Chosen, Layout, NumberedSaves, directory_names, register
+from ckptools.producers.base import (
+    Chosen,
+    Layout,
+    NumberedSaves,
+    directory_names,
+    read_marker,
+    register,
+)
 from ckptools.producers.megatron import BRIDGE_RECORD as LATEST_TRAIN_STATE
 from ckptools.producers.megatron import NEMO_SAVE
 from ckptools.producers.megatron.layout import (
@@ -102,8 +108,8 @@ def _yaml(path: str) -> dict[str, Any]:
     import yaml  # transformers' own dependency
 
     try:
-        data = yaml.safe_load(storage.read_bytes(path))
-    except (OSError, yaml.YAMLError) as e:
+        data = yaml.safe_load(storage.read_bounded(path, what="YAML file"))
+    except (OSError, yaml.YAMLError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{path}: not YAML ({str(e).splitlines()[0]})", path=path
         ) from e
@@ -144,8 +150,8 @@ def tokenizer_vocab(directory: str) -> int | None:
     if not storage.isfile(path):
         return None
     try:
-        data = json.loads(storage.read_bytes(path))
-    except (OSError, ValueError):
+        data = storage.read_json(path, what="tokenizer")
+    except (OSError, CkptError):
         return None
     vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
     ids: set[int] = set()
@@ -333,7 +339,7 @@ def _prefixed(weights: str) -> bool:
     """A torch_dist save whose model keys carry NeMo's ``module.`` (its DCP ``.metadata``'s
     bytes name it: a cheap test, no unpickling)."""
     try:
-        head = storage.read_bytes(storage.join(weights, ".metadata"))
+        head = read_marker(storage.join(weights, ".metadata"), peek=True)
     except OSError:
         return False
     return b"module.decoder." in head or b"module.embedding." in head

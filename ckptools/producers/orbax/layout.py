@@ -19,7 +19,6 @@ JSON zarr metadata file holds it (not from OCDBT: no tensorstore decoding).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -62,16 +61,7 @@ _ZARR_DTYPES = {
 
 
 def _json(path: str) -> Any:
-    size = storage.size(path)
-    if size > _JSON_MAX:
-        raise CorruptCheckpointError(
-            f"{path}: {size} bytes of JSON metadata, more than ckptools reads ({_JSON_MAX})",
-            path=path,
-        )
-    try:
-        return json.loads(storage.read_bytes(path))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: not JSON: {e}", path=path) from e
+    return storage.read_json(path, _JSON_MAX, what="Orbax metadata file")
 
 
 def _is_step(path: str) -> bool:
