@@ -99,13 +99,13 @@ def test_read_marker_reads_peeked_bytes_once(
     from ckptools.io import storage
 
     reads: list[str] = []
-    real = storage.read_bytes
+    real = storage.read_bounded
 
-    def counting(path: str) -> bytes:
+    def counting(path: str, limit: int = storage.SMALL_FILE_LIMIT, *, what: str = "") -> bytes:
         reads.append(path)
-        return real(path)
+        return real(path, limit, what=what)
 
-    monkeypatch.setattr(storage, "read_bytes", counting)
+    monkeypatch.setattr(storage, "read_bounded", counting)
     marker = f"{tmp_path}/marker"
     with open(marker, "wb") as f:
         f.write(b"abc")
