@@ -175,10 +175,23 @@ def _check_keys(
         params = k.startswith(settings) and k.endswith(".params") and k in flat
         if params and sorted(named.values.get(k, ())) != sorted(flat[k]):
             raise UsageError(
-                f"{path}: {k!r} names other parameters than the job's optimizer group",
+                f"{path}: {k!r} names other parameters than the job's optimizer group "
+                f"(the checkpoint's groups hold {_group_sizes(named.values, settings)} "
+                f"parameters, the job's {_group_sizes(flat, settings)}: build the optimizer "
+                "with the same groups, in the same order)",
                 path=path,
                 fqn=k,
             )
+
+
+def _group_sizes(values: Mapping[str, Any], settings: str) -> list[int]:
+    """How many parameters each optimizer group of ``values`` (flat keys) holds, in order."""
+    sizes = {}
+    for k, v in values.items():
+        index = k[len(settings) : -len(".params")]
+        if k.startswith(settings) and k.endswith(".params") and index.isdigit():
+            sizes[int(index)] = len(v) if isinstance(v, (list, tuple)) else 0
+    return [sizes[i] for i in sorted(sizes)]
 
 
 def _copies(

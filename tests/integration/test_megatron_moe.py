@@ -429,3 +429,22 @@ def test_shard_refuses_what_stacked_moe_layers_cannot_hold_by_name(tmp_path: Pat
         result = _invoke("shard", str(src), str(out), "--to", "megatron", *extra)
         assert result.exit_code != 0 and why in result.output, result.output
         assert not out.exists()
+
+
+def test_load_into_a_job_whose_optimizer_groups_differ_names_both() -> None:
+    """Megatron-LM keeps two parameter groups (weight decay on matrices, none on norms): a job
+    built with one is told both groupings, in one line, and no weight is loaded."""
+    import ckptools
+    from ckptools.errors import UsageError
+
+    truth = _truth("mixtral_ep2")
+    cfg = transformers.AutoConfig.for_model(**json.loads(truth["hf_config"]))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(UsageError) as refused:
+        ckptools.load(str(FIXTURES / "mixtral_ep2"), model, opt)
+    said = str(refused.value)
+    assert "\n" not in said and "the checkpoint's groups hold [16, 5] parameters" in said, said
+    assert "the job's [21]" in said and "build the optimizer with the same groups" in said
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
