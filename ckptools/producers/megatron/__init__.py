@@ -51,7 +51,7 @@ ITERATIONS = ("megatron.layout",)
 #: (:func:`ckptools.cli.options.producers_say`): its own words, the one place they are written
 HELP = (
     ("reads", ("Megatron-core torch_dist",
-               "ckpt consolidate megatron_run hf_model --config hf_config")),
+               "ckpt consolidate megatron_run hf_model")),
     ("reads", ("NeMo 2, Megatron-Bridge", "ckpt consolidate nemo_run/checkpoints hf_model")),
     ("consolidate --masters",
      "Megatron save: write the distributed optimizer's fp32 masters instead of the stored "
