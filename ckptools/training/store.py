@@ -396,6 +396,27 @@ class PruneResult:
 
 
 @storage.accepts_storage_options
+def _refuse_a_producers_run(root: str) -> None:
+    """Refuse a run directory whose saves another producer wrote (a Trainer's, DeepSpeed's,
+    Megatron's...): ``prune`` deletes a CheckpointManager's saves only, and would otherwise
+    report deleting nothing as though there were nothing to delete."""
+    from ckptools.producers.base import STEP_SAVE, directory_names, is_managed
+    from ckptools.producers.saves import list_saves
+
+    names = directory_names(root)
+    if names is None or is_managed(root, names):
+        return
+    # step-N may be a manager's first save, not committed yet (on an object store it is
+    # written in place, its marker last): only another producer's own names are refused
+    theirs = [s for s in list_saves(root) if not STEP_SAVE.match(s.name)]
+    if theirs:
+        raise UsageError(
+            f"{root}: holds {len(theirs)} {theirs[0].producer} save(s) ({theirs[0].name}, ...), "
+            "not a CheckpointManager's: ckpt prune deletes only the step-N saves a "
+            "CheckpointManager committed (delete the producer's saves with its own tools)"
+        )
+
+
 def prune(
     root: str,
     policy: RetentionPolicy,
@@ -416,6 +437,7 @@ def prune(
     """
     if not isinstance(policy, RetentionPolicy):  # pragma: no cover - typed callers
         raise UsageError("policy must be a RetentionPolicy")
+    _refuse_a_producers_run(root)
     complete = {c.step: c for c in list_checkpoints(root, include_tmp=False) if c.complete}
     decision = plan_retention({s: c.metrics for s, c in complete.items()}, policy)
     freed = sum(complete[s].size_bytes for s in decision.delete)

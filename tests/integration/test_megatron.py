@@ -499,3 +499,20 @@ def test_inspect_says_where_the_true_vocabulary_is(tmp_path: Path) -> None:
     run = tmp_path / "megatron"
     _ok("shard", str(FIXTURES / "hf_llama"), str(run), "--to", "megatron")
     assert "vocab 100 (padded 128)" in _invoke("inspect", str(run)).output
+
+
+def test_prune_of_a_megatron_run_is_refused_naming_its_saves(tmp_path: Path) -> None:
+    """``ckpt prune`` deletes a CheckpointManager's saves only: pointed at another producer's
+    run it says so in one line (it reported "would delete 0 checkpoint(s)" before), and
+    nothing is deleted."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "tp2_pp1", run)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    result = _invoke("prune", str(run), "--keep-last", "1")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "holds 1 megatron save(s) (iter_0000010, ...), not a CheckpointManager's" in (
+        result.output
+    )
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
