@@ -27,3 +27,7 @@ MODEL_FILES = (
     "chat_template.json",
     "preprocessor_config.json",
 )
+#: Files any one of which is a tokenizer (``AutoTokenizer.from_pretrained`` reads them).
+TOKENIZER_FILES = frozenset(
+    {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt"}
+)

@@ -11,7 +11,6 @@ rather than mistaking an old generated card for the user's own.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,8 @@ from typing import Any
 
 from ckptools.core.manifest import Manifest
 from ckptools.core.sizes import human_count, human_size
+from ckptools.errors import CkptError
+from ckptools.io import storage
 
 CARD_NAME = "README.md"
 _STEP_PATTERNS = (
@@ -60,11 +61,8 @@ def step_of(path: str) -> int | None:
     ``global_step300``, ``epoch=0-step=100.ckpt``), or from a Trainer's ``trainer_state.json``."""
     state = os.path.join(path, "trainer_state.json")
     if os.path.isfile(state):
-        with (
-            contextlib.suppress(OSError, ValueError, TypeError, KeyError),
-            open(state, encoding="utf-8") as f,
-        ):
-            return int(json.load(f)["global_step"])
+        with contextlib.suppress(OSError, CkptError, ValueError, TypeError, KeyError):
+            return int(storage.read_json(state, what="trainer state")["global_step"])
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
     for part in reversed(parts[-3:]):
         for pattern in _STEP_PATTERNS:
@@ -130,9 +128,8 @@ def read_config(directory: str) -> dict[str, Any]:
     """``config.json`` of ``directory`` as a dict; ``{}`` when missing or unreadable."""
     path = os.path.join(directory, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+        cfg = storage.read_json(path, what="model config")
+    except (OSError, CkptError):
         return {}
     return cfg if isinstance(cfg, dict) else {}
 

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ckptools.core.hf_files import TOKENIZER_FILES
 from ckptools.core.manifest import Manifest
 from ckptools.errors import UsageError
 from ckptools.hub.card import (
@@ -303,6 +304,11 @@ def plan_push(directory: str, repo_id: str, options: PushOptions | None = None) 
     notes: list[str] = []
     if not config:
         notes.append("no config.json: from_pretrained cannot load the repository without one")
+    elif not any(name in TOKENIZER_FILES for name, _ in files):
+        notes.append(
+            "no tokenizer files: the repository holds the model alone (copy the tokenizer's "
+            "files into the directory to publish it with the model)"
+        )
     if own_card:
         notes.append(f"{CARD_NAME} uploaded as it is (no model card generated)")
     prov = provenance(manifest, options.source)

@@ -398,7 +398,7 @@ class PruneResult:
 @storage.accepts_storage_options
 def _refuse_a_producers_run(root: str) -> None:
     """Refuse a run directory whose saves another producer wrote (a Trainer's, DeepSpeed's,
-    Megatron's...): ``prune`` deletes a CheckpointManager's saves only, and would otherwise
+    verl's...): ``prune`` deletes a CheckpointManager's saves only, and would otherwise
     report deleting nothing as though there were nothing to delete."""
     from ckptools.producers.base import STEP_SAVE, directory_names, is_managed
     from ckptools.producers.saves import list_saves

@@ -156,6 +156,19 @@ def test_dry_run_lists_files_with_sizes_and_sends_nothing(tmp_path: Path, hub: H
     assert hub.requests == []
 
 
+def test_a_model_without_tokenizer_files_is_said_so(tmp_path: Path) -> None:
+    """A consolidated Megatron or DeepSpeed run has no tokenizer: the push says the repository
+    will hold the model alone; a tokenizer file silences it."""
+    model = write_model(tmp_path / "m")
+    url = f"http://127.0.0.1:{closed_port()}"
+    result = ckptools.push_to_hub(str(model), REPO, endpoint=url, dry_run=True)
+    assert any(n.startswith("no tokenizer files: the repository holds the model alone")
+               for n in result.notes), result.notes  # fmt: skip
+    (model / "tokenizer.json").write_text("{}")
+    result = ckptools.push_to_hub(str(model), REPO, endpoint=url, dry_run=True)
+    assert not any(n.startswith("no tokenizer files") for n in result.notes), result.notes
+
+
 def test_dry_run_needs_no_network(tmp_path: Path) -> None:
     model = write_model(tmp_path / "m")
     url = f"http://127.0.0.1:{closed_port()}"
