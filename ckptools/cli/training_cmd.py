@@ -46,9 +46,14 @@ def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
     infos = list_run(root, storage_options=storage_options)
     listed: dict[str, Any] = {"root": root, "checkpoints": [c.to_dict() for c in infos]}
     if not infos:
+        from ckptools.producers.base import checkpoints_inside
         from ckptools.producers.saves import runs_inside
 
         listed["runs_inside"] = runs_inside(root)
+        if not listed["runs_inside"]:
+            listed["checkpoints_inside"] = [
+                {"name": name, "layout": layout} for name, layout in checkpoints_inside(root)
+            ]
     emit(listed, as_json, _render_list)
 
 
@@ -61,6 +66,14 @@ def _render_list(d: dict[str, Any]) -> str:
             else (f"{len(inside)} directories in it hold saves: {', '.join(inside)}")
         )
         return f"{d['root']}: no saves here; {where}: `ckpt list {inside[0]}`"
+    if not d["checkpoints"] and d.get("checkpoints_inside"):
+        found = d["checkpoints_inside"]
+        shown = ", ".join(f"{c['name']} ({c['layout']})" for c in found[:4])
+        more = f", ... ({len(found)} in all)" if len(found) > 4 else ""
+        return (
+            f"{d['root']}: no numbered saves here; it holds {len(found)} checkpoint(s): "
+            f"{shown}{more}: `ckpt inspect {d['root'].rstrip('/')}/{found[0]['name']}`"
+        )
     if not d["checkpoints"]:
         return (
             f"{d['root']}: no saves (looked for a CheckpointManager's step-N, Trainer "

@@ -256,7 +256,7 @@ def detect(path: str, format: str | None = None) -> Layout:
     run = step_run(path)
     if run is not None:
         return run
-    inside = _checkpoints_inside(path)
+    inside = checkpoints_inside(path)
     if inside:
         raise UnknownFormatError(_point_at(path, inside), path=path, details=reasons)
     # one line; a layout that recognised the path but names a way on (a directory of several
@@ -385,7 +385,7 @@ def _refuse_one_part(path: str) -> None:
 _CHILDREN_PROBED_MAX = 32
 
 
-def _checkpoints_inside(path: str) -> list[tuple[str, str]]:
+def checkpoints_inside(path: str) -> list[tuple[str, str]]:
     """(entry, layout name) of each checkpoint directory directly inside the directory
     ``path``: what pointing one level too high meant (``run/`` for ``run/ckpt``)."""
     names = directory_names(path)

@@ -231,6 +231,22 @@ def test_list_of_a_directory_without_saves_says_what_it_looked_for(tmp_path: Pat
     assert result.output.startswith(f"{tmp_path}: no saves (looked for a CheckpointManager's")
 
 
+def test_list_of_a_directory_of_checkpoints_names_them(tmp_path: Path) -> None:
+    """Checkpoints side by side, none numbered (``dcp.save`` twice): not "no saves" but the
+    checkpoints, and the command that looks at one."""
+    import shutil
+
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "dcp_single"
+    for name in ("a", "b"):
+        shutil.copytree(fixture, tmp_path / name)
+    result = CliRunner().invoke(cli, ["list", str(tmp_path)])
+    assert result.exit_code == 0 and result.output.count("\n") == 1, result.output
+    assert result.output.strip() == (
+        f"{tmp_path}: no numbered saves here; it holds 2 checkpoint(s): a (dcp), b (dcp): "
+        f"`ckpt inspect {tmp_path}/a`"
+    )
+
+
 #: the command whose ``--help`` shows each place a producer's package fills (its ``HELP``)
 _HELP_PLACES = {
     "reads": "ckpt", "refuses": "ckpt", "consolidate --masters": "consolidate",
