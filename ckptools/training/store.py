@@ -406,9 +406,9 @@ def _refuse_a_producers_run(root: str) -> None:
     names = directory_names(root)
     if names is None or is_managed(root, names):
         return
-    # step-N may be a manager's first save, not committed yet (on an object store it is
-    # written in place, its marker last): only another producer's own names are refused
-    theirs = [s for s in list_saves(root) if not STEP_SAVE.match(s.name)]
+    # an incomplete step-N may be a manager's first save, not committed yet (on an object
+    # store it is written in place, its marker last): never refused for it
+    theirs = [s for s in list_saves(root) if s.complete or not STEP_SAVE.match(s.name)]
     if theirs:
         raise UsageError(
             f"{root}: holds {len(theirs)} {theirs[0].producer} save(s) ({theirs[0].name}, ...), "

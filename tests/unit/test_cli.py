@@ -312,3 +312,17 @@ def test_libraries_warnings_are_shown_only_under_debug(tmp_path: Path, debug: bo
     assert "ckptools' own warning" in proc.stderr
     assert "a library's error" in proc.stderr
     assert ("Failed to load" in proc.stderr) is debug, proc.stderr
+
+
+def test_prune_of_a_run_of_dcp_saves_per_step_is_refused(tmp_path: Path) -> None:
+    """``dcp.save`` per step (torchtitan's, a script's ``step-N``): no CheckpointManager commit
+    marker, so ``prune`` refuses naming them rather than reporting "deleted 0"."""
+    import shutil
+
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "dcp_single"
+    for step in (1, 2):
+        shutil.copytree(fixture, tmp_path / f"step-{step}")
+    result = CliRunner().invoke(cli, ["prune", str(tmp_path), "--keep-last", "1"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "holds 2 dcp save(s) (step-1, ...), not a CheckpointManager's" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
