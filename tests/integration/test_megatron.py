@@ -227,6 +227,10 @@ def test_the_run_directory_alone_gives_the_model_with_its_padded_vocabulary(
     trimmed = _ok("consolidate", str(FIXTURES / case), str(tmp_path / "trimmed"),
                   "--config", str(_config_file(tmp_path, case)))  # fmt: skip
     assert not any("vocab padding kept" in n for n in trimmed["notes"])
+    # reshard writes no config: the note says which vocabulary the FSDP2 job's model needs
+    resharded = _ok("reshard", str(FIXTURES / case), str(tmp_path / "fsdp2"), "--world-size", "2")
+    assert any(f"build the job's model with vocab_size {padded}" in n
+               for n in resharded["notes"]), resharded["notes"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["iter_0000010/__0_0.distcp", "iter_0000010/metadata.json",

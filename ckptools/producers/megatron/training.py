@@ -93,6 +93,14 @@ def training_manifest(
         trained = {hf: e for hf, e in model.items() if hf in moments[MOMENTS[0]]}
         _put_optimizer(manifest, opt, trained, moments, tensors, objects, paths)
     _tie_head(manifest, model, tensors, paths, notes)
+    args = manifest.details.get(DETAILS_KEY) or {}
+    if EMBEDDING in model and not ((config or {}).get("vocab_size") or args.get("vocab_size")):
+        rows = model[EMBEDDING].shape[0]
+        notes.append(
+            f"vocab padding kept: the embedding and head have Megatron's {rows} padded rows (the "
+            f"run's args lack the tokenizer's true size): build the job's model with vocab_size "
+            f"{rows}, or give --config with the model's config.json to drop the padding"
+        )
     notes.append(
         "not carried (an FSDP2 job has no place for them): Megatron's RNG state, "
         "common_state (args, scheduler), the layers' _extra_state"
