@@ -13,12 +13,18 @@ with ``CheckpointManager`` (atomic ``RUN_DIR/step-N/``, keep the last 2, checksu
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# transformers imports torchao whenever it is installed (a dev extra of this project), and that
+# import logs a warning for each GPU kernel a CPU machine cannot load: not this demo's to show
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 VOCAB = 251  # odd sizes: shards of uneven length on 4 ranks
 
