@@ -70,7 +70,8 @@ HELP = (
      "--to megatron: pad the vocabulary to a multiple of this (Megatron-LM's option of that "
      "name times the tensor-parallel size it will load with)."),
     ("shard examples", "ckpt shard ./Llama-3-8B megatron_run --to megatron"),
-    ("list saves", ("Megatron", "iter_0000010")),
+    ("list saves", ("Megatron and Megatron-Bridge", "iter_0000010")),
+    ("list saves", ("NeMo 2", "<name>--...-step=N-... in checkpoints/")),
     ("--iteration",
      "Read iteration N of a Megatron run directory (iter_000000N/) instead of the one "
      "latest_checkpointed_iteration.txt names."),
