@@ -8,11 +8,8 @@ logits (``fixtures/megatron/README.md``); the Hugging Face side is transformers'
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import pickle
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,35 +21,29 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from ckptools.cli.main import cli
+from tests.support.megatron_truth import (
+    MEGATRON_PYTHON,
+    MLA_CASES,
+    MOE_CASES,
+    assert_diff_finds,
+    assert_same_model,
+    hf_tensors,
+    megatron_check_load,
+    model_entries,
+)
 from tests.support.megatron_truth import config_file as _config_file
 from tests.support.megatron_truth import invoke as _invoke
+from tests.support.megatron_truth import logits as _logits
 from tests.support.megatron_truth import ok as _ok
 from tests.support.megatron_truth import truth as _truth
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 ALL_CASES = sorted(p.name[: -len(".truth.pt")] for p in FIXTURES.glob("*.truth.pt"))
-#: the dense runs (the MoE ones: tests/integration/test_megatron_moe.py; multi-latent
-#: attention: tests/integration/test_megatron_mla.py)
-MOE_CASES = (
-    "mixtral_ep1",
-    "mixtral_ep2",
-    "mixtral_ep2_fully_reshardable",
-    "mixtral_tp2_ep2_bf16",
-    "qwen3_moe_ep2",
-    "mixtral_pp2_ep2",
-)
-MLA_CASES = ("deepseek_v3_ep2", "mla_dense_tp2", "deepseek_v3_ep2_bf16")
+#: the dense runs
 CASES = [c for c in ALL_CASES if c not in MOE_CASES + MLA_CASES]
 #: logits of from_pretrained (fp32) against Megatron's own forward: fp32 runs agree to float
 #: rounding (~1e-7 measured); the bf16 run computed in bf16 (~2e-3 measured)
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
-
-
-def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _as_megatron(hf: dict[str, torch.Tensor], config: dict[str, Any], i: int) -> dict[str, Any]:
@@ -80,13 +71,6 @@ def _as_megatron(hf: dict[str, torch.Tensor], config: dict[str, Any], i: int) ->
     return out
 
 
-def _logits(directory: Path, input_ids: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    with torch.no_grad():
-        logits: torch.Tensor = model(input_ids).logits
-    return logits
-
-
 def test_every_fixture_is_here() -> None:
     assert {"tp2_pp1", "tp1_pp2", "tp2_pp2_bf16"} <= set(CASES), CASES
 
@@ -99,7 +83,7 @@ def test_consolidate_is_bit_exact_and_forward_matches_megatron(tmp_path: Path, c
     result = _ok("consolidate", str(FIXTURES / case), str(out),
                  "--config", str(_config_file(tmp_path, case)))  # fmt: skip
     assert any("no tokenizer" in n for n in result["notes"])
-    hf = _hf_tensors(out)
+    hf = hf_tensors(out)
     model, vocab = truth["model"], truth["true_vocab_size"]
     for i in range(config["num_hidden_layers"]):
         for name, tensor in _as_megatron(hf, config, i).items():
@@ -217,7 +201,7 @@ def test_the_run_directory_alone_gives_the_model_with_its_padded_vocabulary(
     sizes = ("model_type", "hidden_size", "num_hidden_layers", "tie_word_embeddings")
     expected = json.loads(truth["hf_config"])
     assert {k: config[k] for k in sizes} == {k: expected[k] for k in sizes}
-    hf = _hf_tensors(out)
+    hf = hf_tensors(out)
     assert torch.equal(hf["model.embed_tokens.weight"],
                        truth["model"]["embedding.word_embeddings.weight"])  # fmt: skip
     logits = _logits(out, truth["input_ids"])
@@ -287,20 +271,7 @@ def test_hf_to_megatron_and_back_is_bit_exact(
     assert (shown["iteration"], shown["num_layers"], shown["padded_vocab_size"]) == (1, 2, 112)
     back = tmp_path / "back"
     _ok("consolidate", str(run), str(back))  # the config made from the args it recorded
-    ours, theirs = _hf_tensors(back), _hf_tensors(src)
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
-    ids = torch.tensor([[1, 17, 42, 99, 3, 64, 8]])
-    assert torch.equal(_logits(back, ids), _logits(src, ids))
-
-
-def _model_entries(inspected: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {
-        t["fqn"]: (t["dtype"], tuple(t["shape"]))
-        for t in inspected["tensors"]
-        if not t["fqn"].startswith("optimizer.")
-    }
+    assert_same_model(back, src)
 
 
 def test_shard_to_megatron_writes_what_megatron_writes(tmp_path: Path) -> None:
@@ -314,7 +285,7 @@ def test_shard_to_megatron_writes_what_megatron_writes(tmp_path: Path) -> None:
                   "--make-vocab-size-divisible-by", "16")  # fmt: skip
     assert written["world_size"] == 1
     ours, theirs = _ok("inspect", str(run)), _ok("inspect", str(FIXTURES / "tp2_pp1"))
-    assert _model_entries(ours) == _model_entries(theirs)
+    assert model_entries(ours) == model_entries(theirs)
     objects = {o["fqn"] for o in ours["objects"]}
     assert "common_state/shard_0_1" in objects
     extra = {o["fqn"] for o in theirs["objects"] if "._extra_state/" in o["fqn"]}
@@ -356,34 +327,6 @@ def test_a_config_of_another_model_is_refused(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-#: the Python of a venv with megatron-core 0.19.2 (fixtures/megatron/make_venv.sh); the test
-#: that loads ckptools' output into real Megatron runs only where there is one
-MEGATRON_PYTHON = os.environ.get("CKPTOOLS_MEGATRON_PYTHON", "/work/megatron-venv/bin/python")
-
-
-def _megatron_venv(tmp_path: Path) -> Path:
-    """A file naming what the Megatron venv runs: its interpreter and every installed
-    distribution (``name-version.dist-info``), for the check's cache key."""
-    prefix = Path(MEGATRON_PYTHON).resolve().parents[1]
-    dists = sorted(p.name for p in prefix.glob("lib/python*/site-packages/*.dist-info"))
-    listing = tmp_path / "megatron-venv.txt"
-    listing.write_text("\n".join([str(Path(MEGATRON_PYTHON).resolve()), *dists]) + "\n")
-    return listing
-
-
-def _metadata_without_ids(metadata: Path, tmp_path: Path) -> Path:
-    """A copy of a DCP ``.metadata`` without the random ``save_id`` / ``load_id`` every save
-    draws (as torch's writer does), which name the save and change nothing a loader reads."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(str(metadata.parent)).read_metadata()
-    if md.storage_meta is not None:
-        md.storage_meta = dataclasses.replace(md.storage_meta, save_id="", load_id="")
-    out = tmp_path / f"{metadata.parent.name}.metadata"
-    out.write_bytes(pickle.dumps(md))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(MEGATRON_PYTHON), reason="no megatron-core venv")
 def test_megatron_loads_what_shard_writes(
@@ -400,27 +343,10 @@ def test_megatron_loads_what_shard_writes(
     run = tmp_path / "megatron"
     _ok("shard", str(FIXTURES / "hf_qwen2"), str(run), "--world-size", "2", "--to", "megatron",
         "--make-vocab-size-divisible-by", "16")  # fmt: skip
-    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".metadata"]
-    written += [_metadata_without_ids(p, tmp_path) for p in sorted(run.rglob(".metadata"))]
-    hf = sorted(p for p in (FIXTURES / "hf_qwen2").rglob("*") if p.is_file())
-    sources = [*written, *hf, FIXTURES / "generate.py", _megatron_venv(tmp_path)]
-
-    def check_load(entry: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        env.pop("PYTHONPATH", None)
-        done = subprocess.run(
-            [MEGATRON_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=2",
-             f"--master-port={29600 + os.getpid() % 300}", str(FIXTURES / "generate.py"),
-             "check-load", "--ckpt", str(run), "--hf", str(FIXTURES / "hf_qwen2"), "--tp", "2",
-             "--pp", "1"],
-            capture_output=True, text=True, env=env, timeout=600, check=False,
-        )  # fmt: skip
-        # a failed check raises here, before the entry is marked complete: never kept
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        (entry / "check-load.log").write_text(done.stdout + done.stderr)
-
-    verdict = cached_output("megatron-check-load", sources, check_load) / "check-load.log"
-    assert "max_abs_diff=" in verdict.read_text()
+    verdict = megatron_check_load(cached_output, tmp_path, key="megatron-check-load", run=run,
+                                  hf=FIXTURES / "hf_qwen2",
+                                  command=["check-load", "--tp", "2", "--pp", "1"])  # fmt: skip
+    assert "max_abs_diff=" in verdict
 
 
 #: the local spec's fused norm names as Megatron's loaded modules name them
@@ -476,23 +402,12 @@ def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path) -> None:
 def test_diff_calls_a_megatron_run_identical_to_its_consolidation(tmp_path: Path) -> None:
     """``ckpt diff RUN hf_model`` compares the run as the HF model (the mapping consolidate
     applies) and says so; one changed element of the consolidation is found by its HF name."""
-    from safetensors.torch import save_file
 
     src, out = FIXTURES / "tp2_pp1", tmp_path / "hf"
     config = str(FIXTURES / "hf_llama" / "config.json")
     _ok("consolidate", str(src), str(out), "--config", config)
-    result = _invoke("diff", str(src), str(out), "--json")
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
-    assert report["identical"], report
-    assert any("compared as the HF model" in n for n in report["notes"]), report["notes"]
-    weights = load_file(out / "model.safetensors")
-    weights["model.layers.1.self_attn.k_proj.weight"][3, 2] += 1.0
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    result = _invoke("diff", str(src), str(out), "--json")
-    assert result.exit_code == 3, result.output
-    changed = [t["name"] for t in json.loads(result.output)["tensors"] if t["status"] != "equal"]
-    assert changed == ["model.layers.1.self_attn.k_proj.weight"]
+    notes = assert_diff_finds(src, out, "model.layers.1.self_attn.k_proj.weight", (3, 2))
+    assert any("compared as the HF model" in n for n in notes), notes
 
 
 def test_inspect_says_where_the_true_vocabulary_is(tmp_path: Path) -> None:

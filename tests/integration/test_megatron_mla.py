@@ -21,13 +21,20 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from ckptools.producers.megatron import mla
+from tests.support.megatron_truth import (
+    MLA_CASES,
+    MLA_LOW_RANK,
+    assert_diff_finds,
+    hf_tensors,
+    saved_by_transformers,
+)
 from tests.support.megatron_truth import config_file as _config_file
 from tests.support.megatron_truth import invoke as _invoke
 from tests.support.megatron_truth import ok as _ok
 from tests.support.megatron_truth import truth as _truth
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
-CASES = ("deepseek_v3_ep2", "mla_dense_tp2", "deepseek_v3_ep2_bf16")
+CASES = MLA_CASES
 BF16 = "deepseek_v3_ep2_bf16"
 #: what DeepseekV3 keeps in float32 whatever its dtype (transformers'
 #: ``_keep_in_fp32_modules_strict``), restated here
@@ -37,12 +44,7 @@ KEPT_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
 #: Megatron MLA -> DeepseekV3 names (local spec), restated independently of ckptools
 ATTENTION = {
-    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
-    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
-    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
-    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    **MLA_LOW_RANK,
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -94,20 +96,10 @@ def _saved_by_transformers(
     truth = _truth(case)
     raw = json.loads(truth["hf_config"])
     config = transformers.AutoConfig.for_model(raw["model_type"]).from_dict(raw)
-    dtype = torch.bfloat16 if which == "model" and "bfloat16" in truth["params_dtype"] else None
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
-    missing, unexpected = model.load_state_dict(_in_memory(truth, config, which), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    out = tmp_path / f"save_pretrained_{which}"
-    model.save_pretrained(out)
-    return _hf_tensors(out)
-
-
-def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
+    bf16 = which == "model" and "bfloat16" in truth["params_dtype"]
+    state = _in_memory(truth, config, which)
+    return saved_by_transformers(config, state, torch.bfloat16 if bf16 else torch.float32,
+                                 tmp_path / f"save_pretrained_{which}")  # fmt: skip
 
 
 def _logits_gap(out: Path, truth: dict[str, Any]) -> float:
@@ -131,7 +123,7 @@ def test_consolidate_writes_what_save_pretrained_writes_and_megatrons_logits(
     _ok(
         "consolidate", str(FIXTURES / case), str(out), "--config", str(_config_file(tmp_path, case))
     )
-    ours, theirs = _hf_tensors(out), _saved_by_transformers(tmp_path, case)
+    ours, theirs = hf_tensors(out), _saved_by_transformers(tmp_path, case)
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
@@ -176,7 +168,7 @@ def test_consolidate_masters_is_what_save_pretrained_writes_of_the_masters(
     out = tmp_path / "hf"
     _ok("consolidate", str(FIXTURES / case), str(out), "--masters",
         "--config", str(_config_file(tmp_path, case)))  # fmt: skip
-    ours, theirs = _hf_tensors(out), _saved_by_transformers(tmp_path, case, "masters")
+    ours, theirs = hf_tensors(out), _saved_by_transformers(tmp_path, case, "masters")
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
@@ -241,16 +233,7 @@ def test_diff_calls_an_mla_run_identical_to_its_export(tmp_path: Path) -> None:
     src, out = FIXTURES / "deepseek_v3_ep2", tmp_path / "hf"
     config = str(_config_file(tmp_path, "deepseek_v3_ep2"))
     _ok("consolidate", str(src), str(out), "--config", config)
-    result = _invoke("diff", str(src), str(out), "--json")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["identical"]
-    weights = load_file(out / "model.safetensors")
-    weights["model.layers.2.mlp.gate.e_score_correction_bias"][1] += 1.0
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    result = _invoke("diff", str(src), str(out), "--json")
-    assert result.exit_code == 3, result.output
-    changed = [t["name"] for t in json.loads(result.output)["tensors"] if t["status"] != "equal"]
-    assert changed == ["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert_diff_finds(src, out, "model.layers.2.mlp.gate.e_score_correction_bias", (1,))
 
 
 def test_what_deepseek_v3_does_not_compute_is_refused_by_name(tmp_path: Path) -> None:
@@ -304,7 +287,7 @@ def test_a_bf16_runs_router_is_widened_to_float32_and_dtype_leaves_it_alone(
         "model.layers.1.mlp.gate.weight and 1 more widened, exactly, from bfloat16 to float32" in n
         for n in result["notes"]
     ), result["notes"]
-    ours = _hf_tensors(out)
+    ours = hf_tensors(out)
     kept = {n for n in ours if n.endswith(KEPT_FP32)}
     assert len(kept) == 4
     assert {str(t.dtype) for n, t in ours.items() if n not in kept} == {"torch.float16"}
@@ -319,7 +302,7 @@ def test_a_bf16_runs_router_is_widened_to_float32_and_dtype_leaves_it_alone(
     fp32 = tmp_path / "bf16_of_fp32"
     _ok("consolidate", str(FIXTURES / "deepseek_v3_ep2"), str(fp32), "--dtype", "bfloat16",
         "--config", str(_config_file(tmp_path, "deepseek_v3_ep2")))  # fmt: skip
-    theirs = _hf_tensors(fp32)
+    theirs = hf_tensors(fp32)
     assert {n for n, t in theirs.items() if t.dtype == torch.float32} == kept
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,16 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from tests.support.megatron_truth import (
+    MEGATRON_PYTHON,
+    MLA_LOW_RANK,
+    assert_same_model,
+    hf_tensors,
+    megatron_check_load,
+    model_entries,
+)
 from tests.support.megatron_truth import invoke as _invoke
 from tests.support.megatron_truth import ok as _ok
 
@@ -50,25 +57,10 @@ _ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
 _ROUTER = "mlp.router.weight"
 
 
-def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def _shard(hf: str, run: Path) -> None:
     divisor = str(HF_MLA[hf][1])
     _ok("shard", str(FIXTURES / hf), str(run), "--to", "megatron", "--world-size", "2",
         "--make-vocab-size-divisible-by", divisor)  # fmt: skip
-
-
-def _model_entries(inspected: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {
-        t["fqn"]: (t["dtype"], tuple(t["shape"]))
-        for t in inspected["tensors"]
-        if not t["fqn"].startswith(("optimizer.", "chained_"))
-    }
 
 
 @pytest.mark.parametrize("hf", sorted(HF_MLA))
@@ -81,7 +73,7 @@ def test_shard_writes_what_megatron_saves_and_comes_back_bit_exact(tmp_path: Pat
     src, run, back = FIXTURES / hf, tmp_path / "megatron", tmp_path / "back"
     _shard(hf, run)
     ours, theirs = _ok("inspect", str(run)), _ok("inspect", str(FIXTURES / HF_MLA[hf][0]))
-    mine, megatrons = _model_entries(ours), _model_entries(theirs)
+    mine, megatrons = model_entries(ours), model_entries(theirs)
     assert mine.keys() == megatrons.keys()
     for key, (dtype, shape) in megatrons.items():
         if dtype == "bfloat16" and key.endswith(_ROUTER):
@@ -93,17 +85,7 @@ def test_shard_writes_what_megatron_saves_and_comes_back_bit_exact(tmp_path: Pat
     for key in _ARGS:
         assert ours["megatron"].get(key) == theirs["megatron"].get(key), key
     _ok("consolidate", str(run), str(back))
-    got, want = _hf_tensors(back), _hf_tensors(src)
-    assert got.keys() == want.keys()
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-    ids = torch.tensor([[1, 17, 42, 99, 3, 64, 8]])
-    logits = []
-    for directory in (back, src):
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        with torch.no_grad():
-            logits.append(model(ids).logits)
-    assert torch.equal(logits[0], logits[1])
+    assert_same_model(back, src)
 
 
 #: HF fixture -> (the proof of Megatron-LM's load_checkpoint of what shard wrote, how it loaded)
@@ -120,12 +102,7 @@ _TOL = {"hf_deepseek_v3_bf16": 2e-2}
 _AS_HF = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
-    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
-    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
-    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    **MLA_LOW_RANK,
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
@@ -203,7 +180,7 @@ def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path, hf: str) -> N
 
     proof = torch.load(FIXTURES / PROOFS[hf][0], weights_only=True)
     assert proof["max_abs_diff"] <= _TOL.get(hf, 1e-5)
-    want = _hf_tensors(FIXTURES / hf)
+    want = hf_tensors(FIXTURES / hf)
     loaded = _loaded_as_hf(proof["model"])
     assert loaded.keys() == want.keys()
     cast = set()
@@ -235,10 +212,6 @@ def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path, hf: str) -> N
         assert torch.equal(written[name].to(held.dtype), held), name
 
 
-#: the Python of a venv with megatron-core 0.19.2 (fixtures/megatron/make_venv.sh)
-MEGATRON_PYTHON = os.environ.get("CKPTOOLS_MEGATRON_PYTHON", "/work/megatron-venv/bin/python")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(MEGATRON_PYTHON), reason="no megatron-core venv")
 @pytest.mark.parametrize("hf", sorted(PROOFS))
@@ -251,30 +224,12 @@ def test_megatron_loads_what_shard_writes_at_another_tp_ep(
     ones its parser makes, and its logits are transformers' within 1e-5 (fp32; 2e-2 for
     ``hf_deepseek_v3_bf16``, whose float32 router weight it casts into its bf16 model). The
     verdict is kept across sessions under a key of every byte shard wrote (``cached_output``)."""
-    from tests.integration.test_megatron import _megatron_venv, _metadata_without_ids
-
     run = tmp_path / "megatron"
     _shard(hf, run)
-    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".metadata"]
-    written += [_metadata_without_ids(p, tmp_path) for p in sorted(run.rglob(".metadata"))]
-    sources = [*written, *sorted(p for p in (FIXTURES / hf).rglob("*") if p.is_file()),
-               FIXTURES / "generate.py", _megatron_venv(tmp_path)]  # fmt: skip
-
-    def check_load(entry: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        env.pop("PYTHONPATH", None)
-        done = subprocess.run(
-            [MEGATRON_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=2",
-             f"--master-port={29600 + os.getpid() % 300}", str(FIXTURES / "generate.py"),
-             "check-load-mla", "--ckpt", str(run), "--hf", str(FIXTURES / hf),
-             *PROOFS[hf][1]],
-            capture_output=True, text=True, env=env, timeout=600, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        (entry / "check-load.log").write_text(done.stdout + done.stderr)
-
-    verdict = cached_output(f"megatron-check-load-mla-{hf}", sources, check_load)
-    assert "args_differ={}" in (verdict / "check-load.log").read_text()
+    verdict = megatron_check_load(cached_output, tmp_path, key=f"megatron-check-load-mla-{hf}",
+                                  run=run, hf=FIXTURES / hf,
+                                  command=["check-load-mla", *PROOFS[hf][1]])  # fmt: skip
+    assert "args_differ={}" in verdict
 
 
 def test_shard_refuses_what_megatron_computes_otherwise_by_name(tmp_path: Path) -> None:
@@ -309,7 +264,7 @@ def test_shard_refuses_what_megatron_computes_otherwise_by_name(tmp_path: Path) 
     model = tmp_path / "bf16"
     model.mkdir()
     (model / "config.json").write_text((bf16 / "config.json").read_text())
-    made = _hf_tensors(bf16)
+    made = hf_tensors(bf16)
     name = "model.layers.1.self_attn.o_proj.weight"
     made[name] = made[name].float()
     save_file(made, str(model / "model.safetensors"), metadata={"format": "pt"})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,22 +19,23 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
+from tests.support.megatron_truth import (
+    MEGATRON_PYTHON,
+    MOE_CASES,
+    assert_diff_finds,
+    assert_same_model,
+    hf_tensors,
+    megatron_check_load,
+    model_entries,
+    saved_by_transformers,
+)
 from tests.support.megatron_truth import config_file as _config_file
 from tests.support.megatron_truth import invoke as _invoke
 from tests.support.megatron_truth import ok as _ok
 from tests.support.megatron_truth import truth as _truth
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
-MOE_CASES = (
-    "mixtral_ep1",
-    "mixtral_ep2",
-    "mixtral_ep2_fully_reshardable",
-    "mixtral_tp2_ep2_bf16",
-    "qwen3_moe_ep2",
-    "mixtral_pp2_ep2",
-)
 #: from_pretrained (fp32) against Megatron's forward: fp32 runs agree to rounding (6e-8
 #: measured); the bf16 run computed in bf16 (1.9e-3 measured)
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
@@ -87,19 +87,8 @@ def _saved_by_transformers(
     truth = _truth(case)
     config = _hf_config(truth)
     dtype = truth[which]["output_layer.weight"].dtype
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
-    missing, unexpected = model.load_state_dict(_in_memory(truth, config, which), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    out = tmp_path / f"save_pretrained_{which}"
-    model.save_pretrained(out)
-    return _hf_tensors(out)
-
-
-def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
+    state = _in_memory(truth, config, which)
+    return saved_by_transformers(config, state, dtype, tmp_path / f"save_pretrained_{which}")
 
 
 @pytest.mark.parametrize("case", MOE_CASES)
@@ -111,7 +100,7 @@ def test_consolidate_writes_what_save_pretrained_writes_and_megatrons_logits(
     result = _ok("consolidate", str(FIXTURES / case), str(out),
                  "--config", str(_config_file(tmp_path, case)))  # fmt: skip
     assert any("router -> gate" in n for n in result["notes"]), result["notes"]
-    ours, theirs = _hf_tensors(out), _saved_by_transformers(tmp_path, case)
+    ours, theirs = hf_tensors(out), _saved_by_transformers(tmp_path, case)
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
@@ -134,7 +123,7 @@ def test_consolidate_masters_is_the_fp32_masters_of_both_chained_optimizers(
     out = tmp_path / "hf"
     _ok("consolidate", str(FIXTURES / case), str(out), "--masters",
         "--config", str(_config_file(tmp_path, case)))  # fmt: skip
-    ours, theirs = _hf_tensors(out), _saved_by_transformers(tmp_path, case, "masters")
+    ours, theirs = hf_tensors(out), _saved_by_transformers(tmp_path, case, "masters")
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert ours[name].dtype == torch.float32 and torch.equal(ours[name], tensor), name
@@ -146,7 +135,7 @@ def test_every_expert_comes_from_its_ep_rank(tmp_path: Path) -> None:
     out = tmp_path / "hf"
     _ok("consolidate", str(FIXTURES / "mixtral_ep2"), str(out),
         "--config", str(_config_file(tmp_path, "mixtral_ep2")))  # fmt: skip
-    hf = _hf_tensors(out)
+    hf = hf_tensors(out)
     for e in range(4):
         fc1 = truth["model"][f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]
         gate, up = fc1.chunk(2)
@@ -196,16 +185,7 @@ def test_diff_calls_a_moe_run_identical_to_its_export(tmp_path: Path) -> None:
     src, out = FIXTURES / "mixtral_ep2", tmp_path / "hf"
     config = str(_config_file(tmp_path, "mixtral_ep2"))
     _ok("consolidate", str(src), str(out), "--config", config)
-    result = _invoke("diff", str(src), str(out), "--json")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["identical"]
-    weights = load_file(out / "model.safetensors")
-    weights["model.layers.0.block_sparse_moe.experts.3.w2.weight"][1, 2] += 1.0
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    result = _invoke("diff", str(src), str(out), "--json")
-    assert result.exit_code == 3, result.output
-    changed = [t["name"] for t in json.loads(result.output)["tensors"] if t["status"] != "equal"]
-    assert changed == ["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
+    assert_diff_finds(src, out, "model.layers.0.block_sparse_moe.experts.3.w2.weight", (1, 2))
 
 
 def test_what_is_not_converted_yet_is_refused_by_name(tmp_path: Path) -> None:
@@ -247,14 +227,6 @@ HF_MOE = {
 _SHARD = ("--to", "megatron", "--world-size", "2", "--make-vocab-size-divisible-by", "8")
 
 
-def _model_entries(inspected: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {
-        t["fqn"]: (t["dtype"], tuple(t["shape"]))
-        for t in inspected["tensors"]
-        if not t["fqn"].startswith(("optimizer.", "chained_"))
-    }
-
-
 @pytest.mark.parametrize("hf", sorted(HF_MOE))
 def test_shard_to_megatron_writes_what_megatron_saves_and_comes_back_bit_exact(
     tmp_path: Path, hf: str
@@ -265,23 +237,13 @@ def test_shard_to_megatron_writes_what_megatron_saves_and_comes_back_bit_exact(
     src, run, back = FIXTURES / hf, tmp_path / "megatron", tmp_path / "back"
     _ok("shard", str(src), str(run), *_SHARD)
     ours, theirs = _ok("inspect", str(run)), _ok("inspect", str(FIXTURES / HF_MOE[hf][0]))
-    assert _model_entries(ours) == _model_entries(theirs)
+    assert model_entries(ours) == model_entries(theirs)
     extra = {o["fqn"] for o in theirs["objects"] if "._extra_state/" in o["fqn"]}
     assert extra and extra == {o["fqn"] for o in ours["objects"] if "._extra_state/" in o["fqn"]}
     shown, config = ours["megatron"], json.loads((src / "config.json").read_text())
     assert (shown["num_experts"], shown["moe_router_topk"]) == (4, config["num_experts_per_tok"])
     _ok("consolidate", str(run), str(back))  # the config made from the args it recorded
-    got, want = _hf_tensors(back), _hf_tensors(src)
-    assert got.keys() == want.keys()
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-    ids = torch.tensor([[1, 17, 42, 99, 3, 64, 8]])
-    logits = []
-    for directory in (back, src):
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        with torch.no_grad():
-            logits.append(model(ids).logits)
-    assert torch.equal(logits[0], logits[1])
+    assert_same_model(back, src)
 
 
 def _per_module(stored: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
@@ -352,7 +314,7 @@ def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path, hf: str) -> N
     proof = torch.load(FIXTURES / HF_MOE[hf][1], weights_only=True)
     assert proof["max_abs_diff"] <= 1e-4 and proof["ep"] == 2
     config = json.loads((FIXTURES / hf / "config.json").read_text())
-    want = _hf_tensors(FIXTURES / hf)
+    want = hf_tensors(FIXTURES / hf)
     loaded = _proof_as_hf(proof["model"], config)
     assert loaded.keys() == want.keys()
     for name, tensor in want.items():
@@ -374,10 +336,6 @@ def test_what_shard_writes_is_what_megatron_loaded(tmp_path: Path, hf: str) -> N
         assert torch.equal(written[name], held), name
 
 
-#: the Python of a venv with megatron-core 0.19.2 (fixtures/megatron/make_venv.sh)
-MEGATRON_PYTHON = os.environ.get("CKPTOOLS_MEGATRON_PYTHON", "/work/megatron-venv/bin/python")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(MEGATRON_PYTHON), reason="no megatron-core venv")
 @pytest.mark.parametrize("hf", sorted(HF_MOE))
@@ -389,30 +347,12 @@ def test_megatron_loads_what_shard_writes_at_another_tp_ep(
     ``shard --to megatron`` wrote, the MoE args it recorded are the model's, and its logits match
     transformers' on the HF model (exit 1 above 1e-4). The verdict is kept across sessions under
     a key of every byte shard wrote (``cached_output``), as the dense check-load's."""
-    from tests.integration.test_megatron import _megatron_venv, _metadata_without_ids
-
     run = tmp_path / "megatron"
     _ok("shard", str(FIXTURES / hf), str(run), *_SHARD)
-    written = [p for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".metadata"]
-    written += [_metadata_without_ids(p, tmp_path) for p in sorted(run.rglob(".metadata"))]
-    sources = [*written, *sorted(p for p in (FIXTURES / hf).rglob("*") if p.is_file()),
-               FIXTURES / "generate.py", _megatron_venv(tmp_path)]  # fmt: skip
-    parallel = HF_MOE[hf][2]
-
-    def check_load(entry: Path) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        env.pop("PYTHONPATH", None)
-        done = subprocess.run(
-            [MEGATRON_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node=2",
-             f"--master-port={29300 + os.getpid() % 300}", str(FIXTURES / "generate.py"),
-             "check-load-moe", "--ckpt", str(run), "--hf", str(FIXTURES / hf), *parallel],
-            capture_output=True, text=True, env=env, timeout=600, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        (entry / "check-load.log").write_text(done.stdout + done.stderr)
-
-    verdict = cached_output(f"megatron-check-load-{hf}", sources, check_load) / "check-load.log"
-    assert "args_differ={}" in verdict.read_text()
+    verdict = megatron_check_load(cached_output, tmp_path, key=f"megatron-check-load-{hf}",
+                                  run=run, hf=FIXTURES / hf,
+                                  command=["check-load-moe", *HF_MOE[hf][2]])  # fmt: skip
+    assert "args_differ={}" in verdict
 
 
 def test_shard_refuses_what_stacked_moe_layers_cannot_hold_by_name(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.megatron_truth import MLA_LOW_RANK
+
 HERE = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
 SUMS = HERE / "SHA256SUMS"
 NOT_FIXTURES = {"SHA256SUMS", "generate.py", "README.md", "make_venv.sh"}
@@ -145,15 +147,7 @@ def _check_experts(truth: dict[str, Any]) -> None:
 
 
 #: multi-latent attention's tensors (local spec: separate latent norms) -> DeepseekV3's
-MLA_NAMES = {
-    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
-    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
-    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
-    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
-    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
-}
+MLA_NAMES = {"self_attention.linear_q_proj.weight": "self_attn.q_proj.weight", **MLA_LOW_RANK}
 
 
 def _hf_state_dict(truth: dict[str, Any], config: Any) -> dict[str, torch.Tensor]:
