@@ -119,7 +119,7 @@ def runs_inside(root: str) -> list[str]:
         if name.startswith(".") or storage.outside_reason(root, name) is not None:
             continue
         child = storage.join(root, name)
-        inside = directory_names(child) if storage.isdir(child) else None
+        inside = directory_names(child)  # None for a file
         if inside and any(p.match(n) for p in patterns for n in inside):
             found.append(child)
     return found

@@ -37,6 +37,7 @@ from ckptools.core.tensor_value import TensorValue
 from ckptools.engine.converted import to_memory_names
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.producers.megatron.converted import as_hf
+from ckptools.producers.megatron.hf_config import PADDING_KEPT
 from ckptools.producers.megatron.layout import CONFIG_FILE, DETAILS_KEY
 from ckptools.producers.megatron.masters import MegatronOptimizer, read_optimizer
 from ckptools.producers.megatron.optimizer import is_buffer
@@ -71,7 +72,7 @@ def training_manifest(
     names = dict(model_keys(manifest))
     notes = list(manifest.notes)
     model_kind = "param" if opt is not None and opt.state.get("param") else None
-    model, paths = _as_hf(manifest, names, config, opt, model_kind)
+    model, paths, kept_padding = _as_hf(manifest, names, config, opt, model_kind)
     tensors: dict[str, TensorEntry] = dict(model)
     objects: dict[str, ObjectEntry] = {}
     if drop_optimizer:
@@ -93,8 +94,7 @@ def training_manifest(
         trained = {hf: e for hf, e in model.items() if hf in moments[MOMENTS[0]]}
         _put_optimizer(manifest, opt, trained, moments, tensors, objects, paths)
     _tie_head(manifest, model, tensors, paths, notes)
-    args = manifest.details.get(DETAILS_KEY) or {}
-    if EMBEDDING in model and not ((config or {}).get("vocab_size") or args.get("vocab_size")):
+    if kept_padding and EMBEDDING in model:
         rows = model[EMBEDDING].shape[0]
         notes.append(
             f"vocab padding kept: the embedding and head have Megatron's {rows} padded rows (the "
@@ -152,8 +152,10 @@ def _as_hf(
     config: Mapping[str, Any] | None,
     opt: MegatronOptimizer | None,
     kind: str | None,
-) -> tuple[dict[str, TensorEntry], dict[str, tuple[str, ...]]]:
-    """HF FQN → entry of the model (``kind`` None) or of one optimizer state, mapped."""
+) -> tuple[dict[str, TensorEntry], dict[str, tuple[str, ...]], bool]:
+    """HF FQN → entry of the model (``kind`` None) or of one optimizer state, mapped, and
+    whether the mapping kept Megatron's vocabulary padding (:data:`.hf_config.PADDING_KEPT`:
+    the true size was nowhere)."""
     source = manifest
     if kind is not None and opt is not None:
         state = opt.state.get(kind) or {}
@@ -165,7 +167,7 @@ def _as_hf(
                 fqn=missing[0],
             )
         source = replace(manifest, tensors={**manifest.tensors, **state})
-    derived, out, _, made = as_hf(source, dict(names), config)
+    derived, out, keymap, made = as_hf(source, dict(names), config)
     if (manifest.details.get(DETAILS_KEY) or {}).get("num_experts"):
         # an FSDP2 job's state dict names the model as transformers holds it in memory: an MoE
         # family's experts fused (``mlp.experts.gate_up_proj`` [E, 2F, H], ``down_proj``), by the
@@ -175,7 +177,7 @@ def _as_hf(
     for hf, fqn in out.items():
         e = derived.tensors[fqn]
         entries[hf] = TensorEntry(hf, e.dtype, e.shape, e.chunks)
-    return entries, {hf: (hf,) for hf in entries}
+    return entries, {hf: (hf,) for hf in entries}, PADDING_KEPT in keymap.rules
 
 
 def _put_optimizer(
