@@ -23,7 +23,10 @@ def test_paused_within_and_restored_after_without_freezing_a_library_caller() ->
         assert not gc.isenabled()
         made = [[i] for i in range(1000)]
     assert gc.isenabled()
-    assert gc.get_freeze_count() == frozen  # not ckpt's process: nothing frozen
+    # not ckpt's process: nothing frozen (the count may fall: objects an earlier in-process CLI
+    # run froze can be freed meanwhile, as in a run of the whole suite; a freeze here would add
+    # at least the thousand lists made above)
+    assert gc.get_freeze_count() <= frozen
     assert without_gc(gc.isenabled)() is False
     gc.disable()
     try:
