@@ -92,12 +92,7 @@ def _row_itemsize(t: TensorPlan, decoded: bool) -> int:
 
 
 def _tasks(
-    f: FilePlan,
-    t: TensorPlan,
-    block: int,
-    rows_ok: bool,
-    transformed: bool = False,
-    decoded: bool = False,
+    f: FilePlan, t: TensorPlan, block: int, rows_ok: bool, transformed: bool, decoded: bool
 ) -> Iterator[Task]:
     """The tasks writing ``t``: blocks of whole rows when its chunks all land as many runs
     (sharded on a trailing dim), or it is ``transformed`` or ``decoded``, and a row fits half a

@@ -110,9 +110,7 @@ class ReshardResult:
         }
 
 
-def carry_out(
-    kind: str, options: ReshardOptions, started: float, planned: Callable[[], Run]
-) -> ReshardResult:
+def carry_out(kind: str, options: ReshardOptions, planned: Callable[[], Run]) -> ReshardResult:
     """Plan (``planned`` reads the source and plans every part) and write, or only plan.
 
     A dry run plans here and writes nothing, whatever the job. Otherwise one process plans and
@@ -126,6 +124,7 @@ def carry_out(
     An error of rank 0's while reading or planning reaches every rank, and every rank raises
     before anything is created.
     """
+    started = time.perf_counter()
     if options.dry_run:
         return result(planned().share(), options, 0, (), started)
     ranks = collective.current(options.distributed)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from importlib import import_module
@@ -120,14 +119,13 @@ def reshard(
     Example:
         >>> ckptools.reshard("ckpt/step-100", "ckpt16/step-100", world_size=16)  # doctest: +SKIP
     """
-    started = time.perf_counter()
     options = ReshardOptions(
         world_size=world_size, rank_state=rank_state, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
         param_order=None if param_order is None else tuple(param_order),
         drop_optimizer=drop_optimizer, config=config,
     )  # fmt: skip
-    return carry_out("reshard", options, started, lambda: _planned_reshard(src, out, options))
+    return carry_out("reshard", options, lambda: _planned_reshard(src, out, options))
 
 
 def _planned_reshard(src: str, out: str, options: ReshardOptions) -> Run:
@@ -361,7 +359,6 @@ def shard(
     Example:
         >>> ckptools.shard("Llama-3-8B/", "ckpt/step-0", world_size=8)  # doctest: +SKIP
     """
-    started = time.perf_counter()
     options = ReshardOptions(
         world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,
@@ -370,13 +367,12 @@ def shard(
         raise UsageError(f"--to {to!r}: choose {' or '.join(write_targets())}")
     if to not in WRITE_TARGETS:  # dcp: ckptools' own writer; the others are producers'
         return carry_out(
-            "shard", options, started,
-            lambda: _planned_shard(src, out, options, config, keep_stored_names),
-        )  # fmt: skip
+            "shard", options, lambda: _planned_shard(src, out, options, config, keep_stored_names)
+        )
     writer = import_module(f"ckptools.producers.{WRITE_TARGETS[to]}")
     writer.check_options(make_vocab_size_divisible_by)
     return carry_out(
-        "shard", options, started,
+        "shard", options,
         lambda: _planned_target(writer, src, out, options, config, make_vocab_size_divisible_by),
     )  # fmt: skip
 
