@@ -24,6 +24,7 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle, stream_transforms
 from ckptools.io import storage
 from ckptools.producers import registry
+from ckptools.producers.dcp import STEP_SAVE
 from ckptools.producers.registry import MODULES, REFUSED, VIEWED
 
 if TYPE_CHECKING:
@@ -296,10 +297,6 @@ class RunSave(Layout):
 
     def read_listing(self, path: str) -> Manifest:
         return self.chosen.noted(self.layout.read_listing(self.save))
-
-
-#: the numbered saves of a step run (the manager's, torchtitan's): ``step-N``
-STEP_SAVE = re.compile(r"^step-(\d+)$")
 
 
 def step_lacks(path: str, *, managed: bool) -> str | None:

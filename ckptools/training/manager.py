@@ -35,10 +35,11 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -62,9 +63,6 @@ from ckptools.training.state import (
     storage_writer,
     write_model_config,
 )
-
-if TYPE_CHECKING:
-    from torch import nn
 
 __all__ = ["AsyncSaveError", "CheckpointManager"]
 

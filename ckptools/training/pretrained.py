@@ -28,10 +28,11 @@ import resource
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
@@ -59,9 +60,6 @@ from ckptools.views.export import (
     write_index,
 )
 from ckptools.views.model_config import find_model_files, model_config
-
-if TYPE_CHECKING:
-    from torch import nn
 
 __all__ = ["SavePretrainedResult", "save_pretrained"]
 

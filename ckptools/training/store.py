@@ -46,7 +46,8 @@ from typing import Any
 from ckptools.errors import CheckpointNotFoundError, UsageError
 from ckptools.io import storage
 from ckptools.io.staging import IN_PROGRESS, staging_for
-from ckptools.producers.dcp.manager import _MARKER_FORMAT, MARKER_NAME, read_marker
+from ckptools.producers.dcp import STEP_SAVE
+from ckptools.producers.dcp.manager import MARKER_FORMAT, MARKER_NAME, MARKER_VERSION, read_marker
 from ckptools.training.retention import RetentionDecision, RetentionPolicy, plan_retention
 
 __all__ = [
@@ -66,9 +67,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Written last into a checkpoint directory; a directory without it is incomplete.
-_MARKER_VERSION = 1
-_STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_STEP_RE = re.compile(r"^\.tmp-step-(\d+)-[0-9a-f]+$")
 _TMP_PREFIX = ".tmp-"
 
@@ -186,8 +184,8 @@ def write_marker(
         if not k.startswith(MARKER_NAME) and k != IN_PROGRESS
     }
     marker: dict[str, Any] = {
-        "format": _MARKER_FORMAT,
-        "version": _MARKER_VERSION,
+        "format": MARKER_FORMAT,
+        "version": MARKER_VERSION,
         "step": step,
         "time": time.time(),
         "world_size": world_size,
@@ -226,7 +224,7 @@ def list_checkpoints(
     infos: list[CheckpointInfo] = []
     for name in sorted(storage.listdir(root)):
         full = storage.join(root, name)
-        m = _STEP_RE.match(name)
+        m = STEP_SAVE.match(name)
         tmp = _TMP_STEP_RE.match(name) if include_tmp else None
         # (an object store lists step-N/ prefixes; asking each whether it is one costs a request)
         if not (m or tmp) or not (remote or os.path.isdir(full)):
@@ -357,7 +355,7 @@ def _clean_stale_remote(root: str) -> list[str]:
     except FileNotFoundError:
         return []
     for name in sorted(names):
-        if not _STEP_RE.match(name):
+        if not STEP_SAVE.match(name):
             continue
         full = storage.join(root, name)
         held = storage.walk_files(full)
@@ -400,7 +398,7 @@ def _refuse_a_producers_run(root: str) -> None:
     """Refuse a run directory whose saves another producer wrote (a Trainer's, DeepSpeed's,
     verl's...): ``prune`` deletes a CheckpointManager's saves only, and would otherwise
     report deleting nothing as though there were nothing to delete."""
-    from ckptools.producers.base import STEP_SAVE, directory_names, is_managed
+    from ckptools.producers.base import directory_names, is_managed
     from ckptools.producers.saves import list_saves
 
     names = directory_names(root)

@@ -14,7 +14,9 @@ from ckptools.io import storage
 
 #: the commit marker, written last into a save's directory
 MARKER_NAME = ".ckptools-complete"
-_MARKER_FORMAT = "ckptools-checkpoint"
+#: what the marker's ``format`` says, and the ``version`` of its fields
+MARKER_FORMAT = "ckptools-checkpoint"
+MARKER_VERSION = 1
 
 
 def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
@@ -30,7 +32,7 @@ def read_marker(directory: str) -> tuple[dict[str, Any] | None, str]:
         return None, f"no {MARKER_NAME} marker (save never committed)"
     except (OSError, CkptError) as e:
         return None, f"unreadable {MARKER_NAME}: {e}"
-    if not isinstance(marker, dict) or marker.get("format") != _MARKER_FORMAT:
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
         return None, f"{MARKER_NAME} is not a ckptools marker"
     files = marker.get("files")
     if not isinstance(files, dict):

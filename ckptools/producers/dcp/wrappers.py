@@ -34,8 +34,6 @@ from ckptools.producers.dcp.layout import METADATA_FILE, dcp_lacks, rank_of, rea
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")
-_TRAINER_CKPT = TRAINER_SAVE
-_TITAN_STEP = STEP_SAVE
 TRAINER_STATE = "trainer_state.json"
 LIGHTNING_META = "meta.pt"
 
@@ -127,19 +125,19 @@ class TrainerLayout(Layout):
     def probe(self, path: str) -> str | None:
         if _accelerate_parts(path) and storage.isfile(storage.join(path, TRAINER_STATE)):
             return None
-        if any(_TRAINER_CKPT.match(n) for n in _listdir(path)):
+        if any(TRAINER_SAVE.match(n) for n in _listdir(path)):
             return None
         return "no trainer_state.json beside pytorch_model_fsdp_*/, and no checkpoint-N/ inside"
 
     def numbered_saves(self) -> NumberedSaves:
-        return NumberedSaves(_TRAINER_CKPT, trainer_lacks, ranks=dcp_ranks)
+        return NumberedSaves(TRAINER_SAVE, trainer_lacks, ranks=dcp_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
         parts = _accelerate_parts(path)
         if parts:
             return read_dcp_tree(path, parts, layout=self.name)
         found = newest_numbered(
-            path, _TRAINER_CKPT, _trainer_checkpoint_complete, "no whole DCP save, no model file"
+            path, TRAINER_SAVE, _trainer_checkpoint_complete, "no whole DCP save, no model file"
         )
         assert found is not None
         inner = storage.contained(path, found.name, named_by=path, entry="holds")
@@ -206,24 +204,24 @@ class TorchtitanLayout(Layout):
 
     def probe(self, path: str) -> str | None:
         base = storage.basename(path)
-        if _TITAN_STEP.match(base):
+        if STEP_SAVE.match(base):
             if _is_titan_step(path):
                 return None
             return "a step-N/ directory without torchtitan's train_state entry"
-        steps = [n for n in _listdir(path) if _TITAN_STEP.match(n)]
+        steps = [n for n in _listdir(path) if STEP_SAVE.match(n)]
         if steps and any(_is_titan_step(storage.join(path, n)) for n in steps):
             return None
         return "not a torchtitan step-N/ directory and holds none"
 
     def numbered_saves(self) -> NumberedSaves:
         # torchtitan's, or a script's dcp.save per step: labelled by who reads the directory
-        return NumberedSaves(_TITAN_STEP, dcp_lacks, ranks=dcp_ranks, label=_steps_label)
+        return NumberedSaves(STEP_SAVE, dcp_lacks, ranks=dcp_ranks, label=_steps_label)
 
     def read_manifest(self, path: str) -> Manifest:
         base = storage.basename(path)
-        if _TITAN_STEP.match(base):
+        if STEP_SAVE.match(base):
             return read_dcp_tree(path, layout=self.name)
-        found = newest_numbered(path, _TITAN_STEP, _is_whole_dcp, "no whole DCP save")
+        found = newest_numbered(path, STEP_SAVE, _is_whole_dcp, "no whole DCP save")
         assert found is not None
         inner = storage.contained(path, found.name, named_by=path, entry="holds")
         return found.noted(read_dcp_tree(inner, layout=self.name))
