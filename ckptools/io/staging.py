@@ -279,11 +279,16 @@ class ObjectStoreStaging:
     def check_writable(self, out: str, overwrite: bool) -> None:
         """OUT is a prefix: one that holds nothing, or only what an interrupted ckptools write
         left (the in-progress note and no marker), is writable; one that holds a committed
-        checkpoint or anything else needs ``overwrite``."""
-        if overwrite:
-            return
-        held = storage.walk_files(out)
-        if not held:
+        checkpoint or anything else needs ``overwrite``. A prefix that cannot be listed (a
+        bucket that does not exist) is refused either way, before any work."""
+        try:
+            held = storage.walk_files(out)
+        except FileNotFoundError as e:  # fsspec's word for a missing bucket or container
+            raise UsageError(
+                f"{out}: cannot be written ({e}); create the bucket first or choose another OUT",
+                path=out,
+            ) from e
+        if overwrite or not held:
             return
         markers = sorted(rel for rel in held if _is_marker(rel))
         if markers:

@@ -121,6 +121,28 @@ def test_existing_destination_needs_overwrite(fsdp2_on_s3: str, s3_bucket: str) 
     assert objects(f"{s3_bucket}/foreign") == {"notes.txt": 8}
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_out_in_a_bucket_that_does_not_exist_is_one_line(
+    fsdp2_on_s3: str, s3_bucket: str, overwrite: bool
+) -> None:
+    # s3fs raised FileNotFoundError from listing OUT: a traceback, for every writing verb
+    missing = s3_bucket + "-missing"
+    for write in (
+        lambda out: ckptools.consolidate(
+            fsdp2_on_s3, out, quiet=True, weights_only=True, overwrite=overwrite
+        ),
+        lambda out: ckptools.reshard(
+            fsdp2_on_s3, out, world_size=2, quiet=True, overwrite=overwrite
+        ),
+        lambda out: ckptools.shard(
+            str(FIXTURES / "hf_sharded"), out, world_size=2, quiet=True, overwrite=overwrite
+        ),
+    ):
+        with pytest.raises(UsageError, match=r"-missing/out: cannot be written \(.*bucket"):
+            write(f"{missing}/out")
+    assert not storage.exists(missing + "/out")
+
+
 def _patch_uploads(monkeypatch: pytest.MonkeyPatch, put: object) -> None:
     """Every upload goes through ``put``: the spool's uploader calls ``io.paths.put_file``
     (io.spool sits below the storage facade), the staging commit ``storage.put_file``."""
