@@ -16,6 +16,7 @@ from ckptools.cli.options import filled, producers_say
 from ckptools.cli.render import dumps
 from ckptools.engine import collective
 from ckptools.errors import CkptError, UsageError
+from ckptools.io import storage
 
 _ENVIRONMENT_ERRNOS = {
     errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
@@ -40,6 +41,7 @@ class _Group(click.Group):
         head = _before_separator(args)
         ctx.ensure_object(dict)
         ctx.obj["json"] = "--json" in head
+        ctx.obj["urls"] = [a for a in head if storage.is_url(a)]  # named by a remote failure
         moved = [a for a in head if a in _GROUP_FLAGS]
         rest = [a for a in head if a not in _GROUP_FLAGS] + args[len(head) :]
         return super().parse_args(ctx, moved + rest)
@@ -68,6 +70,12 @@ class _Group(click.Group):
             if not ctx.obj.get("json"):
                 raise
             _fail(ctx, e.format_message(), e.exit_code)
+        except Exception as e:
+            said = storage.remote_failure(e)
+            if said is None or debug():
+                raise
+            urls = ctx.obj.get("urls") or []
+            _fail(ctx, f"{', '.join(urls)}: {said}" if urls else said, EXIT_ERROR)
         except KeyboardInterrupt as e:
             if debug():
                 traceback.print_exc()

@@ -48,6 +48,25 @@ def protocol_of(path: str) -> str:
     return path.split("::")[-1].split("://", 1)[0] if is_url(path) else "file"
 
 
+#: the top-level packages of the network and cloud clients fsspec's backends raise from
+_REMOTE_CLIENTS = frozenset(
+    {"botocore", "aiobotocore", "aiohttp", "google", "gcsfs", "adlfs", "azure", "requests"}
+)
+
+
+def remote_failure(e: BaseException) -> str | None:
+    """One line for an error an fsspec backend raised reaching its store (no connection, no
+    credentials, a refused request) that it did not turn into an ``OSError``; None for any
+    other error."""
+    if not any(c.__module__.split(".")[0] in _REMOTE_CLIENTS for c in type(e).__mro__):
+        return None
+    said = " ".join(str(e).split()) or type(e).__name__
+    return (
+        f"the object store could not be reached or refused the request ({said}); check its "
+        "endpoint and credentials (the AWS_* / provider environment, or --storage-options)"
+    )
+
+
 def filesystem(path: str) -> tuple[AbstractFileSystem, str]:
     """``(fsspec filesystem, path inside it)`` for a URL, with the options in force."""
     from fsspec.core import url_to_fs

@@ -7,6 +7,9 @@ counted at s3fs's request function (not by ckptools).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,40 @@ def test_cli_storage_options_carry_the_endpoint(
     assert result.exit_code == 0, result.output
     bad = runner.invoke(cli, ["inspect", fsdp2_on_s3, "--storage-options", "[1]"])
     assert bad.exit_code == 2 and "JSON object" in bad.output
+
+
+def _ckpt(*args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+    """The CLI in a fresh process (fsspec keeps its clients per process), with ``env``
+    changed (None: unset)."""
+    environ = {k: v for k, v in os.environ.items() if env.get(k, "") is not None}
+    environ.update({k: v for k, v in env.items() if v is not None})
+    return subprocess.run(
+        [sys.executable, "-m", "ckptools", *args], env=environ, capture_output=True, text=True
+    )
+
+
+def test_an_unreachable_store_or_missing_credentials_is_one_line(
+    fsdp2_on_s3: str, tmp_path: Path
+) -> None:
+    # botocore's own errors (not OSErrors) came out of s3fs as tracebacks
+    nowhere = "http://127.0.0.1:9"  # nothing listens there; one attempt, not botocore's five
+    done = _ckpt("inspect", fsdp2_on_s3, AWS_ENDPOINT_URL=nowhere, AWS_MAX_ATTEMPTS="1")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"error: {fsdp2_on_s3}: the object store could not be reached")
+    assert "127.0.0.1:9" in done.stderr and len(done.stderr.splitlines()) == 1
+    done = _ckpt("inspect", fsdp2_on_s3, "--json", AWS_ENDPOINT_URL=nowhere, AWS_MAX_ATTEMPTS="1")
+    assert done.returncode == 1 and "could not be reached" in json.loads(done.stdout)["error"]
+    no_credentials: dict[str, str | None] = dict.fromkeys(
+        ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+    )
+    no_credentials |= {
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    done = _ckpt("verify", fsdp2_on_s3, **no_credentials)
+    assert done.returncode == 1, done.stderr
+    assert "credentials" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
 def test_remote_reader_reads_only_what_is_asked(fsdp2_on_s3: str) -> None:
