@@ -27,11 +27,12 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_size(value: str | int) -> int:
+def parse_size(value: str | int, name: str | None = None) -> int:
     """Parse a byte size.
 
     Args:
         value: an int (bytes) or a string such as ``"5GB"``, ``"300KB"``, ``"2GiB"``, ``"1.5MB"``.
+        name: the parameter ``value`` was given as, named by the error.
 
     Returns:
         The size in bytes (rounded down to a whole byte).
@@ -43,6 +44,7 @@ def parse_size(value: str | int) -> int:
         >>> parse_size("300KB"), parse_size("2GiB"), parse_size(512)
         (300000, 2147483648, 512)
     """
+    said = f"{value!r}" if name is None else f"{name}={value!r}"
     if isinstance(value, int):
         n = value
     else:
@@ -50,14 +52,16 @@ def parse_size(value: str | int) -> int:
         unit = m.group(2).upper() if m else ""
         if m is None or unit not in _UNITS:
             raise UsageError(
-                f"{value!r} is not a size; write a number with an optional unit, e.g. 5GB, "
+                f"{said} is not a size; write a number with an optional unit, e.g. 5GB, "
                 "300KB, 2GiB (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)"
             )
         number = m.group(1)
         # integers stay exact (no float rounding of "5000000000123"); "1.5MB" goes through float
         n = int(float(number) * _UNITS[unit]) if "." in number else int(number) * _UNITS[unit]
     if n <= 0:
-        raise UsageError(f"size must be positive, got {value!r}")
+        raise UsageError(
+            f"{said} must be positive" if name else f"size must be positive, got {said}"
+        )
     return n
 
 

@@ -115,7 +115,9 @@ class ExportOptions:
         return "--key" if self.key is not None else "--select"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "max_shard_bytes", parse_size(self.max_shard_size))
+        object.__setattr__(
+            self, "max_shard_bytes", parse_size(self.max_shard_size, "max_shard_size")
+        )
         if self.key is not None:
             if self.select is not None:
                 raise UsageError("--key and --select both choose what to export; give one")

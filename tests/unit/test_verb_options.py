@@ -34,10 +34,15 @@ def test_consolidate_options_defaults_and_resolution(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"dtype": "int8"}, {"dtype": "nonsense"}, {"max_shard_size": "5XB"}, {"workers": 0}],
-)
+    [
+        {"dtype": "int8"}, {"dtype": "nonsense"}, {"max_shard_size": "5XB"},
+        {"max_shard_size": "0"}, {"workers": 0},
+    ],
+)  # fmt: skip
 def test_consolidate_options_refuse_bad_values(kwargs: dict[str, object]) -> None:
-    with pytest.raises(UsageError):
+    # the one line names the option it refuses ("size must be positive, got '0'" did not)
+    (name,) = kwargs
+    with pytest.raises(UsageError, match=name):
         ConsolidateOptions(**kwargs)  # type: ignore[arg-type]
 
 
