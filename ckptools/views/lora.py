@@ -45,6 +45,8 @@ _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.wei
 # handled by this module, so refused by name rather than silently dropped.
 _OTHER = re.compile(r"\.(lora_magnitude_vector|lora_embedding_[AB])\.|\.lora_B\.[^.]+\.bias$")
 _BASE = ".base_layer."
+#: an adapter as ``PeftModel.save_pretrained`` (and ``--adapter``) writes it: adapter name dropped
+_SAVED = re.compile(r"\.lora_[AB]\.weight$")
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,13 @@ def _one_adapter(found: LoraScan, adapter: str | None, root: str) -> str:
 def _required(names: Mapping[str, str], manifest: Manifest) -> LoraScan:
     shapes = {n: manifest.tensors[f].shape for n, f in names.items()}
     found = scan(names, shapes)
+    if found is None and any(_SAVED.search(n) for n in names):
+        raise UsageError(
+            f"{manifest.root}: a LoRA adapter alone, as PeftModel.save_pretrained (or "
+            "--adapter) writes it, with no base weights: --adapter and --merge-lora take a "
+            "checkpoint of the whole PEFT-wrapped model; merge this one with peft "
+            "(PeftModel.from_pretrained(base_model, DIR).merge_and_unload())"
+        )
     if found is None:
         raise UsageError(
             f"{manifest.root}: no LoRA adapter (no '<module>.lora_A.<adapter>.weight' tensor); "

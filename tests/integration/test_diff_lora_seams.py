@@ -111,6 +111,23 @@ def test_adapter_export_lists_both_files_it_wrote(peft_src: Path, tmp_path: Path
     assert code == 0 and json.loads(text)["config_files"] == ["adapter_config.json"], text
 
 
+@pytest.mark.parametrize("flags", [["--merge-lora", "--lora-alpha", "16"], ["--adapter"]])
+def test_peft_adapter_directory_is_named_as_the_adapter_alone(
+    peft_src: Path, tmp_path: Path, flags: list[str]
+) -> None:
+    """peft's own ``save_pretrained`` directory given to ``--merge-lora`` / ``--adapter`` was
+    told it holds "no LoRA adapter"; it holds the adapter alone (no base weights), and the
+    line says so and how to merge it."""
+    adapter = peft_src.parent / "peft_adapter"
+    out = tmp_path / "out"
+    code, text = _cli(["consolidate", str(adapter), str(out), *flags])
+    assert code == EXIT_USAGE, text
+    assert text.count("\n") == 1, text
+    assert "no LoRA adapter" not in text, text
+    assert "PeftModel.save_pretrained" in text and "merge_and_unload" in text, text
+    assert not out.exists()
+
+
 def _damaged_copy(src: Path, dst: Path, fqn: str) -> tuple[str, int]:
     """``src`` copied to ``dst`` with one bit flipped inside a stored record of ``fqn`` (not
     its CRC): the file name and the byte flipped."""

@@ -73,6 +73,26 @@ def test_zero2_model_states_file_alone_is_refused_naming_the_directory(
     assert _ckpt("inspect", str(tag))[0] == 0
 
 
+@_needs_deepspeed
+@pytest.mark.parametrize("verb", [["inspect"], ["consolidate", "OUT"], ["diff", "OTHER"]])
+def test_deepspeed_latest_file_is_refused_naming_the_run(
+    zero2_run: Path, tmp_path: Path, verb: list[str]
+) -> None:
+    """``latest`` (the tag record ``save_checkpoint`` writes beside its tags) pointed at names
+    the run directory to point at, not "not a checkpoint ckptools recognises"."""
+    path = zero2_run / "latest"
+    args = [verb[0], str(path)]
+    args += [str(tmp_path / "out") if a == "OUT" else str(zero2_run) if a == "OTHER" else a
+             for a in verb[1:]]  # fmt: skip
+    code, out, err = _ckpt(*args)
+    assert code == 2, out + err
+    assert err.splitlines() == [
+        f"error: {path}: this is one file of the deepspeed checkpoint at {zero2_run}; "
+        f"point at {zero2_run}"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
 # --- 9: a save missing a rank's file is not latest, and reading takes the one list marks ------
 
 

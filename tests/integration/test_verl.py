@@ -452,3 +452,28 @@ def test_list_shows_the_run_directorys_saves(
         ("global_step_2", 2, "verl", True, picked == "global_step_2"),
         ("global_step_3", 3, "verl", False, False),
     ]
+
+
+@pytest.mark.parametrize("lost", ["actor/model_world_size_2_rank_1.pt",
+                                  "critic/optim_world_size_2_rank_0.pt"])  # fmt: skip
+def test_a_step_missing_a_rank_file_is_incomplete_and_reading_takes_the_older(
+    tmp_path: Path, lost: str
+) -> None:
+    """A save cut off before every rank wrote its file (the recorded global_step_2 here) is
+    not whole: ``ckpt list`` says so and reading the run takes the newest whole save, as for
+    DeepSpeed's and the Trainer's runs, instead of calling it complete and then refusing."""
+    run = _run_dir(tmp_path, 2)
+    (run / "global_step_2" / lost).unlink()
+    listed = {
+        c["name"]: c for c in json.loads(_ckpt("list", str(run), "--json").output)["checkpoints"]
+    }
+    assert listed["global_step_2"]["complete"] is False
+    assert lost.rpartition("/")[2] in listed["global_step_2"]["reason"]
+    assert listed["global_step_1"]["latest"] is True
+    result = _ckpt("consolidate", str(run), str(tmp_path / "hf"), "--json", "-q")
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.output)["notes"]
+    assert any("using global_step_1" in n and "global_step_2" in n for n in notes), notes
+    direct = _ckpt("consolidate", str(VERL / "fsdp2_ws3"), str(tmp_path / "direct"), "-q")
+    assert direct.exit_code == 0, direct.output
+    assert _files(tmp_path / "hf") == _files(tmp_path / "direct")

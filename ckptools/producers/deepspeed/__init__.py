@@ -23,11 +23,13 @@ PARTS = (
 )
 #: (file name, a name beside it, layout): one part when a file of the second kind lies beside.
 #: ``mp_rank_00_model_states.pt`` beside ZeRO optimizer rank files: ZeRO 1/2 keep there the
-#: module's low-precision copy, not the fp32 masters the directory's reading exports
+#: module's low-precision copy, not the fp32 masters the directory's reading exports; the run's
+#: ``latest`` beside its ``global_stepN`` tags (the run directory is what to point at)
 PARTS_BESIDE = (
     (
         re.compile(r"^mp_rank_\d+_model_states\.pt$"),
         re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$"),
         "deepspeed",
     ),
+    (re.compile(rf"^{LATEST_FILE}$"), TAG_SAVE, "deepspeed"),
 )

@@ -59,6 +59,7 @@ from ckptools.core.manifest import (
 )
 from ckptools.errors import (
     CheckpointNotFoundError,
+    CkptError,
     CorruptCheckpointError,
     UnsupportedCheckpointError,
 )
@@ -293,8 +294,8 @@ def _resolve(path: str) -> tuple[str, list[str]]:
     found = newest_numbered(
         path,
         STEP_DIR,
-        lambda p: bool(_roles(p)),
-        "no actor/ or critic/ holding fsdp_config.json and rank files",
+        lambda p: _save_lacks(p) is None,
+        _INCOMPLETE,
         prefer=_recorded_step(path),
     )
     if found is not None:
@@ -310,10 +311,33 @@ def _resolve(path: str) -> tuple[str, list[str]]:
     return storage.contained(step_dir, role, named_by=step_dir, entry="holds"), notes
 
 
+#: what a global_step_N that no reading takes lacks
+_INCOMPLETE = "no actor/ or critic/ holding fsdp_config.json and every rank's files"
+
+
+def _role_lacks(path: str) -> str | None:
+    """What the verl checkpoint directory ``path`` lacks to be read, or None when it is whole:
+    the check :func:`read_verl` makes before reading any tensor (its config, and every rank's
+    model file, and optimizer file when any rank saved one). Reads names and the config only."""
+    try:
+        _, world, _ = _config(path)
+        _rank_files(path, {name: 0 for name in directory_names(path) or ()}, world)
+    except CkptError as e:
+        return str(e)
+    return None
+
+
 def _save_lacks(path: str) -> str | None:
-    if _roles(path):
-        return None
-    return "no actor/ or critic/ holding fsdp_config.json and rank files"
+    """What the save ``global_step_N`` lacks: a role, or a rank file of any role it holds
+    (a cut-off save is not whole, so ``ckpt list`` and reading the run directory skip it)."""
+    roles = _roles(path)
+    if not roles:
+        return _INCOMPLETE
+    for role in roles:
+        lacks = _role_lacks(storage.join(path, role))
+        if lacks is not None:  # named from the save: the listing's row names the save
+            return lacks.removeprefix(path).lstrip("/")
+    return None
 
 
 def _latest(root: str, names: list[str]) -> str | None:
