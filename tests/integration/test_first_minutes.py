@@ -137,3 +137,24 @@ def test_list_shows_the_steps_of_a_torchtitan_checkpoint_folder(
         (saved.name, "torchtitan", True, True),
         ("step-99", "torchtitan", False, False),
     ]
+
+
+def test_lightnings_checkpoints_folder_names_the_sharded_checkpoint_inside(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """Lightning's ``FSDPStrategy`` saves its sharded checkpoint as a folder named like a file,
+    ``lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt/``: the ``checkpoints/`` above
+    it is no torch.save directory (which read that folder as its one ``.ckpt`` file and failed
+    on it, "file is missing"), and pointing there names the checkpoint to point at."""
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    saved = checkpoints / "epoch=0-step=2.ckpt"
+    shutil.copytree(produced("lightning").path, saved)
+    for verb in (["inspect"], ["consolidate", str(tmp_path / "hf")]):
+        code, _, err = _ckpt(verb[0], str(checkpoints), *verb[1:])
+        assert code == 1
+        assert err.splitlines() == [
+            f"error: {checkpoints} is no checkpoint itself, but {saved} holds a lightning "
+            "checkpoint: point at it (--debug lists why each layout refused the directory)"
+        ]
+    assert not (tmp_path / "hf").exists()
+    assert _ckpt("inspect", str(saved))[0] == 0
