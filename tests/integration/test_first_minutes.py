@@ -158,3 +158,24 @@ def test_lightnings_checkpoints_folder_names_the_sharded_checkpoint_inside(
         ]
     assert not (tmp_path / "hf").exists()
     assert _ckpt("inspect", str(saved))[0] == 0
+
+
+def test_list_of_lightnings_checkpoints_folder_is_no_nemo_run(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """NeMo 2 names its saves as Lightning's ModelCheckpoint does (``...-step=N...``) but never
+    with ``.ckpt`` (NeMo's ``ckpt_to_dir`` drops it): Lightning's own sharded checkpoint folder
+    ``epoch=0-step=2.ckpt/`` was listed as an INCOMPLETE nemo2 save, "no weights/"."""
+    checkpoints = tmp_path / "checkpoints"
+    saved = checkpoints / "epoch=0-step=2.ckpt"
+    shutil.copytree(produced("lightning").path, saved)
+    code, stdout, err = _ckpt("list", str(checkpoints), "--json")
+    assert code == 0, err
+    listed = json.loads(stdout)
+    assert listed["checkpoints"] == []
+    assert listed["checkpoints_inside"] == [{"name": saved.name, "layout": "lightning"}]
+    code, stdout, _ = _ckpt("list", str(checkpoints))
+    assert stdout.splitlines() == [
+        f"{checkpoints}: no numbered saves here; it holds 1 checkpoint(s): {saved.name} "
+        f"(lightning): `ckpt inspect {saved}`"
+    ]
