@@ -179,3 +179,30 @@ def test_list_of_lightnings_checkpoints_folder_is_no_nemo_run(
         f"{checkpoints}: no numbered saves here; it holds 1 checkpoint(s): {saved.name} "
         f"(lightning): `ckpt inspect {saved}`"
     ]
+
+
+def test_list_of_one_save_names_it_and_its_run(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """``ckpt list`` pointed at one save rather than its run directory: a Trainer's
+    ``checkpoint-N`` was answered with the parts inside it (``ckpt inspect
+    checkpoint-2/optimizer_0``, the optimizer alone), a ``dcp.save`` directory with "no saves";
+    both now say it is one checkpoint, to inspect, and name the run that lists it."""
+    run = tmp_path / "output_dir"
+    for n in (2, 10):
+        shutil.copytree(produced("trainer").path, run / f"checkpoint-{n}")
+    save = run / "checkpoint-2"
+    code, stdout, err = _ckpt("list", str(save))
+    assert code == 0, err
+    assert stdout.splitlines() == [
+        f"{save}: one trainer checkpoint, not a run of saves: `ckpt inspect {save}`; "
+        f"`ckpt list {run}` lists its run"
+    ]
+    code, stdout, _ = _ckpt("list", str(save), "--json")
+    assert json.loads(stdout)["checkpoint_itself"] == {"layout": "trainer", "run": str(run)}
+    plain = produced("fsdp2", world_size=2).path
+    code, stdout, _ = _ckpt("list", str(plain))
+    assert code == 0
+    assert stdout.splitlines() == [
+        f"{plain}: one dcp checkpoint, not a run of saves: `ckpt inspect {plain}`"
+    ]
