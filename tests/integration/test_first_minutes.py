@@ -206,3 +206,38 @@ def test_list_of_one_save_names_it_and_its_run(
     assert stdout.splitlines() == [
         f"{plain}: one dcp checkpoint, not a run of saves: `ckpt inspect {plain}`"
     ]
+
+
+def test_prune_at_the_wrong_level_is_refused_not_deleted_nothing(tmp_path: Path) -> None:
+    """``ckpt prune`` pointed at one save of a CheckpointManager root, or at the directory
+    above the root, reported "deleted 0 checkpoint(s)" and exit 0, as though the policy held;
+    it now names the way in one line (exit 2), and the root itself still prunes."""
+    import torch
+
+    import ckptools
+
+    root = tmp_path / "exp" / "checkpoints"
+    model = torch.nn.Linear(3, 2)
+    mgr = ckptools.CheckpointManager(str(root))
+    for step in (1, 2, 3):
+        mgr.save(step, model)
+    mgr.close()
+    one = root / "step-2"
+    cases = {
+        one: f"{one}: holds no CheckpointManager save (step-N/), nothing pruned; it is one dcp "
+        "checkpoint, not a CheckpointManager root (the directory holding its step-N saves)",
+        root.parent: f"{root.parent}: holds no CheckpointManager save (step-N/), nothing "
+        f"pruned; saves lie one level down ({root}): point at the root holding them",
+    }
+    for where, said in cases.items():
+        code, _, err = _ckpt("prune", str(where), "--keep-last", "1")
+        assert (code, err.splitlines()) == (2, [f"error: {said}"])
+        code, stdout, _ = _ckpt("prune", str(where), "--keep-last", "1", "--json")
+        assert json.loads(stdout) == {"error": said, "exit_code": 2}
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-3"]
+    code, stdout, err = _ckpt("prune", str(root), "--keep-last", "1")
+    assert code == 0, err
+    assert sorted(p.name for p in root.iterdir()) == ["step-3"]
+    # an empty directory is a root before its first save: nothing to prune, no error
+    (tmp_path / "fresh").mkdir()
+    assert _ckpt("prune", str(tmp_path / "fresh"), "--keep-last", "1")[0] == 0
