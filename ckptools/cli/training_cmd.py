@@ -46,18 +46,55 @@ def list_command(root: str, as_json: bool, storage_options: str | None) -> None:
     infos = list_run(root, storage_options=storage_options)
     listed: dict[str, Any] = {"root": root, "checkpoints": [c.to_dict() for c in infos]}
     if not infos:
+        from ckptools.io.options import storage_options as options_scope
         from ckptools.producers.base import checkpoints_inside
         from ckptools.producers.saves import runs_inside
 
-        listed["runs_inside"] = runs_inside(root)
-        if not listed["runs_inside"]:
-            listed["checkpoints_inside"] = [
-                {"name": name, "layout": layout} for name, layout in checkpoints_inside(root)
-            ]
+        with options_scope(storage_options):
+            listed["runs_inside"] = runs_inside(root)
+            if not listed["runs_inside"]:
+                listed["checkpoint_itself"] = _one_save(root)
+            if not listed["runs_inside"] and listed["checkpoint_itself"] is None:
+                listed["checkpoints_inside"] = [
+                    {"name": name, "layout": layout} for name, layout in checkpoints_inside(root)
+                ]
     emit(listed, as_json, _render_list)
 
 
+def _one_save(root: str) -> dict[str, Any] | None:
+    """When ROOT is one checkpoint itself (a save, not a run of them): its layout, and the run
+    directory above it that lists it (or None): what ``ckpt list`` names instead of "no saves"
+    or the parts inside it."""
+    from ckptools.errors import CkptError
+    from ckptools.io import storage
+    from ckptools.producers.base import detect
+    from ckptools.training.store import list_run
+
+    try:
+        layout = detect(root).name
+    except (CkptError, OSError):
+        return None
+    parent = storage.dirname(root.rstrip("/"))
+    name = storage.basename(root.rstrip("/"))
+    run = None
+    try:
+        saves = list_run(parent) if parent and name else []
+    except (CkptError, OSError):
+        saves = []
+    if any((c.name or storage.basename(c.path)) == name for c in saves):
+        run = parent
+    return {"layout": layout, "run": run}
+
+
 def _render_list(d: dict[str, Any]) -> str:
+    itself = d.get("checkpoint_itself")
+    if itself is not None:
+        root = d["root"]
+        run = f"; `ckpt list {itself['run']}` lists its run" if itself["run"] else ""
+        return (
+            f"{root}: one {itself['layout']} checkpoint, not a run of saves: "
+            f"`ckpt inspect {root}`{run}"
+        )
     if not d["checkpoints"] and d.get("runs_inside"):
         inside = d["runs_inside"]
         where = (

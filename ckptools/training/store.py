@@ -415,6 +415,31 @@ def _refuse_a_producers_run(root: str) -> None:
         )
 
 
+def _refuse_no_saves(root: str) -> None:
+    """Refuse a directory that holds something but no CheckpointManager save (no ``step-N/``,
+    none in progress): a save itself or the directory above the root, where ``prune`` would
+    report deleting nothing as though the policy held. An empty directory is a root before its
+    first save."""
+    from ckptools.errors import CkptError
+    from ckptools.producers.base import detect, directory_names
+    from ckptools.producers.saves import runs_inside
+
+    names = directory_names(root)
+    if not names or any(_STEP_RE.match(n) or _TMP_STEP_RE.match(n) for n in names):
+        return
+    inside = runs_inside(root)
+    if inside:
+        way = f"saves lie one level down ({', '.join(inside[:3])}): point at the root holding them"
+    else:
+        try:
+            layout: str | None = detect(root).name
+        except CkptError:
+            layout = None
+        what = f"it is one {layout} checkpoint, not" if layout is not None else "point at"
+        way = f"{what} a CheckpointManager root (the directory holding its step-N saves)"
+    raise UsageError(f"{root}: holds no CheckpointManager save (step-N/), nothing pruned; {way}")
+
+
 def prune(
     root: str,
     policy: RetentionPolicy,
@@ -436,6 +461,7 @@ def prune(
     if not isinstance(policy, RetentionPolicy):  # pragma: no cover - typed callers
         raise UsageError("policy must be a RetentionPolicy")
     _refuse_a_producers_run(root)
+    _refuse_no_saves(root)
     complete = {c.step: c for c in list_checkpoints(root, include_tmp=False) if c.complete}
     decision = plan_retention({s: c.metrics for s, c in complete.items()}, policy)
     freed = sum(complete[s].size_bytes for s in decision.delete)

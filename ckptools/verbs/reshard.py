@@ -359,6 +359,14 @@ def shard(
     Example:
         >>> ckptools.shard("Llama-3-8B/", "ckpt/step-0", world_size=8)  # doctest: +SKIP
     """
+    segments = prefix.split(".")
+    if segments[-1] or not all(segments[:-1]):
+        # each name is stored as prefix + name: "model" would write "modelmodel.embed...", which
+        # no dcp.load({"model": sd}) finds
+        raise UsageError(
+            f"--prefix {prefix!r}: give a key path ending in '.' ('model.' is what "
+            "dcp.save({'model': sd}) writes, 'app.model.' a nested one) or '' for none"
+        )
     options = ReshardOptions(
         world_size=world_size, prefix=prefix, overwrite=overwrite, dry_run=dry_run,
         workers=workers, quiet=quiet, format=format, distributed=distributed,

@@ -137,3 +137,107 @@ def test_list_shows_the_steps_of_a_torchtitan_checkpoint_folder(
         (saved.name, "torchtitan", True, True),
         ("step-99", "torchtitan", False, False),
     ]
+
+
+def test_lightnings_checkpoints_folder_names_the_sharded_checkpoint_inside(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """Lightning's ``FSDPStrategy`` saves its sharded checkpoint as a folder named like a file,
+    ``lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt/``: the ``checkpoints/`` above
+    it is no torch.save directory (which read that folder as its one ``.ckpt`` file and failed
+    on it, "file is missing"), and pointing there names the checkpoint to point at."""
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    saved = checkpoints / "epoch=0-step=2.ckpt"
+    shutil.copytree(produced("lightning").path, saved)
+    for verb in (["inspect"], ["consolidate", str(tmp_path / "hf")]):
+        code, _, err = _ckpt(verb[0], str(checkpoints), *verb[1:])
+        assert code == 1
+        assert err.splitlines() == [
+            f"error: {checkpoints} is no checkpoint itself, but {saved} holds a lightning "
+            "checkpoint: point at it (--debug lists why each layout refused the directory)"
+        ]
+    assert not (tmp_path / "hf").exists()
+    assert _ckpt("inspect", str(saved))[0] == 0
+
+
+def test_list_of_lightnings_checkpoints_folder_is_no_nemo_run(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """NeMo 2 names its saves as Lightning's ModelCheckpoint does (``...-step=N...``) but never
+    with ``.ckpt`` (NeMo's ``ckpt_to_dir`` drops it): Lightning's own sharded checkpoint folder
+    ``epoch=0-step=2.ckpt/`` was listed as an INCOMPLETE nemo2 save, "no weights/"."""
+    checkpoints = tmp_path / "checkpoints"
+    saved = checkpoints / "epoch=0-step=2.ckpt"
+    shutil.copytree(produced("lightning").path, saved)
+    code, stdout, err = _ckpt("list", str(checkpoints), "--json")
+    assert code == 0, err
+    listed = json.loads(stdout)
+    assert listed["checkpoints"] == []
+    assert listed["checkpoints_inside"] == [{"name": saved.name, "layout": "lightning"}]
+    code, stdout, _ = _ckpt("list", str(checkpoints))
+    assert stdout.splitlines() == [
+        f"{checkpoints}: no numbered saves here; it holds 1 checkpoint(s): {saved.name} "
+        f"(lightning): `ckpt inspect {saved}`"
+    ]
+
+
+def test_list_of_one_save_names_it_and_its_run(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    """``ckpt list`` pointed at one save rather than its run directory: a Trainer's
+    ``checkpoint-N`` was answered with the parts inside it (``ckpt inspect
+    checkpoint-2/optimizer_0``, the optimizer alone), a ``dcp.save`` directory with "no saves";
+    both now say it is one checkpoint, to inspect, and name the run that lists it."""
+    run = tmp_path / "output_dir"
+    for n in (2, 10):
+        shutil.copytree(produced("trainer").path, run / f"checkpoint-{n}")
+    save = run / "checkpoint-2"
+    code, stdout, err = _ckpt("list", str(save))
+    assert code == 0, err
+    assert stdout.splitlines() == [
+        f"{save}: one trainer checkpoint, not a run of saves: `ckpt inspect {save}`; "
+        f"`ckpt list {run}` lists its run"
+    ]
+    code, stdout, _ = _ckpt("list", str(save), "--json")
+    assert json.loads(stdout)["checkpoint_itself"] == {"layout": "trainer", "run": str(run)}
+    plain = produced("fsdp2", world_size=2).path
+    code, stdout, _ = _ckpt("list", str(plain))
+    assert code == 0
+    assert stdout.splitlines() == [
+        f"{plain}: one dcp checkpoint, not a run of saves: `ckpt inspect {plain}`"
+    ]
+
+
+def test_prune_at_the_wrong_level_is_refused_not_deleted_nothing(tmp_path: Path) -> None:
+    """``ckpt prune`` pointed at one save of a CheckpointManager root, or at the directory
+    above the root, reported "deleted 0 checkpoint(s)" and exit 0, as though the policy held;
+    it now names the way in one line (exit 2), and the root itself still prunes."""
+    import torch
+
+    import ckptools
+
+    root = tmp_path / "exp" / "checkpoints"
+    model = torch.nn.Linear(3, 2)
+    mgr = ckptools.CheckpointManager(str(root))
+    for step in (1, 2, 3):
+        mgr.save(step, model)
+    mgr.close()
+    one = root / "step-2"
+    cases = {
+        one: f"{one}: holds no CheckpointManager save (step-N/), nothing pruned; it is one dcp "
+        "checkpoint, not a CheckpointManager root (the directory holding its step-N saves)",
+        root.parent: f"{root.parent}: holds no CheckpointManager save (step-N/), nothing "
+        f"pruned; saves lie one level down ({root}): point at the root holding them",
+    }
+    for where, said in cases.items():
+        code, _, err = _ckpt("prune", str(where), "--keep-last", "1")
+        assert (code, err.splitlines()) == (2, [f"error: {said}"])
+        code, stdout, _ = _ckpt("prune", str(where), "--keep-last", "1", "--json")
+        assert json.loads(stdout) == {"error": said, "exit_code": 2}
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2", "step-3"]
+    code, stdout, err = _ckpt("prune", str(root), "--keep-last", "1")
+    assert code == 0, err
+    assert sorted(p.name for p in root.iterdir()) == ["step-3"]
+    # an empty directory is a root before its first save: nothing to prune, no error
+    (tmp_path / "fresh").mkdir()
+    assert _ckpt("prune", str(tmp_path / "fresh"), "--keep-last", "1")[0] == 0

@@ -57,6 +57,31 @@ def test_shard_refuses_sharded_input_and_existing_output(
     assert result.exit_code == 2 and "--overwrite" in result.output
 
 
+@pytest.mark.parametrize("prefix", ["model", "model..", ".model."])
+def test_shard_prefix_that_is_no_key_path_is_refused(
+    produced: Callable[..., Produced], tmp_path: Path, prefix: str
+) -> None:
+    """Each name is stored as prefix + name: ``--prefix model`` (the dot forgotten) wrote
+    ``modelmodel.embed_tokens.weight``, exit 0, which no ``dcp.load({"model": sd})`` finds."""
+    src = str(produced("hf_sharded").path)
+    out = tmp_path / "dcp"
+    result = CliRunner().invoke(
+        cli, ["shard", src, str(out), "--world-size", "2", "--prefix", prefix]
+    )
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"error: --prefix {prefix!r}: give a key path ending in '.' ('model.' is what "
+        "dcp.save({'model': sd}) writes, 'app.model.' a nested one) or '' for none"
+    ]
+    assert not out.exists()
+    # a nested key path and none at all are key paths
+    for good, path in (("app.model.", ("app", "model")), ("", ())):
+        _run("shard", src, str(tmp_path / f"ok{len(path)}"), "--world-size", "2", "--prefix", good)
+        manifest = ckptools.read_manifest(str(tmp_path / f"ok{len(path)}"))
+        name = "model.embed_tokens.weight"
+        assert manifest.paths[f"{good}{name}"] == (*path, name)
+
+
 def test_interrupted_shard_leaves_nothing(
     produced: Callable[..., Produced], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -108,7 +108,7 @@ def trainer_lacks(path: str) -> str | None:
     # a full-state checkpoint (model.safetensors or pytorch_model*.bin, optimizer.pt)
     from ckptools.producers.hf.torch_save import directory_reason  # see TrainerLayout.read_manifest
 
-    if directory_reason(set(_listdir(path))) is None:
+    if directory_reason(set(_listdir(path)), path) is None:
         return None
     return "no DCP .metadata, no model file"
 

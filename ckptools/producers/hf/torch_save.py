@@ -309,8 +309,17 @@ def _index_of(name: str) -> int:
     return int(m.group(1)) if m and m.group(1) else 0
 
 
-def _single_file(names: set[str]) -> list[str]:
-    return sorted(n for n in names if n.endswith(SUFFIXES) and not _NOT_A_MODEL.match(n))
+def _single_file(names: set[str], path: str) -> list[str]:
+    """The entries of the directory ``path`` (listing ``names``) that may be its one torch.save
+    file: a folder named like one is not (Lightning's sharded checkpoint ``epoch=0-step=2.ckpt/``
+    in its ``checkpoints/``: detection then names it as the checkpoint inside)."""
+    return sorted(
+        n
+        for n in names
+        if n.endswith(SUFFIXES)
+        and not _NOT_A_MODEL.match(n)
+        and not storage.isdir(storage.join(path, n))
+    )
 
 
 def _producer(names: set[str], model_files: list[str], objects: Mapping[str, Any]) -> str:
@@ -347,9 +356,9 @@ def read_torch_save(path: str) -> Manifest:
         if safetensors_model is not None:
             base = read_safetensors(path)
         elif not model_files:
-            model_files = _single_file(names)
+            model_files = _single_file(names, path)
             if len(model_files) != 1:
-                raise UnknownFormatError(directory_reason(names) or f"{path}: no model file")
+                raise UnknownFormatError(directory_reason(names, path) or f"{path}: no model file")
         if model_files == [BIN_INDEX]:
             model_files, marker, digests = _bin_index(path)
         extra = sorted(n for n in names if _FSDP_MODEL.match(n) and n not in model_files)
@@ -471,8 +480,8 @@ def _with_safetensors_model(
     )
 
 
-def directory_reason(names: set[str]) -> str | None:
-    """None when a directory with these entries is this layout's, else why not."""
+def directory_reason(names: set[str], path: str) -> str | None:
+    """None when the directory ``path``, listing ``names``, is this layout's, else why not."""
     model, safetensors_model, _ = _plan_directory("", names)
     if safetensors_model is not None:
         return None
@@ -484,7 +493,7 @@ def directory_reason(names: set[str]) -> str | None:
         return None
     if any(n.endswith((".safetensors", INDEX_SUFFIX)) for n in names):
         return "safetensors weights without a torch.save optimizer beside them"
-    single = _single_file(names)
+    single = _single_file(names, path)
     if len(single) == 1:
         return None
     if single:
@@ -511,7 +520,7 @@ class TorchSaveLayout(Layout):
                 return None
             return f"file is not a zip archive and its name does not end in {SUFFIXES}"
         if storage.isdir(path):
-            return directory_reason(set(storage.listdir(path)))
+            return directory_reason(set(storage.listdir(path)), path)
         return "not a file or directory"
 
     def read_manifest(self, path: str) -> Manifest:

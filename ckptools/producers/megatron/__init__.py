@@ -76,8 +76,10 @@ HELP = (
      "Read iteration N of a Megatron run directory (iter_000000N/) instead of the one "
      "latest_checkpointed_iteration.txt names."),
 )  # fmt: skip
-#: NeMo 2's checkpoint directories (``<name>--...-step=<N>-...``, ModelCheckpoint's ``{step}``)
-NEMO_SAVE = re.compile(r"^.*\bstep=(\d+)(?!\d).*$")
+#: NeMo 2's checkpoint directories (``<name>--...-step=<N>-...``, ModelCheckpoint's ``{step}``);
+#: never ``.ckpt`` (NeMo's ``ckpt_to_dir`` drops Lightning's suffix), which is Lightning's own
+#: sharded checkpoint folder (``epoch=0-step=2.ckpt/``), not a NeMo save
+NEMO_SAVE = re.compile(r"^(?!.*\.ckpt$).*\bstep=(\d+)(?!\d).*$")
 SAVES = (ITER_SAVE, NEMO_SAVE)
 #: Megatron-Bridge's record of its last save, beside the tracker file
 BRIDGE_RECORD = "latest_train_state.pt"
