@@ -425,7 +425,7 @@ def _refuse_no_saves(root: str) -> None:
     from ckptools.producers.saves import runs_inside
 
     names = directory_names(root)
-    if not names or any(_STEP_RE.match(n) or _TMP_STEP_RE.match(n) for n in names):
+    if not names or any(STEP_SAVE.match(n) or _TMP_STEP_RE.match(n) for n in names):
         return
     inside = runs_inside(root)
     if inside:
