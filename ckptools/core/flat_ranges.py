@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from ckptools.core.manifest import Chunk
+from ckptools.core.manifest import Chunk, Record, stored_in
 from ckptools.errors import CorruptCheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -82,23 +82,27 @@ class Segment:
 @dataclass(frozen=True, slots=True)
 class RankFlat:
     """One rank's flat space in one kind of storage: ``(file, byte offset, numel)`` per flat
-    group, in order; all float tensors of ``dtype``."""
+    group, in order; all float tensors of ``dtype``. ``records``: per piece, the stored record
+    it lies in (its CRC-32 checks the chunks cut from it), or () where none is known."""
 
     pieces: tuple[tuple[str, int, int], ...]
     dtype: str
     itemsize: int
+    records: tuple[Record | None, ...] = ()
 
     @property
     def numel(self) -> int:
         return sum(n for _, _, n in self.pieces)
 
-    def runs(self, local: int, count: int) -> Iterator[tuple[str, int, int, int]]:
-        """(file, byte offset, count, offset into the request) of ``[local, local+count)``."""
+    def runs(self, local: int, count: int) -> Iterator[tuple[str, int, int, int, Record | None]]:
+        """(file, byte offset, count, offset into the request, the piece's record) of
+        ``[local, local+count)``."""
         base, done = 0, 0
-        for file, at, n in self.pieces:
+        for i, (file, at, n) in enumerate(self.pieces):
             lo, hi = max(local, base), min(local + count, base + n)
             if lo < hi:
-                yield file, at + (lo - base) * self.itemsize, hi - lo, lo - local
+                record = self.records[i] if self.records else None
+                yield file, at + (lo - base) * self.itemsize, hi - lo, lo - local, record
                 done += hi - lo
             base += n
         if done != count:
@@ -115,20 +119,13 @@ def chunks_of(
     out: list[Chunk] = []
     for seg in segments:
         flat = flats[seg.rank]
-        for file, at, count, into in flat.runs(seg.local, seg.count):
+        for file, at, count, into, record in flat.runs(seg.local, seg.count):
             first = seg.start + into
             for (offsets, sizes), flat_at in flat_boxes(shape, first, first + count):
-                n = math.prod(sizes)
-                out.append(
-                    Chunk(
-                        offsets=offsets,
-                        sizes=sizes,
-                        file=file,
-                        offset=at + (flat_at - first) * flat.itemsize,
-                        length=n * flat.itemsize,
-                        rank=seg.rank,
-                    )
-                )
+                offset = at + (flat_at - first) * flat.itemsize
+                length = math.prod(sizes) * flat.itemsize
+                checks = {} if record is None else stored_in(record, offset, length)
+                out.append(Chunk(offsets, sizes, file, offset, length, rank=seg.rank, **checks))
     if not out and math.prod(shape) == 0 and flats:
         file = next(iter(flats.values())).pieces[0][0]
         out.append(Chunk((0,) * len(shape), shape, file, 0, 0, rank=None))

@@ -34,6 +34,32 @@ Encoding = Literal["raw", "torch_save"]
 ARCHIVE: Encoding = "torch_save"
 
 
+class Record(NamedTuple):
+    """A stored record with a CRC-32 of its bytes (a ``torch.save`` archive's ``data/<key>``):
+    ``length`` bytes at byte ``offset`` of the chunk's file."""
+
+    offset: int
+    length: int
+    crc32: int
+
+
+def stored_in(record: Record, offset: int, length: int, contiguous: bool = True) -> dict[str, Any]:
+    """The ``crc32``/``record`` fields of a chunk whose bytes are ``[offset, offset+length)`` of
+    its file, inside ``record``: the record's CRC when they are all of it, in order; else the
+    record, checked whole before the chunk is read (:class:`ckptools.engine.checked_copy.
+    WholeRecords`): a view or a flat partition's parameter has no CRC of its own."""
+    whole = contiguous and offset == record.offset and length == record.length
+    return {"crc32": record.crc32} if whole else {"crc32": None, "record": record}
+
+
+def record_of(chunk: Chunk) -> Record | None:
+    """The stored record whose CRC-32 checks ``chunk``'s bytes: the chunk itself, when it is
+    a whole record, or the one it is part of; None when its container stores no CRC."""
+    if chunk.crc32 is not None:
+        return Record(chunk.offset, chunk.length, chunk.crc32)
+    return chunk.record
+
+
 class Chunk(NamedTuple):
     """One stored piece of a tensor: a box of the global tensor and where its bytes are.
 
@@ -55,6 +81,9 @@ class Chunk(NamedTuple):
     # stream transforms the stored bytes went through (DCP ``transform_descriptors``), in the
     # order that undoes them; () = stored as they are. Read with stream_transforms.decoder.
     transforms: tuple[str, ...] = ()
+    # the record these bytes are only part of (crc32 is None then), when it stores a CRC-32:
+    # checked whole, once, before they are read (:func:`stored_in`)
+    record: Record | None = None
 
     @property
     def numel(self) -> int:

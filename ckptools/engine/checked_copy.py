@@ -25,6 +25,7 @@ instead of being copied into a fresh output whose own CRCs would then look clean
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,14 +58,22 @@ NOT_COMMITTED = (
 
 
 def mismatch(
-    reader: Reader, raw: Chunk, fqn: str, computed: int, then: str = NOT_COMMITTED
+    reader: Reader,
+    raw: Chunk,
+    fqn: str,
+    computed: int,
+    then: str = NOT_COMMITTED,
+    *,
+    part_of: bool = False,
 ) -> CorruptCheckpointError:
     """The one-line error for a record whose bytes do not match its stored CRC-32 (``then``:
-    what follows "the file is damaged", in the caller's terms)."""
+    what follows "the file is damaged", in the caller's terms; ``part_of``: the record holds
+    ``fqn`` among other bytes)."""
     assert raw.crc32 is not None
     path = f"{reader.root}/{raw.file}"
+    whose = f"the record holding tensor {fqn!r}" if part_of else f"tensor {fqn!r}"
     return CorruptCheckpointError(
-        f"{path}: bytes {raw.offset}..{raw.offset + raw.length} of tensor {fqn!r} fail their "
+        f"{path}: bytes {raw.offset}..{raw.offset + raw.length} of {whose} fail their "
         f"CRC-32 check (stored {raw.crc32:08x}, computed {computed:08x}): the file is damaged "
         f"{then}",
         path=path,
@@ -97,6 +106,7 @@ class ReadChecks:
         Raises:
             CorruptCheckpointError: the record is complete and fails its stored CRC-32.
         """
+        check_record_of(self._reader, raw, self._fqn, self._then)
         if raw.crc32 is None or not len(data):
             return
         key = (raw.file, raw.offset)
@@ -120,6 +130,48 @@ def check(reader: Reader, raw: Chunk, fqn: str, computed: int, then: str = NOT_C
     """Raise :func:`mismatch` unless ``computed`` is ``raw``'s stored CRC (or it has none)."""
     if raw.crc32 is not None and computed != raw.crc32:
         raise mismatch(reader, raw, fqn, computed, then)
+
+
+class _WholeRecords:
+    """The records one reader's chunks are parts of, each checked once (see
+    :func:`check_record_of`)."""
+
+    def __init__(self) -> None:
+        self.done: set[tuple[str, int]] = set()
+        self.lock = threading.Lock()
+
+
+_WHOLE: weakref.WeakKeyDictionary[Reader, _WholeRecords] = weakref.WeakKeyDictionary()
+_WHOLE_LOCK = threading.Lock()
+
+
+def check_record_of(reader: Reader, raw: Chunk, fqn: str, then: str = NOT_COMMITTED) -> None:
+    """Check the stored record ``raw``'s bytes are only a part of (:attr:`Chunk.record`: a
+    view, a parameter of a ZeRO or FSDP flat partition), whole, before they are read: their own
+    bytes have no CRC, the record's does. Once per record and reader (a run's source), however
+    many chunks and threads share it; in place over the page cache (a copy right after reads
+    the same pages). Where the source has no page cache (an object store), not here: reading
+    every partition twice over the network is what ``ckpt verify`` is for.
+
+    Raises:
+        CorruptCheckpointError: the record fails its CRC-32: one line naming the file, its
+            byte range and a tensor in it.
+    """
+    rec = raw.record
+    if rec is None:
+        return
+    with _WHOLE_LOCK:
+        seen = _WHOLE.get(reader)
+        if seen is None:
+            seen = _WHOLE[reader] = _WholeRecords()
+    with seen.lock:
+        if (raw.file, rec.offset) in seen.done:
+            return
+        seen.done.add((raw.file, rec.offset))  # a thread meeting it meanwhile copies on
+    computed = reader.crc32(raw.file, rec.offset, rec.length)
+    if computed is not None and computed != rec.crc32:
+        whole = raw._replace(offset=rec.offset, length=rec.length, crc32=rec.crc32, record=None)
+        raise mismatch(reader, whole, fqn, computed, then, part_of=True)
 
 
 def truncated(reader: Reader, raw: Chunk, at: int) -> CorruptCheckpointError:

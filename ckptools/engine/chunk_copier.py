@@ -142,6 +142,7 @@ class ChunkCopier:
             raw = resolve_chunk(
                 self.reader, self.manifest.tensors[tensor.fqn], chunk, reading_data=True
             )
+            checked_copy.check_record_of(self.reader, raw, tensor.fqn)
             if raw.strides is not None and not tensor.is_cast and _gathered(raw, isz):
                 self._copy_strided(fd, tensor, raw)
             elif raw.strides is not None or tensor.is_cast:
@@ -164,6 +165,7 @@ class ChunkCopier:
         if raw is None:
             entry = self.manifest.tensors[tensor.fqn]
             raw = resolve_chunk(self.reader, entry, tensor.chunks[index], reading_data=True)
+            checked_copy.check_record_of(self.reader, raw, tensor.fqn)
             with self._lock:
                 self._resolved[key] = raw
         return raw

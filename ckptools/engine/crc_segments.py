@@ -154,6 +154,7 @@ def copy_segments(
 
     for seg in segments:
         raw = seg.raw
+        checked_copy.check_record_of(reader, raw, fqn)
         part, _ = checked_copy.copy_range(
             reader, raw, seg.start, seg.length, fd, pos, progress.update, buffer
         )

@@ -68,6 +68,7 @@ class _SourceChecks:
         self._local = threading.local()  # a buffer per thread, apart from the block's
 
     def check(self, raw: Chunk, fqn: str) -> None:
+        checked_copy.check_record_of(self._reader, raw, fqn)
         key = (raw.file, raw.offset)
         if raw.crc32 is None or key in self._done:
             return

@@ -27,7 +27,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ckptools.core import dtypes
 from ckptools.core.geometry import MAX_STRIDED_STEPS, copy_runs, gather_strided, strided_steps
-from ckptools.core.manifest import Chunk, Manifest, ObjectEntry, TensorEntry
+from ckptools.core.manifest import Chunk, Manifest, ObjectEntry, Record, TensorEntry, stored_in
 from ckptools.errors import CkptError, CorruptCheckpointError
 from ckptools.formats import safe_pickle, stream_transforms, torch_archive
 from ckptools.io import tunables
@@ -292,15 +292,16 @@ def resolve_chunk(
     if problem or ref.storage_offset * itemsize + ref.span_bytes(itemsize) > rec.size:
         what = problem or f"reaches past its storage record data/{ref.storage.key}"
         raise _bad_item(reader, tensor, chunk, what)
-    start = torch_archive.record_data_offset(reader, archive, rec) + ref.storage_offset * itemsize
+    data_at = torch_archive.record_data_offset(reader, archive, rec)
+    start = data_at + ref.storage_offset * itemsize
     span = chunk.numel * itemsize if ref.is_contiguous else rec.size - ref.storage_offset * itemsize
-    whole_record = ref.is_contiguous and ref.storage_offset == 0 and span == rec.size
+    record = Record(data_at, rec.size, rec.crc32)
     return chunk._replace(
         offset=start,
         length=span,
         encoding="raw",
         strides=None if ref.is_contiguous else ref.strides,
-        crc32=rec.crc32 if whole_record else None,
+        **stored_in(record, start, span, ref.is_contiguous),
     )
 
 

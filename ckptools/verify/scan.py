@@ -265,12 +265,9 @@ class _Scanner:
             end = start + rec.size
 
             def mismatch(got: int, rec: Any = rec, start: int = start, end: int = end) -> None:
-                hit = [i for i in items if i.offset < end and start < i.end]
-                who = (
-                    "tensor " + ", ".join(repr(i.fqn) for i in hit[:5])
-                    if hit
-                    else f"record {rec.name}"
-                )
+                # a tensor stored as several boxes of the record (a flat partition's rows) once
+                hit = list(dict.fromkeys(i.fqn for i in items if i.offset < end and start < i.end))
+                who = "tensor " + ", ".join(map(repr, hit[:5])) if hit else f"record {rec.name}"
                 res.findings.append(
                     Finding(
                         "crc",
@@ -279,7 +276,7 @@ class _Scanner:
                         f"{got:#010x}; the file changed after torch wrote it (bit rot or a "
                         "partial overwrite)",
                         rel,
-                        hit[0].fqn if hit else None,
+                        hit[0] if hit else None,
                     )
                 )
 

@@ -245,6 +245,39 @@ def test_missing_and_truncated_rank_files(
         ckptools.inspect(path)
 
 
+@pytest.mark.parametrize(("stage", "dtype"), [(2, "fp32"), (3, "bf16")])
+def test_a_damaged_master_partition_stops_consolidate_reshard_and_diff(
+    zero: Callable[[int, int, str], str], tmp_path: Path, stage: int, dtype: str
+) -> None:
+    import ckptools
+    from ckptools.errors import CorruptCheckpointError
+    from tests.support.producers import flip_bit
+
+    # A parameter's masters are a byte range of one flat partition record, whose zip CRC covers
+    # the whole partition: a flipped bit went through consolidate (exit 0) and showed in diff
+    # as "1 element differs"; verify alone said the file was damaged.
+    clean = zero(2, stage, dtype)
+    path = _copy(clean, tmp_path)
+    manifest = ckptools.read_manifest(path)
+    chunk = next(
+        c
+        for t in manifest.tensors.values()
+        for c in t.chunks
+        if c.record is not None and c.length >= 16
+    )
+    flip_bit(os.path.join(manifest.data_dir(), chunk.file), chunk.offset + chunk.length // 2, 5)
+    said = rf"{chunk.file}: bytes .* of the record holding tensor '.*' fail their CRC-32 check"
+    for run in (
+        lambda: ckptools.consolidate(path, str(tmp_path / "hf"), quiet=True, weights_only=True),
+        lambda: ckptools.reshard(path, str(tmp_path / "dcp"), world_size=3, quiet=True),
+        lambda: ckptools.diff(path, clean),
+    ):
+        with pytest.raises(CorruptCheckpointError, match=said):
+            run()
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "dcp").exists()
+    assert not ckptools.verify(path, quiet=True).ok
+
+
 def test_inconsistent_paddings_and_unsafe_globals(
     zero: Callable[[int, int, str], str], tmp_path: Path
 ) -> None:

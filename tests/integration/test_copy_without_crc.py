@@ -1,7 +1,8 @@
-"""Bytes whose record stores no CRC-32 are copied without computing one: a DeepSpeed master
-partition's parameters, a safetensors source. consolidate computed the CRC of every kernel-copied
-window and threw it away (~0.2 CPU s per GB, bench/deepspeed.py); records that store a CRC are
-still checked (tests/integration/test_reshard_crc.py)."""
+"""Bytes whose container stores no CRC-32 (a safetensors source) are copied without computing
+one: consolidate computed the CRC of every kernel-copied window and threw it away (~0.2 CPU s per
+GB, bench/deepspeed.py); records that store a CRC are still checked, and bytes that are only a
+part of one (a DeepSpeed master partition's parameters) through their whole record
+(tests/integration/test_reshard_crc.py, tests/distributed/test_deepspeed.py)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,8 @@ from ckptools.producers.dcp.layout import read_dcp
 from tests.conftest import Produced
 from tests.support.producers import ModelConfig, flip_bit
 
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
 
 def _segment_checks(src: str, world_size: int) -> Counter[str]:
     """How the writer would check each source range it copies for ``src`` -> ``world_size``."""
@@ -326,6 +328,35 @@ def test_damaged_torch_save_record_stops_the_copy(
     assert result.exit_code == 1, result.output
     assert "CRC-32" in result.output and repr(tensor.fqn) in result.output, result.output
     assert not out.exists() and _tree_digest(src) == before
+
+
+@pytest.mark.parametrize(
+    ("verb", "extra"),
+    [("consolidate", ["--weights-only"]), ("reshard", ["--world-size", "2"]), ("diff", [])],
+)
+def test_a_damaged_record_read_through_a_view_stops_the_run(
+    tmp_path: Path, verb: str, extra: list[str]
+) -> None:
+    # dcp_single stores a sliced view: its bytes are part of a record, with no CRC of their
+    # own; the record is checked whole before they are read (they went through unchecked)
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "dcp_single", src)
+    manifest = read_dcp(str(src))
+    with LocalReader(str(src)) as reader:
+        (tensor, raw), *_ = [
+            (t, raw)
+            for t in manifest.tensors.values()
+            for c in t.chunks
+            if (raw := resolve_chunk(reader, t, c)).record is not None
+        ]
+    flip_bit(src / raw.file, raw.offset + raw.length // 2, 1)
+    if verb == "diff":  # against the undamaged fixture: the damage, not a difference
+        out = FIXTURES / "dcp_single"
+        result = CliRunner().invoke(cli_main, ["diff", str(src), str(out)])
+        assert result.exit_code == 1, result.output
+        assert "CRC-32" in result.output and repr(tensor.fqn) in result.output, result.output
+        return
+    _refused([verb, *extra], src, tmp_path / "out", tensor.fqn)
 
 
 @pytest.mark.parametrize("side", ["before", "after"])

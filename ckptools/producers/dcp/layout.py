@@ -342,7 +342,8 @@ def _tensor_entry(
         # at scale), and the named tuple's own __new__ costs 2.5x as much
         append(
             _new(Chunk, (offsets, sizes, file[0], info.offset, info.length, "torch_save", file[1],
-                         None, None, transforms.get((fqn, offsets), ()) if transforms else ()))
+                         None, None, transforms.get((fqn, offsets), ()) if transforms else (),
+                         None))
         )  # fmt: skip
     return TensorEntry(fqn, dtypes.canonical(dtype), shape, tuple(chunks))
 

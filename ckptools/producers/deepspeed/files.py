@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools.core import dtypes
+from ckptools.core.manifest import Record
 from ckptools.errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -145,6 +146,12 @@ class ArchiveFile:
                 path=self.path,
             )
         return at + start
+
+    def record(self, ref: Any) -> Record:
+        """The stored record holding the tensor ``ref`` (which :meth:`locate` has placed), its
+        bytes' CRC-32 with it: a flat partition's parameters are parts of it."""
+        rec = self.archive.record(f"data/{ref.storage.key}")
+        return Record(self._data_at[ref.storage.key], rec.size, rec.crc32)
 
     def get(self, *keys: str | int, what: str | None = None) -> Any:
         """``obj[k0][k1]...``, or a one-line error naming the missing key path."""

@@ -19,7 +19,7 @@ from ckptools.core.flat_ranges import (
     zero3_segments,
     zero12_segments,
 )
-from ckptools.core.manifest import Chunk, FileInfo, TensorEntry
+from ckptools.core.manifest import Chunk, FileInfo, TensorEntry, stored_in
 from ckptools.errors import CorruptCheckpointError
 from ckptools.formats import safe_pickle
 from ckptools.producers.deepspeed import files as dsf
@@ -61,7 +61,7 @@ class Reading:
         if len(dts) > 1:
             raise CorruptCheckpointError(f"{f.path}: {what} mixes dtypes {sorted(dts)}")
         dtype = dts.pop() if dts else "float32"
-        pieces = []
+        pieces, records = [], []
         for g, ref in enumerate(refs):
             n = ref.shape[0]
             if limits is not None:
@@ -73,7 +73,8 @@ class Reading:
                     )
                 n = limits[g]
             pieces.append((f.rel, f.locate(ref, f"{what}[{g}]"), n))
-        return RankFlat(tuple(pieces), dtype, dtypes.dtype(dtype).itemsize)
+            records.append(f.record(ref))
+        return RankFlat(tuple(pieces), dtype, dtypes.dtype(dtype).itemsize, tuple(records))
 
     def entry(
         self,
@@ -90,7 +91,8 @@ class Reading:
         at = f.locate(ref, what)
         n = math.prod(ref.shape)
         size = n * dtypes.dtype(ref.dtype).itemsize
-        chunk = Chunk((0,) * len(ref.shape), ref.shape, f.rel, at, size)
+        checks = stored_in(f.record(ref), at, size)
+        chunk = Chunk((0,) * len(ref.shape), ref.shape, f.rel, at, size, **checks)
         return TensorEntry(name, ref.dtype, ref.shape, (chunk,))
 
     def module(self, model: dsf.ArchiveFile) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from ckptools.core import dtypes
 from ckptools.core.flat_ranges import RankFlat, Segment, chunks_of
-from ckptools.core.manifest import Chunk
+from ckptools.core.manifest import Chunk, record_of
 from ckptools.errors import UnsupportedCheckpointError
 from ckptools.formats import dtensor, safe_pickle, torch_archive
 from ckptools.io import storage
@@ -184,7 +184,9 @@ def _slices(
             )
         chunk = out._chunk(reader, f.archive, f.rel, r, ref, (0,))
         itemsize = dtypes.dtype(ref.dtype).itemsize
-        flats[r] = RankFlat(((f.rel, chunk.offset, ref.shape[0]),), ref.dtype, itemsize)
+        flats[r] = RankFlat(
+            ((f.rel, chunk.offset, ref.shape[0]),), ref.dtype, itemsize, (record_of(chunk),)
+        )
         segments.append(Segment(r, 0, at, ref.shape[0]))
         at += ref.shape[0]
     if at != param.numel:
@@ -236,7 +238,8 @@ class _OptimizerFile:
         chunk = merged._chunk(reader, self.archive, self.rel, rank, ref, (0,))
         if chunk.strides is not None:
             raise UnsupportedCheckpointError(f"{self.where}: state {name!r} of {uid} is strided")
-        return RankFlat(((self.rel, chunk.offset, c),), ref.dtype, dtypes.dtype(ref.dtype).itemsize)
+        itemsize = dtypes.dtype(ref.dtype).itemsize
+        return RankFlat(((self.rel, chunk.offset, c),), ref.dtype, itemsize, (record_of(chunk),))
 
 
 def _flat_size(ranks: Sequence[_OptimizerFile], uid: str) -> int:

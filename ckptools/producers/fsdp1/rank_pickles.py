@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptools.core import dtypes
-from ckptools.core.manifest import Chunk, ObjectEntry, TensorEntry
+from ckptools.core.manifest import Chunk, ObjectEntry, Record, TensorEntry, stored_in
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptools.formats import dtensor, safe_pickle, torch_archive
 from ckptools.io import storage
@@ -154,7 +154,7 @@ class Merged:
                 f"{storage.join(self.root, rel)}: a tensor's bytes {start}..{start + span} reach "
                 f"past its storage record data/{key} ({rec.size} bytes)"
             )
-        whole = ref.is_contiguous and start == 0 and span == rec.size
+        record = Record(self.offsets[rel, key], rec.size, rec.crc32)
         return Chunk(
             offsets=offsets,
             sizes=ref.shape,
@@ -163,7 +163,7 @@ class Merged:
             length=span,
             rank=rank,
             strides=None if ref.is_contiguous else ref.strides,
-            crc32=rec.crc32 if whole else None,
+            **stored_in(record, self.offsets[rel, key] + start, span, ref.is_contiguous),
         )
 
     def _put(

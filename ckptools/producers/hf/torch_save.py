@@ -34,7 +34,15 @@ from dataclasses import replace
 from typing import Any
 
 from ckptools.core import dtypes
-from ckptools.core.manifest import Chunk, FileInfo, Manifest, ObjectEntry, TensorEntry
+from ckptools.core.manifest import (
+    Chunk,
+    FileInfo,
+    Manifest,
+    ObjectEntry,
+    Record,
+    TensorEntry,
+    stored_in,
+)
 from ckptools.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -208,7 +216,8 @@ def read_torch_save_file(
                     path=path,
                     fqn=fqn,
                 )
-            whole = leaf.is_contiguous and start == 0 and span == storage_bytes
+            stored = archive.record(f"data/{key}")
+            record = Record(data_offsets[key], stored.size, stored.crc32)
             chunk = Chunk(
                 offsets=(0,) * len(leaf.shape),
                 sizes=leaf.shape,
@@ -217,9 +226,9 @@ def read_torch_save_file(
                 length=span,
                 encoding="raw",
                 strides=None if leaf.is_contiguous else leaf.strides,
-                # a tensor that is its whole storage record: the record's zip CRC is its bytes'
-                # (consolidate and reshard check it while copying)
-                crc32=archive.record(f"data/{key}").crc32 if whole else None,
+                # the record's zip CRC is the bytes' of a tensor that is all of it (checked while
+                # copied), else the record is checked whole before a view of it is read
+                **stored_in(record, data_offsets[key] + start, span, leaf.is_contiguous),
             )
             tensors.append(TensorEntry(fqn, leaf.dtype, leaf.shape, (chunk,)))
         else:

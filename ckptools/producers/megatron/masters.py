@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptools.core import dtypes
 from ckptools.core.keys import model_keys
-from ckptools.core.manifest import Manifest, ObjectEntry, TensorEntry
+from ckptools.core.manifest import Manifest, ObjectEntry, Record, TensorEntry, record_of
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
@@ -255,10 +255,10 @@ def _pieces(reader: Reader, entry: TensorEntry) -> list[mo.StoredPiece]:
         if c.offsets[0] in out:
             continue
         if c.encoding == "raw":
-            at = c.offset
+            at, record = c.offset, record_of(c)
         else:
-            at = _raw_offset(reader, entry, c.file, c.offset, c.length, c.sizes, itemsize)
-        out[c.offsets[0]] = mo.StoredPiece(c.offsets[0], c.sizes[0], c.file, at, c.rank)
+            at, record = _raw_offset(reader, entry, c.file, c.offset, c.length, c.sizes, itemsize)
+        out[c.offsets[0]] = mo.StoredPiece(c.offsets[0], c.sizes[0], c.file, at, c.rank, record)
     return [out[k] for k in sorted(out)]
 
 
@@ -270,8 +270,9 @@ def _raw_offset(
     length: int,
     sizes: tuple[int, ...],
     itemsize: int,
-) -> int:
-    """Where a DCP item's tensor data starts in ``file``: its archive's directory read."""
+) -> tuple[int, Record]:
+    """Where a DCP item's tensor data starts in ``file``, and the stored record holding it (its
+    CRC-32 checks the parameters cut from it): its archive's directory read."""
     archive = torch_archive.read_archive(reader, file, offset, length)
     ref = torch_archive.load_pickle(reader, archive)
     where = f"{reader.root}/{file}@{offset}"
@@ -288,7 +289,8 @@ def _raw_offset(
             path=file,
             fqn=entry.fqn,
         )
-    return torch_archive.record_data_offset(reader, archive, rec) + ref.storage_offset * itemsize
+    data_at = torch_archive.record_data_offset(reader, archive, rec)
+    return data_at + ref.storage_offset * itemsize, Record(data_at, rec.size, rec.crc32)
 
 
 def _object_entry(manifest: Manifest, key: str) -> ObjectEntry | None:

@@ -47,7 +47,7 @@ from typing import Any
 
 from ckptools.core import geometry
 from ckptools.core.flat_ranges import flat_boxes
-from ckptools.core.manifest import Chunk
+from ckptools.core.manifest import Chunk, Record, stored_in
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 
 #: every parameter of a Megatron gradient buffer starts on a multiple of this many elements
@@ -225,6 +225,7 @@ class StoredPiece:
     file: str
     offset: int
     rank: int | None = None
+    record: Record | None = None  # the stored record holding it, with its CRC-32
 
 
 def _pad(value: int, divisor: int) -> int:
@@ -384,13 +385,16 @@ def _box_chunks(
         n = math.prod(sizes)
         lo, hi = max(first, base), min(stop, base + n)
         for (offs, part), flat_at in flat_boxes(sizes, lo - base, hi - base) if lo < hi else ():
+            offset = at + (base + flat_at - first) * itemsize
+            length = math.prod(part) * itemsize
             yield Chunk(
                 offsets=tuple(a + b for a, b in zip(offsets, offs, strict=True)),
                 sizes=part,
                 file=s.file,
-                offset=at + (base + flat_at - first) * itemsize,
-                length=math.prod(part) * itemsize,
+                offset=offset,
+                length=length,
                 rank=s.rank,
+                **({} if s.record is None else stored_in(s.record, offset, length)),
             )
         base += n
 
