@@ -66,10 +66,14 @@ class _Group(click.Group):
                 raise
             where = f"{e.filename}: " if e.filename else ""
             _fail(ctx, f"{where}{e.strerror}; nothing was written", EXIT_ERROR)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # ``ckpt`` alone: the help, as click prints it
         except click.ClickException as e:  # a command's own usage error, e.g. a missing argument
-            if not ctx.obj.get("json"):
-                raise
-            _fail(ctx, e.format_message(), e.exit_code)
+            said = e.format_message()
+            where = getattr(e, "ctx", None)
+            if where is not None and not ctx.obj.get("json"):  # the way on, in the one line
+                said = f"{said.rstrip('.')}; see `{where.command_path} --help`"
+            _fail(ctx, said, e.exit_code)
         except Exception as e:
             said = storage.remote_failure(e)
             if said is None or debug():

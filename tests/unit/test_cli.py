@@ -181,6 +181,27 @@ def test_json_errors_are_one_json_object_on_stdout(args: list[str], code: int, s
     assert result.stderr == ""
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (
+            ["inspect", "x", "--format", "nope"],
+            "Invalid value for '--format': 'nope' is not one of",
+        ),
+        (["consolidate", "src"], "Missing argument 'OUT'"),
+        (["reshard", "src", "out"], "Missing option '--world-size'"),
+        (["nosuch"], "No such command 'nosuch'"),
+    ],
+)
+def test_usage_mistakes_are_one_line_naming_the_help(args: list[str], says: str) -> None:
+    # click's own usage errors were three lines (usage, "Try ...", the error)
+    result = CliRunner().invoke(cli, args, prog_name="ckpt")
+    assert result.exit_code == 2
+    (line,) = result.stderr.splitlines()
+    command = " ".join(["ckpt", *args[:1]]) if args[0] != "nosuch" else "ckpt"
+    assert line.startswith(f"error: {says}") and line.endswith(f"; see `{command} --help`")
+
+
 def _help_examples() -> list[tuple[str, str]]:
     """(where, example) for each command line shown in ``ckpt --help`` and each command's."""
     texts = {"ckpt": cli.get_help(click.Context(cli, info_name="ckpt"))}
