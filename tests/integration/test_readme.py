@@ -196,6 +196,16 @@ def test_the_parser_reads_commands_outputs_and_elisions() -> None:
     assert not matches(("1 KiB in <time> (<memory>/s)",), ["1 KiB in 0.30 s (fast)"])
 
 
+def test_the_readmes_format_names_are_every_layouts() -> None:
+    # a hand-kept list: it named 11 of the 17 layouts --format takes
+    from ckptools.producers.base import layouts
+
+    text = README.read_text()
+    start = text.index("* `--format NAME` forces a layout:")
+    listed = re.findall(r"`([a-z0-9_]+)`", text[start : text.index("\n\n", start)])
+    assert sorted(listed) == sorted(layout.name for layout in layouts())
+
+
 @pytest.mark.distributed  # the FSDP2 and DeepSpeed producers run on gloo ranks (made once, cached)
 @pytest.mark.deepspeed
 def test_every_console_example_of_the_readme_prints_what_it_shows(workdir: Path) -> None:
