@@ -69,11 +69,11 @@ class _Group(click.Group):
         except click.exceptions.NoArgsIsHelpError:
             raise  # ``ckpt`` alone: the help, as click prints it
         except click.ClickException as e:  # a command's own usage error, e.g. a missing argument
-            said = e.format_message()
-            where = getattr(e, "ctx", None)
-            if where is not None and not ctx.obj.get("json"):  # the way on, in the one line
-                said = f"{said.rstrip('.')}; see `{where.command_path} --help`"
-            _fail(ctx, said, e.exit_code)
+            message = e.format_message()
+            command = getattr(e, "ctx", None)
+            if command is not None and not ctx.obj.get("json"):  # the way on, in the one line
+                message = f"{message.rstrip('.')}; see `{command.command_path} --help`"
+            _fail(ctx, message, e.exit_code)
         except Exception as e:
             said = storage.remote_failure(e)
             if said is None or debug():

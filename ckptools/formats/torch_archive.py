@@ -46,19 +46,21 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Archive:
-    """Records of one archive at ``[start, start + length)`` of ``file``."""
+    """Records of one archive at ``[start, start + length)`` of ``file`` (relative to the
+    reader's root; ``shown``: the path errors name, the root's included)."""
 
     file: str
     start: int
     length: int
     prefix: str
     records: dict[str, Record]
+    shown: str
 
     def record(self, name: str) -> Record:
         rec = self.records.get(name)
         if rec is None:
             raise CorruptCheckpointError(
-                f"{self.file}@{self.start}: torch.save archive has no record {name!r}",
+                f"{self.shown}@{self.start}: torch.save archive has no record {name!r}",
                 path=self.file,
             )
         return rec
@@ -100,7 +102,8 @@ def _parse_zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tup
 
 def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
     """Parse the zip central directory of the archive at ``[start, start+length)`` of ``file``."""
-    where = f"{file}@{start}"
+    shown = storage.join(reader.root, file)
+    where = f"{shown}@{start}"
     if length < 22:
         raise CorruptCheckpointError(
             f"{where}: record of {length} bytes is no torch.save archive", path=file
@@ -115,18 +118,18 @@ def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
             path=file,
         )
     tail_at = start + length - tail_len
-    (_, _, _, _, count, cdir_size, cdir_off, _) = _unpack("<4sHHHHIIH", tail, eocd, file, tail_at)
+    (_, _, _, _, count, cdir_size, cdir_off, _) = _unpack("<4sHHHHIIH", tail, eocd, shown, tail_at)
     if count == 0xFFFF or cdir_off == 0xFFFFFFFF or cdir_size == 0xFFFFFFFF:
         loc = tail.rfind(_EOCD64_LOCATOR, 0, eocd)
         if loc < 0:
             raise CorruptCheckpointError(f"{where}: zip64 archive without its locator", path=file)
-        (eocd64_off,) = _unpack("<Q", tail, loc + 8, file, tail_at)
+        (eocd64_off,) = _unpack("<Q", tail, loc + 8, shown, tail_at)
         if eocd64_off + 56 > length:
             raise CorruptCheckpointError(
                 f"{where}: zip64 end record points past the item's end", path=file
             )
         rec = reader.read(file, start + eocd64_off, 56)
-        count, cdir_size, cdir_off = _unpack("<QQQ", rec, 32, file, start + eocd64_off)
+        count, cdir_size, cdir_off = _unpack("<QQQ", rec, 32, shown, start + eocd64_off)
     if cdir_off + cdir_size > length:
         raise CorruptCheckpointError(
             f"{where}: zip directory points past the item's end", path=file
@@ -142,9 +145,9 @@ def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
     for _ in range(count):
         if cdir[pos : pos + 4] != _CDIR:
             raise CorruptCheckpointError(
-                f"{file}@{start + cdir_off + pos}: damaged zip directory", path=file
+                f"{shown}@{start + cdir_off + pos}: damaged zip directory", path=file
             )
-        h = _unpack(_CDIR_HEADER, cdir, pos, file, start + cdir_off)
+        h = _unpack(_CDIR_HEADER, cdir, pos, shown, start + cdir_off)
         method, crc, csize, usize, nlen, xlen, clen, hoff = (
             h[4],
             h[7],
@@ -163,33 +166,33 @@ def read_archive(reader: Reader, file: str, start: int, length: int) -> Archive:
         if not prefix:
             prefix = head
         records[rest] = Record(rest, hoff, usize, crc, method)
-    return Archive(file, start, length, prefix, records)
+    return Archive(file, start, length, prefix, records, shown)
 
 
 def record_data_offset(reader: Reader, archive: Archive, rec: Record) -> int:
     """Absolute file offset of a record's bytes (reads its 30-byte local header)."""
     if rec.method != 0:
         raise UnsupportedCheckpointError(
-            f"{archive.file}@{archive.start}: record {rec.name} is compressed; "
+            f"{archive.shown}@{archive.start}: record {rec.name} is compressed; "
             "ckptools reads only torch.save's uncompressed archives",
             path=archive.file,
         )
     if rec.header_offset + 30 > archive.length:
         raise CorruptCheckpointError(
-            f"{archive.file}@{archive.start}: record {rec.name} starts past the item's end",
+            f"{archive.shown}@{archive.start}: record {rec.name} starts past the item's end",
             path=archive.file,
         )
     at = archive.start + rec.header_offset
     head = reader.read(archive.file, at, 30)
-    sig, *_, nlen, xlen = _unpack(_LOCAL_HEADER, head, 0, archive.file, at)
+    sig, *_, nlen, xlen = _unpack(_LOCAL_HEADER, head, 0, archive.shown, at)
     if sig != _LOCAL:
         raise CorruptCheckpointError(
-            f"{archive.file}@{at}: damaged zip record {rec.name}", path=archive.file
+            f"{archive.shown}@{at}: damaged zip record {rec.name}", path=archive.file
         )
     data: int = archive.start + rec.header_offset + 30 + int(nlen) + int(xlen)
     if data - archive.start + rec.size > archive.length:
         raise CorruptCheckpointError(
-            f"{archive.file}@{archive.start}: record {rec.name} extends past the item",
+            f"{archive.shown}@{archive.start}: record {rec.name} extends past the item",
             path=archive.file,
         )
     return data
@@ -240,7 +243,7 @@ def _pickle_bytes(reader: Reader, archive: Archive) -> bytes:
     byteorder = archive.records.get("byteorder")
     if byteorder is not None and read_record(reader, archive, "byteorder") != b"little":
         raise UnsupportedCheckpointError(
-            f"{archive.file}: big-endian torch.save archives are not supported", path=archive.file
+            f"{archive.shown}: big-endian torch.save archives are not supported", path=archive.file
         )
     return read_record(reader, archive, "data.pkl")
 
@@ -248,11 +251,10 @@ def _pickle_bytes(reader: Reader, archive: Archive) -> bytes:
 def _decode(
     reader: Reader, archive: Archive, data: bytes, allowed: Mapping[str, Any] | None
 ) -> Any:
-    file = storage.join(reader.root, archive.file)
     return safe_pickle.restricted_loads(
         data,
         safe_pickle.ARCHIVE_GLOBALS if allowed is None else allowed,
-        source=f"{file}@{archive.start}" if archive.start else file,
+        source=f"{archive.shown}@{archive.start}" if archive.start else archive.shown,
         persistent_load=safe_pickle.storage_persistent_load,
     )
 
