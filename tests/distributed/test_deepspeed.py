@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -231,7 +232,8 @@ def test_missing_and_truncated_rank_files(
     rank1 = os.path.join(path, TAG, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     data = Path(rank1).read_bytes()
     Path(rank1).write_bytes(data[: len(data) // 2])
-    with pytest.raises(CorruptCheckpointError, match="zero_pp_rank_1"):
+    # named with the directory given (the archive's errors named it relative to the run)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(rank1)):
         ckptools.inspect(path)
     assert not ckptools.verify(path, quiet=True).ok
     os.remove(rank1)
