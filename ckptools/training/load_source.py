@@ -103,6 +103,10 @@ def _job_order(manifest: Manifest, flat: Mapping[str, Any]) -> list[str] | None:
     return [fqn for g in job for fqn in g]
 
 
+#: the top-level key ``dcp.save({"model": ..., "optimizer": ...})`` keeps an optimizer under
+_THEIR_OPTIM = "optimizer"
+
+
 def _named(
     manifest: Manifest,
     param_order: Sequence[str] | None,
@@ -110,10 +114,17 @@ def _named(
     flat: Mapping[str, Any],
 ) -> _Named:
     if manifest.format == "dcp":  # a DCP of another producer, or without global metadata
-        tensors = {fqn: fqn for fqn in manifest.tensors}
-        values = {fqn: read_object(manifest, fqn) for fqn in manifest.objects}
-        paths = {fqn: key_path(manifest, fqn) for fqn in [*tensors, *values]}
-        return _Named(tensors, values, paths)
+        stored = {fqn: key_path(manifest, fqn) for fqn in [*manifest.tensors, *manifest.objects]}
+        # ``dcp.save({"model": ..., "optimizer": ...})`` (accelerate, the Trainer, torch's own
+        # recipe) keeps the optimizer under "optimizer", ckptools.save under "optim": the same
+        # state, flattened the same way
+        tops = {p[0] for p in stored.values() if p}
+        theirs = _THEIR_OPTIM if with_optimizer and OPTIM not in tops else None
+        job = {fqn: (OPTIM, *p[1:]) if p[:1] == (theirs,) else p for fqn, p in stored.items()}
+        key = {fqn: ".".join(p) if p[:1] == (OPTIM,) and theirs else fqn for fqn, p in job.items()}
+        tensors = {key[fqn]: fqn for fqn in manifest.tensors}
+        values = {key[fqn]: read_object(manifest, fqn) for fqn in manifest.objects}
+        return _Named(tensors, values, {key[fqn]: p for fqn, p in job.items()})
     suggested = None
     if with_optimizer and param_order is None:
         suggested = _job_order(manifest, flat) or suggested_optimizer_order(manifest)

@@ -293,6 +293,21 @@ def test_a_trainer_checkpoint_loads_with_its_two_optimizer_groups(
     assert [g["lr"] for g in groups] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize(("name", "inner"), [("accelerate", ""), ("trainer", "checkpoint-2")])
+def test_an_accelerate_or_trainer_save_loads_with_its_optimizer(
+    produced: Callable[..., Produced], tmp_path: Path, name: str, inner: str
+) -> None:
+    """``Accelerator.save_state`` (and the Trainer through it) keeps the optimizer as
+    ``dcp.save({"optimizer": ...})`` beside ``{"model": ...}``: the same FQN-keyed state
+    ckptools.save keeps under "optim", which load said the save did not hold."""
+    p = produced(name, world_size=2)
+    src = p.path / inner if inner and (p.path / inner).is_dir() else p.path
+    got = tmp_path / "load.pt"
+    run_ranks(_job, 3, "tiny", "", str(src), "load", str(got), timeout=600)
+    loaded: dict[str, Any] = torch.load(got, weights_only=True)
+    _check_against(loaded, p.reference()["model"], p.reference()["optim"]["state"])
+
+
 def test_a_deleted_verl_rank_file_is_named(tmp_path: Path) -> None:
     src = tmp_path / "verl"
     shutil.copytree(VERL / "fsdp2_ws2", src)
