@@ -226,6 +226,23 @@ def check_saved(path: str) -> None:
 
 
 @storage.accepts_storage_options
+def _check_save_path(path: str) -> None:
+    """Refuse, on every rank before the collective save, a local ``path`` that is a file or
+    lies below one: torch's writers fail there with a ``CheckpointException`` carrying every
+    rank's traceback."""
+    if not path:
+        raise UsageError("ckptools.save: the path is empty; name the checkpoint directory")
+    if storage.is_url(path):
+        return
+    local = os.path.abspath(storage.local_path(path))
+    at = local
+    while not os.path.lexists(at):
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        what = "is a file" if at == local else f"lies below the file {at}"
+        raise UsageError(f"{path}: {what}, not a checkpoint directory; choose another path")
+
+
 def save(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -261,6 +278,7 @@ def save(
         >>> ckptools.load("/tmp/ckptools-doc/save", model, opt)["step"]
         3
     """
+    _check_save_path(os.fspath(path))
     state = state_to_save(model, optimizer, extra)
     with no_dist_warning_silenced():
         dcp_save(

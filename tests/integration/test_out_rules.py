@@ -238,3 +238,26 @@ def test_unusable_out_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         text = _refused(["consolidate", src, proc, "--weights-only"])
         assert "cannot create" in text and "choose another OUT" in text
     assert os.listdir(busy) == []
+
+
+def test_save_onto_a_file_is_one_line_not_every_ranks_traceback(tmp_path: Path) -> None:
+    # ckptools.save writes in place (no staged OUT); torch's writers raised a CheckpointException
+    # (not even an Exception) holding each rank's traceback
+    import torch
+
+    import ckptools
+    from ckptools.errors import UsageError
+
+    model = torch.nn.Linear(4, 2)
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    for path, says in (
+        (afile, "is a file, not a checkpoint directory"),
+        (afile / "ckpt", f"lies below the file {afile}"),
+        ("", "the path is empty"),
+    ):
+        with pytest.raises(UsageError, match=says):
+            ckptools.save(str(path), model)
+    assert afile.read_text() == "mine"
+    ckptools.save(str(tmp_path / "ckpt"), model)  # a new directory is still fine
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
