@@ -209,6 +209,7 @@ class CheckpointManager:
         self._staged: dict[str, Any] | None = None
         self._staged_signature: list[tuple[Any, ...]] | None = None
         self._lock = threading.Lock()
+        self._ranks.from_root(lambda: store.check_root(self.root), "checking the root")
         if self._ranks.is_root:
             storage.makedirs(self.root)
             for name in store.clean_stale(self.root):

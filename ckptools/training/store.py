@@ -393,25 +393,53 @@ class PruneResult:
         }
 
 
-@storage.accepts_storage_options
-def _refuse_a_producers_run(root: str) -> None:
-    """Refuse a run directory whose saves another producer wrote (a Trainer's, DeepSpeed's,
-    verl's...): ``prune`` deletes a CheckpointManager's saves only, and would otherwise
-    report deleting nothing as though there were nothing to delete."""
+def _producers_saves(root: str, *, itself: bool = False) -> str | None:
+    """What another producer saved in the run directory ``root`` (a Trainer's, DeepSpeed's,
+    verl's saves; with ``itself``, ``root`` a DCP checkpoint too), or None for a
+    CheckpointManager's root, an empty one, or one of other files."""
     from ckptools.producers.base import directory_names, is_managed
+    from ckptools.producers.dcp.layout import METADATA_FILE
     from ckptools.producers.saves import list_saves
 
     names = directory_names(root)
     if names is None or is_managed(root, names):
-        return
+        return None
+    if itself and METADATA_FILE in names:
+        return "is a DCP checkpoint itself"
     # an incomplete step-N may be a manager's first save, not committed yet (on an object
     # store it is written in place, its marker last): never refused for it
     theirs = [s for s in list_saves(root) if s.complete or not STEP_SAVE.match(s.name)]
-    if theirs:
+    if not theirs:
+        return None
+    return f"holds {len(theirs)} {theirs[0].producer} save(s) ({theirs[0].name}, ...)"
+
+
+@storage.accepts_storage_options
+def _refuse_a_producers_run(root: str) -> None:
+    """Refuse a run directory whose saves another producer wrote: ``prune`` deletes a
+    CheckpointManager's saves only, and would otherwise report deleting nothing as though there
+    were nothing to delete."""
+    theirs = _producers_saves(root)
+    if theirs is not None:
         raise UsageError(
-            f"{root}: holds {len(theirs)} {theirs[0].producer} save(s) ({theirs[0].name}, ...), "
-            "not a CheckpointManager's: ckpt prune deletes only the step-N saves a "
-            "CheckpointManager committed (delete the producer's saves with its own tools)"
+            f"{root}: {theirs}, not a CheckpointManager's: ckpt prune deletes only the step-N "
+            "saves a CheckpointManager committed (delete the producer's saves with its own tools)"
+        )
+
+
+def check_root(root: str) -> None:
+    """Refuse a CheckpointManager root that is a checkpoint or another producer's run
+    directory: its step-N saves would be written into it, beside saves its list and retention
+    do not know.
+
+    Raises:
+        UsageError: one line naming the root and what it holds.
+    """
+    theirs = _producers_saves(root, itself=True)
+    if theirs is not None:
+        raise UsageError(
+            f"{root}: {theirs}; a CheckpointManager root is a directory of its own step-N saves: "
+            "choose another root (e.g. a new directory beside it)"
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -210,6 +211,30 @@ def test_training_manager_replaces_its_own_step_never_a_directory_of_other_files
         with pytest.raises(UsageError, match=r"would delete notes\.txt"):
             mgr.save(2, model)
         assert (root / "step-2" / "notes.txt").read_text() == "mine"
+        assert mgr.steps() == [1]
+
+
+def test_training_manager_root_is_not_a_checkpoint_or_another_producers_run(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    # its step-N saves went into the DCP or beside the Trainer's checkpoint-N, quietly
+    model = torch.nn.Linear(3, 2)
+    dcp_dir = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp_single", dcp_dir)
+    trainer_out = tmp_path / "trainer_out"
+    shutil.copytree(produced("trainer", world_size=2).path, trainer_out / "checkpoint-2")
+    for root, says in (
+        (dcp_dir, "is a DCP checkpoint itself"),
+        (trainer_out, "holds 1 trainer save(s) (checkpoint-2, ...)"),
+    ):
+        before = _digest(root)
+        with pytest.raises(UsageError, match=re.escape(f"{root}: {says}; a CheckpointManager")):
+            ckptools.CheckpointManager(root)
+        assert _digest(root) == before
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "events.out").write_text("a run's other files are fine")
+    with ckptools.CheckpointManager(tmp_path / "logs") as mgr:
+        mgr.save(1, model)
         assert mgr.steps() == [1]
 
 
