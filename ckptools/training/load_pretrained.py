@@ -287,6 +287,21 @@ def _is_fsdp1(model: nn.Module) -> bool:
     return any(isinstance(m, fsdp1) for m in model.modules())
 
 
+def _way(source: str) -> str:
+    """For a training checkpoint given as a published model: how to read it instead."""
+    from ckptools.errors import CkptError
+    from ckptools.producers.base import detect
+
+    try:
+        layout = detect(source).name
+    except CkptError:
+        return ""
+    return (
+        f": it is a {layout} training checkpoint; resume from it with ckptools.load(path, model, "
+        "optimizer), or `ckpt consolidate` it into a model directory first"
+    )
+
+
 def _fill(
     model: nn.Module,
     state: Mapping[str, Any],
@@ -299,7 +314,8 @@ def _fill(
     Returns the unmatched keys and the tensor bytes read."""
     manifest = read_safetensors(source)
     if not manifest.tensors:
-        raise CheckpointNotFoundError(f"{source}: holds no safetensors tensors", path=source)
+        raise CheckpointNotFoundError(f"{source}: holds no safetensors tensors{_way(source)}",
+                                      path=source)  # fmt: skip
     targets = find_targets(state)
     if conversion is not None:
         manifest = conversion(manifest)

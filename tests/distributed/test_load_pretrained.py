@@ -362,6 +362,18 @@ def _drop_tensor(directory: Path, fqn: str) -> None:
     index_path.write_text(json.dumps(index))
 
 
+def test_a_training_checkpoint_given_as_a_published_model_names_the_way(
+    produced: Any, tmp_path: Path
+) -> None:
+    import ckptools
+    from ckptools.errors import CheckpointNotFoundError
+
+    src = produced("fsdp2", world_size=2).path  # a real dcp.save of FSDP2 ranks
+    way = "it is a dcp training checkpoint; resume from it with ckptools.load"
+    with pytest.raises(CheckpointNotFoundError, match=f"holds no safetensors tensors: {way}"):
+        ckptools.load_pretrained(_build("llama", "plain", 1), str(src))
+
+
 def test_meta_model_without_to_empty_is_refused(tmp_path: Path) -> None:
     import ckptools
     from ckptools.errors import UsageError
