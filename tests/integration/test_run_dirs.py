@@ -146,6 +146,34 @@ def test_trainer_checkpoint_missing_a_distcp_is_incomplete_and_reading_takes_the
     assert _ckpt("verify", str(out_dir))[0] == 0
 
 
+def test_accelerate_automatic_checkpoint_naming_is_a_run_of_saves(
+    produced: Callable[..., Produced], tmp_path: Path
+) -> None:
+    # ProjectConfiguration(automatic_checkpoint_naming=True): save_state() writes
+    # checkpoints/checkpoint_<i>; the directory was no run, and `ckpt list` of the project
+    # suggested checkpoint_0, the oldest
+    src = produced("accelerate", world_size=2).path
+    runs = tmp_path / "project" / "checkpoints"
+    for n in (0, 1, 2):
+        shutil.copytree(src, runs / f"checkpoint_{n}")
+    (runs / "checkpoint_2" / "optimizer_0" / "__1_0.distcp").unlink()
+    saves = _listed(runs)
+    assert [saves[f"checkpoint_{n}"]["complete"] for n in (0, 1, 2)] == [True, True, False]
+    assert saves["checkpoint_1"]["latest"] is True and saves["checkpoint_1"]["world_size"] == 2
+    code, out, err = _ckpt("inspect", str(runs), "--json")
+    assert code == 0, err
+    assert json.loads(out)["layout"] == "accelerate"
+    assert any("using checkpoint_1" in n for n in json.loads(out)["notes"])
+    hf = tmp_path / "hf"
+    code, out, err = _ckpt("consolidate", str(runs), str(hf), "--weights-only", "-q")
+    assert code == 0, err
+    ref = produced("accelerate", world_size=2).reference()["model"]
+    from safetensors.torch import load_file
+
+    got = load_file(str(hf / "model.safetensors"))
+    assert got.keys() == ref.keys() and all(got[k].equal(ref[k]) for k in got)
+
+
 # --- 10: a CheckpointManager root reads as the save list marks latest ---------------------------
 
 

@@ -26,8 +26,11 @@ LAYOUTS = (
 TRAINER_SAVE = re.compile(r"^checkpoint-(\d+)$")
 #: torchtitan's (and a script's ``dcp.save`` per step, and the CheckpointManager's) ``step-N``
 STEP_SAVE = re.compile(r"^step-(\d+)$")
+#: accelerate's ``save_state()`` under ``ProjectConfiguration(automatic_checkpoint_naming=True)``:
+#: ``<project_dir>/checkpoints/checkpoint_N``
+ACCELERATE_SAVE = re.compile(r"^checkpoint_(\d+)$")
 #: how this family's producers name one numbered save of a run (group 1: the step)
-SAVES = (TRAINER_SAVE, STEP_SAVE)
+SAVES = (TRAINER_SAVE, STEP_SAVE, ACCELERATE_SAVE)
 #: file names that are one part of a checkpoint of this family's layout (never one alone)
 PARTS = (
     (re.compile(r".+\.distcp$"), "dcp"),

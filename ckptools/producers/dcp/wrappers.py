@@ -29,7 +29,7 @@ from ckptools.producers.base import (
     read_marker,
     register,
 )
-from ckptools.producers.dcp import STEP_SAVE, TRAINER_SAVE
+from ckptools.producers.dcp import ACCELERATE_SAVE, STEP_SAVE, TRAINER_SAVE
 from ckptools.producers.dcp.layout import METADATA_FILE, dcp_lacks, rank_of, read_dcp_tree
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
@@ -113,6 +113,19 @@ def trainer_lacks(path: str) -> str | None:
     return "no DCP .metadata, no model file"
 
 
+def accelerate_lacks(path: str) -> str | None:
+    """What the accelerate ``save_state`` directory ``path`` lacks, or None when each of its
+    DCP directories is whole."""
+    parts = _accelerate_parts(path)
+    if not parts:
+        return "no pytorch_model_fsdp_*/ or optimizer_*/ inside"
+    for part in parts:
+        lacks = dcp_lacks(storage.join(path, part))
+        if lacks is not None:
+            return f"{part}: {lacks}"
+    return None
+
+
 def _trainer_checkpoint_complete(path: str) -> bool:
     return trainer_lacks(path) is None
 
@@ -158,12 +171,26 @@ class AccelerateLayout(Layout):
     )
 
     def probe(self, path: str) -> str | None:
-        return (
-            None if _accelerate_parts(path) else "no pytorch_model_fsdp_*/ or optimizer_*/ inside"
-        )
+        if _accelerate_parts(path):
+            return None
+        saves = [n for n in _listdir(path) if ACCELERATE_SAVE.match(n)]
+        if any(_accelerate_parts(storage.join(path, n)) for n in saves):
+            return None  # automatic_checkpoint_naming's checkpoints/ directory
+        return "no pytorch_model_fsdp_*/ or optimizer_*/ inside, no checkpoint_N/ holding them"
+
+    def numbered_saves(self) -> NumberedSaves:
+        return NumberedSaves(ACCELERATE_SAVE, accelerate_lacks, ranks=dcp_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
-        return read_dcp_tree(path, _accelerate_parts(path), layout=self.name)
+        parts = _accelerate_parts(path)
+        if parts:
+            return read_dcp_tree(path, parts, layout=self.name)
+        found = newest_numbered(
+            path, ACCELERATE_SAVE, lambda p: accelerate_lacks(p) is None, "no whole save_state"
+        )
+        assert found is not None
+        inner = storage.contained(path, found.name, named_by=path, entry="holds")
+        return found.noted(read_dcp_tree(inner, _accelerate_parts(inner), layout=self.name))
 
 
 class LightningLayout(Layout):
