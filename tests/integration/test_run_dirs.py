@@ -174,6 +174,21 @@ def test_accelerate_automatic_checkpoint_naming_is_a_run_of_saves(
     assert got.keys() == ref.keys() and all(got[k].equal(ref[k]) for k in got)
 
 
+def test_tag_lists_the_saves_in_numeric_order_and_says_when_there_are_none(
+    tmp_path: Path,
+) -> None:
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "verl" / "fsdp2_ws2"
+    run = tmp_path / "run"
+    for step in (50, 100):
+        shutil.copytree(fixture, run / f"global_step_{step}")
+    code, _, err = _ckpt("inspect", str(run), "--tag", "global_step_7")
+    assert code == 1
+    assert "--tag takes one of: global_step_50, global_step_100" in err, err
+    (tmp_path / "empty").mkdir()
+    code, _, err = _ckpt("inspect", str(tmp_path / "empty"), "--tag", "global_step_7")
+    assert code == 1 and "holds no save directory for --tag 'global_step_7'" in err, err
+
+
 # --- 10: a CheckpointManager root reads as the save list marks latest ---------------------------
 
 

@@ -299,14 +299,21 @@ def choose_tag(root: str, tag: str) -> str:
     path = storage.contained(root, tag, named_by="--tag", entry="names the save")
     if not storage.isdir(path):
         saves = sorted(
-            n for n in names if not n.startswith(".") and storage.isdir(storage.join(root, n))
-        )
+            (n for n in names if not n.startswith(".") and storage.isdir(storage.join(root, n))),
+            key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)],
+        )  # numbers as numbers: global_step_50 before global_step_100
+        if not saves:
+            raise CheckpointNotFoundError(
+                f"{root}: holds no save directory for --tag {tag!r} to name; point at the "
+                "checkpoint itself, without --tag",
+                path=path,
+            )
         try:
             named = find_tag(root, set(names))[1]
         except (CkptError, OSError):
             named = None  # a damaged 'latest' is no reason to hide the list
         latest = f" ('latest' names {named})" if named else ""
-        listed = ", ".join(saves[-20:]) if saves else "none"
+        listed = ", ".join(saves[-20:])
         raise CheckpointNotFoundError(
             f"{root}: no save {tag!r}; --tag takes one of: {listed}{latest}", path=path
         )
