@@ -263,14 +263,35 @@ def detect(path: str, format: str | None = None) -> Layout:
     # one line; a layout that recognised the path but names a way on (a directory of several
     # torch.save files: point at one) is that line, the rest are --debug's
     way_on = next(((n, r) for n, r in refusals if "point at" in r), None)
+    enclosing = _enclosing(path) if way_on is None else None
     if way_on is not None:
         message = f"{path}: not a checkpoint ckptools reads as it is: {way_on[0]}: {way_on[1]}"
+    elif enclosing is not None:
+        where, name = enclosing
+        message = f"{path}: lies inside the {name} checkpoint at {where}; point at {where}"
     else:
         message = (
             f"{path}: not a checkpoint ckptools recognises (--debug lists why each layout "
             "refused it; --format NAME forces one and shows its full error)"
         )
     raise UnknownFormatError(message, path=path, details=reasons)
+
+
+def _enclosing(path: str, levels: int = 2) -> tuple[str, str] | None:
+    """``(directory, layout)`` of the checkpoint ``path`` lies inside, up to ``levels`` up (a
+    side folder a producer writes beside its data: verl's ``huggingface/``, NeMo's
+    ``context/``, DeepSpeed's ``zero_to_fp32.py``), or None. Probes only: no manifest read."""
+    at = path.rstrip("/")
+    for _ in range(levels):
+        parent = storage.dirname(at)
+        if not parent or parent == at:
+            return None
+        for layout in _in_order():
+            with suppress(CkptError, OSError):
+                if layout.probe(parent) is None:
+                    return parent, layout.name
+        at = parent
+    return None
 
 
 class RunSave(Layout):

@@ -189,6 +189,36 @@ def test_tag_lists_the_saves_in_numeric_order_and_says_when_there_are_none(
     assert code == 1 and "holds no save directory for --tag 'global_step_7'" in err, err
 
 
+_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+_NEMO_SAVE = "megatron/nemo/nemo2_tp2/checkpoints/llama--val_loss=4.61-step=9-consumed_samples=10.0"
+
+
+@pytest.mark.parametrize(
+    ("side", "checkpoint", "layout"),
+    [
+        ("verl/fsdp2_ws2/huggingface", "verl/fsdp2_ws2", "verl"),
+        (f"{_NEMO_SAVE}/context", _NEMO_SAVE, "nemo2"),
+        (
+            "megatron/nemo/bridge_pp2/iter_0000010/tokenizer/tokenizer.json",
+            "megatron/nemo/bridge_pp2/iter_0000010",
+            "megatron_bridge",
+        ),
+    ],
+)
+def test_a_side_folder_of_a_checkpoint_names_the_checkpoint(
+    side: str, checkpoint: str, layout: str
+) -> None:
+    # a producer's side folder (its tokenizer, HF config, NeMo context) got "not a checkpoint
+    # ckptools recognises"
+    code, _, err = _ckpt("inspect", str(_FIXTURES / side))
+    where = _FIXTURES / checkpoint
+    assert (code, err) == (
+        1,
+        f"error: {_FIXTURES / side}: lies inside the {layout} checkpoint at {where}; "
+        f"point at {where}\n",
+    )
+
+
 # --- 10: a CheckpointManager root reads as the save list marks latest ---------------------------
 
 
