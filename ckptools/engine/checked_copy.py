@@ -58,20 +58,14 @@ NOT_COMMITTED = (
 
 
 def mismatch(
-    reader: Reader,
-    raw: Chunk,
-    fqn: str,
-    computed: int,
-    then: str = NOT_COMMITTED,
-    *,
-    part_of: bool = False,
+    reader: Reader, raw: Chunk, fqn: str, computed: int, then: str = NOT_COMMITTED
 ) -> CorruptCheckpointError:
     """The one-line error for a record whose bytes do not match its stored CRC-32 (``then``:
-    what follows "the file is damaged", in the caller's terms; ``part_of``: the record holds
-    ``fqn`` among other bytes)."""
+    what follows "the file is damaged", in the caller's terms). ``raw`` still naming its
+    ``record``: the whole record, which holds ``fqn`` among other bytes."""
     assert raw.crc32 is not None
     path = f"{reader.root}/{raw.file}"
-    whose = f"the record holding tensor {fqn!r}" if part_of else f"tensor {fqn!r}"
+    whose = f"the record holding tensor {fqn!r}" if raw.record else f"tensor {fqn!r}"
     return CorruptCheckpointError(
         f"{path}: bytes {raw.offset}..{raw.offset + raw.length} of {whose} fail their "
         f"CRC-32 check (stored {raw.crc32:08x}, computed {computed:08x}): the file is damaged "
@@ -170,8 +164,8 @@ def check_record_of(reader: Reader, raw: Chunk, fqn: str, then: str = NOT_COMMIT
         seen.done.add((raw.file, rec.offset))  # a thread meeting it meanwhile copies on
     computed = reader.crc32(raw.file, rec.offset, rec.length)
     if computed is not None and computed != rec.crc32:
-        whole = raw._replace(offset=rec.offset, length=rec.length, crc32=rec.crc32, record=None)
-        raise mismatch(reader, whole, fqn, computed, then, part_of=True)
+        whole = raw._replace(offset=rec.offset, length=rec.length, crc32=rec.crc32)
+        raise mismatch(reader, whole, fqn, computed, then)
 
 
 def truncated(reader: Reader, raw: Chunk, at: int) -> CorruptCheckpointError:

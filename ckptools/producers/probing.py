@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from ckptools.producers.base import Layout, directory_names
+from ckptools.producers.base import Layout
+from ckptools.producers.run_dirs import directory_names
 
 #: A probe's answer for a path that is a file, or no longer there.
 NOT_A_DIRECTORY = "not a directory"

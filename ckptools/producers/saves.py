@@ -7,7 +7,7 @@ verl's ``global_step_N`` and Megatron's ``iter_0000010`` (both recorded in
 ``latest_checkpointed_iteration.txt``) and ``step-N`` (torchtitan's, or a script's
 ``dcp.save`` per step: labelled by the layout that reads the run directory).
 Each is listed with its step, whether it is whole (the very check the layout's own reading of
-the run directory applies, :func:`~ckptools.producers.base.newest_numbered`: every rank file the
+the run directory applies, :func:`~ckptools.producers.run_dirs.newest_numbered`: every rank file the
 save's own metadata names is there), its size, the ranks its file names show, and which one
 reading the run directory picks: the recorded one when it is whole, else the newest whole one.
 The checkpoint manager's own ``step-N`` (with its ``.ckptools-complete`` marker) is listed by
@@ -26,7 +26,8 @@ from typing import Any
 
 from ckptools.errors import CkptError
 from ckptools.io import storage
-from ckptools.producers.base import Layout, NumberedSaves, directory_names, layouts
+from ckptools.producers.base import Layout, NumberedSaves, layouts
+from ckptools.producers.run_dirs import directory_names
 
 
 def producers() -> tuple[tuple[Layout, NumberedSaves], ...]:

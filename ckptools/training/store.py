@@ -273,7 +273,8 @@ def list_run(
     Raises:
         CheckpointNotFoundError: ``root`` does not exist.
     """
-    from ckptools.producers.base import directory_names, is_managed
+    from ckptools.producers.base import is_managed
+    from ckptools.producers.run_dirs import directory_names
     from ckptools.producers.saves import list_saves
 
     managed = list_checkpoints(root)
@@ -397,8 +398,9 @@ def _producers_saves(root: str, *, itself: bool = False) -> str | None:
     """What another producer saved in the run directory ``root`` (a Trainer's, DeepSpeed's,
     verl's saves; with ``itself``, ``root`` a DCP checkpoint too), or None for a
     CheckpointManager's root, an empty one, or one of other files."""
-    from ckptools.producers.base import directory_names, is_managed
+    from ckptools.producers.base import is_managed
     from ckptools.producers.dcp.layout import METADATA_FILE
+    from ckptools.producers.run_dirs import directory_names
     from ckptools.producers.saves import list_saves
 
     names = directory_names(root)
@@ -449,7 +451,8 @@ def _refuse_no_saves(root: str) -> None:
     report deleting nothing as though the policy held. An empty directory is a root before its
     first save."""
     from ckptools.errors import CkptError
-    from ckptools.producers.base import detect, directory_names
+    from ckptools.producers.base import detect
+    from ckptools.producers.run_dirs import directory_names
     from ckptools.producers.saves import runs_inside
 
     names = directory_names(root)

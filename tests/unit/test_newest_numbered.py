@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptools.errors import IncompleteCheckpointError
-from ckptools.producers.base import newest_numbered
+from ckptools.producers.run_dirs import newest_numbered
 
 STEP = re.compile(r"^step-(\d+)$")
 

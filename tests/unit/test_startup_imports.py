@@ -40,9 +40,10 @@ print(json.dumps({
 #: the producers' modules a DCP's detection reaches (the packages, and before DCP's own
 #: modules the wrappers' and Megatron's probes); every family's package (its ``__init__``:
 #: the names it declares, read by the config search's numbered-save test), none of their readers;
-#: ``probing`` is the directory probe dcp_rank_local's layout shares, as small as ``base``
+#: ``probing`` is the directory probe dcp_rank_local's layout shares, as small as ``base``, and
+#: ``run_dirs`` the run-directory listing base's detection uses
 _DCP_LAYOUTS = {
-    "base", "probing", "registry", "numbered", "part_files", "dcp", "dcp.wrappers",
+    "base", "probing", "registry", "numbered", "part_files", "run_dirs", "dcp", "dcp.wrappers",
     "dcp.rank_local", "dcp.layout", "megatron", "megatron.layout", "megatron.nemo", "deepspeed",
     "fsdp1", "hf",
     "compressed", "orbax", "orbax.layout", "fsdp1.local_state",

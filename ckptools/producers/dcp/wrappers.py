@@ -20,17 +20,10 @@ from dataclasses import replace
 from ckptools.core.manifest import Manifest
 from ckptools.errors import CkptError
 from ckptools.io import storage
-from ckptools.producers.base import (
-    Layout,
-    NumberedSaves,
-    detect,
-    directory_names,
-    newest_numbered,
-    read_marker,
-    register,
-)
+from ckptools.producers.base import Layout, NumberedSaves, detect, read_marker, register
 from ckptools.producers.dcp import ACCELERATE_SAVE, STEP_SAVE, TRAINER_SAVE
 from ckptools.producers.dcp.layout import METADATA_FILE, dcp_lacks, rank_of, read_dcp_tree
+from ckptools.producers.run_dirs import directory_names, newest_numbered
 
 _ACCEL_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
 _ACCEL_OPTIM = re.compile(r"^optimizer_\d+$")

@@ -32,8 +32,9 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
 from ckptools.io.storage import Reader
-from ckptools.producers.base import digest, directory_names, read_marker
+from ckptools.producers.base import digest, read_marker
 from ckptools.producers.deepspeed import LATEST_FILE
+from ckptools.producers.run_dirs import directory_names
 
 LATEST = LATEST_FILE
 #: stages 1/2 keep one model-states file (the whole 16-bit module and the model's facts)

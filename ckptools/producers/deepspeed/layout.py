@@ -42,17 +42,13 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
-from ckptools.producers.base import (
-    NumberedSaves,
-    directory_names,
-    newest_numbered,
-    register,
-)
+from ckptools.producers.base import NumberedSaves, register
 from ckptools.producers.deepspeed import TAG_SAVE
 from ckptools.producers.deepspeed import files as dsf
 from ckptools.producers.deepspeed.optimizer import ZeroState, optimizer_tree
 from ckptools.producers.deepspeed.partitions import Reading, read_zero3, read_zero12
 from ckptools.producers.probing import DirectoryLayout
+from ckptools.producers.run_dirs import directory_names, newest_numbered
 
 #: at most this many ranks are described one by one in the manifest's notes
 _NOTED_RANKS = 16

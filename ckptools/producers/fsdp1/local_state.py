@@ -22,7 +22,8 @@ from typing import Any
 from ckptools.core.manifest import Manifest
 from ckptools.errors import CkptError, UnsupportedCheckpointError
 from ckptools.io import storage
-from ckptools.producers.base import Layout, directory_names, read_marker, register
+from ckptools.producers.base import Layout, read_marker, register
+from ckptools.producers.run_dirs import directory_names
 
 #: FSDP1's name for a FlatParameter in its module (``torch.distributed.fsdp._flat_param``)
 FLAT_PARAM = "_flat_param"

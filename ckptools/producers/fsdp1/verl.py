@@ -66,19 +66,12 @@ from ckptools.errors import (
 from ckptools.formats import safe_pickle
 from ckptools.io import storage
 from ckptools.io.storage import open_reader
-from ckptools.producers.base import (
-    NumberedSaves,
-    digest,
-    directory_names,
-    model_only,
-    newest_numbered,
-    read_marker,
-    register,
-)
+from ckptools.producers.base import NumberedSaves, digest, model_only, read_marker, register
 from ckptools.producers.fsdp1 import VERL_SAVE, VERL_TRACKER
 from ckptools.producers.fsdp1.optim import flat_optimizer
 from ckptools.producers.fsdp1.rank_pickles import OPTIMIZER, Merged
 from ckptools.producers.probing import NOT_A_DIRECTORY, DirectoryLayout
+from ckptools.producers.run_dirs import directory_names, newest_numbered
 
 LAYOUT = "verl"
 CONFIG = "fsdp_config.json"

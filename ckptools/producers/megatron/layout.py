@@ -38,10 +38,11 @@ from ckptools.errors import (
 )
 from ckptools.formats import safe_pickle, torch_archive
 from ckptools.io import storage
-from ckptools.producers.base import Chosen, Layout, NumberedSaves, directory_names, register
+from ckptools.producers.base import Layout, NumberedSaves, register
 from ckptools.producers.dcp.layout import METADATA_FILE, read_dcp_tree
 from ckptools.producers.megatron import BRIDGE_RECORD, ITER_SAVE, PARTS_KEY, TRACKER_FILE
 from ckptools.producers.megatron import DETAILS_KEY as DETAILS_KEY  # the run's facts' key
+from ckptools.producers.run_dirs import Chosen, directory_names
 
 CONFIG_FILE = "metadata.json"
 BACKEND = "torch_dist"

@@ -29,14 +29,7 @@ from typing import Any
 from ckptools.core.manifest import MODEL_FILES_DIR, Manifest
 from ckptools.errors import CkptError, CorruptCheckpointError
 from ckptools.io import storage
-from ckptools.producers.base import (
-    Chosen,
-    Layout,
-    NumberedSaves,
-    directory_names,
-    read_marker,
-    register,
-)
+from ckptools.producers.base import Layout, NumberedSaves, read_marker, register
 from ckptools.producers.megatron import BRIDGE_RECORD as LATEST_TRAIN_STATE
 from ckptools.producers.megatron import NEMO_SAVE
 from ckptools.producers.megatron.layout import (
@@ -48,6 +41,7 @@ from ckptools.producers.megatron.layout import (
     resolve,
     saves,
 )
+from ckptools.producers.run_dirs import Chosen, directory_names
 
 WEIGHTS, CONTEXT = "weights", "context"
 MODEL_YAML = "model.yaml"

@@ -25,8 +25,9 @@ from typing import Any
 from ckptools.core.manifest import Manifest
 from ckptools.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptools.io import storage
-from ckptools.producers.base import Chosen, Layout, directory_names, newest_numbered, register
+from ckptools.producers.base import Layout, register
 from ckptools.producers.orbax import DETAILS_KEY
+from ckptools.producers.run_dirs import Chosen, directory_names, newest_numbered
 
 #: a committed step (``CheckpointManager``), or a save's own record of its handler
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
