@@ -323,12 +323,25 @@ def _written_by_dcp(path: str) -> bool:
     return not rank_local and any(n.endswith(".distcp") for n in names)
 
 
+def _written_by(path: str) -> str:
+    """``"a <layout> checkpoint"``, as detection names ``path``."""
+    from ckptools.errors import CkptError
+    from ckptools.producers.base import detect
+
+    try:
+        return f"a {detect(path).name} checkpoint"
+    except CkptError:
+        return "a checkpoint"
+
+
 def _check_tops(path: str, tops: set[str], with_optimizer: bool) -> None:
     """Refuse a DCP without a ``model`` entry, or without ``optim`` when one is asked for."""
     if MODEL_KEY not in tops:
+        shown = sorted(tops)
+        listed = ", ".join(shown[:8]) + (f", ... ({len(shown)} in all)" if len(shown) > 8 else "")
         raise IncompleteCheckpointError(
-            f"{path}: holds no 'model' entry (top-level keys: {sorted(tops)}); "
-            "it was not written by ckptools.save",
+            f"{path}: holds no 'model' entry (top-level keys: {listed}); it is {_written_by(path)}"
+            ", not written by ckptools.save: `ckpt consolidate` reads its model",
             path=path,
         )
     if with_optimizer and OPTIM_KEY not in tops:

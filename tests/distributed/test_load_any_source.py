@@ -308,6 +308,20 @@ def test_an_accelerate_or_trainer_save_loads_with_its_optimizer(
     _check_against(loaded, p.reference()["model"], p.reference()["optim"]["state"])
 
 
+def test_a_torchtitan_save_is_named_with_the_way_to_its_model(
+    produced: Callable[..., Produced],
+) -> None:
+    # torchtitan keeps its model at the top level: "holds no 'model' entry (top-level keys:
+    # <25 names>); it was not written by ckptools.save" named neither what it is nor a way on
+    from ckptools.errors import IncompleteCheckpointError
+
+    step = produced("torchtitan", world_size=2).path  # its step-N/
+    model = TinyLlama(DEFAULT_CONFIG)
+    said = r"holds no 'model' entry \(top-level keys: .*\.\.\. \(25 in all\)\); it is a torchtitan"
+    with pytest.raises(IncompleteCheckpointError, match=said + r".*`ckpt consolidate` reads"):
+        ckptools.load(str(step), model)
+
+
 def test_a_deleted_verl_rank_file_is_named(tmp_path: Path) -> None:
     src = tmp_path / "verl"
     shutil.copytree(VERL / "fsdp2_ws2", src)
