@@ -139,25 +139,27 @@ def test_list_shows_the_steps_of_a_torchtitan_checkpoint_folder(
     ]
 
 
-def test_lightnings_checkpoints_folder_names_the_sharded_checkpoint_inside(
+def test_lightnings_checkpoints_folder_is_a_run_of_its_sharded_saves(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
     """Lightning's ``FSDPStrategy`` saves its sharded checkpoint as a folder named like a file,
     ``lightning_logs/version_0/checkpoints/epoch=0-step=2.ckpt/``: the ``checkpoints/`` above
     it is no torch.save directory (which read that folder as its one ``.ckpt`` file and failed
-    on it, "file is missing"), and pointing there names the checkpoint to point at."""
+    on it, "file is missing"), but ModelCheckpoint's run of saves, read as the newest whole
+    one (numbers compared as numbers; an incomplete newer one passed over)."""
     checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
-    saved = checkpoints / "epoch=0-step=2.ckpt"
-    shutil.copytree(produced("lightning").path, saved)
-    for verb in (["inspect"], ["consolidate", str(tmp_path / "hf")]):
-        code, _, err = _ckpt(verb[0], str(checkpoints), *verb[1:])
-        assert code == 1
-        assert err.splitlines() == [
-            f"error: {checkpoints} is no checkpoint itself, but {saved} holds a lightning "
-            "checkpoint: point at it (--debug lists why each layout refused the directory)"
-        ]
-    assert not (tmp_path / "hf").exists()
-    assert _ckpt("inspect", str(saved))[0] == 0
+    for name in ("epoch=0-step=2.ckpt", "epoch=4-step=10.ckpt", "epoch=5-step=12.ckpt"):
+        shutil.copytree(produced("lightning").path, checkpoints / name)
+    (checkpoints / "epoch=5-step=12.ckpt" / "meta.pt").unlink()  # a save cut short
+    code, stdout, err = _ckpt("inspect", str(checkpoints), "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["layout"] == "lightning"
+    assert any("using epoch=4-step=10.ckpt" in n for n in report["notes"]), report["notes"]
+    hf = tmp_path / "hf"
+    code, _, err = _ckpt("consolidate", str(checkpoints), str(hf), "--weights-only")
+    assert code == 0, err
+    assert (hf / "model.safetensors").is_file()
 
 
 def test_list_of_lightnings_checkpoints_folder_is_no_nemo_run(
@@ -165,20 +167,16 @@ def test_list_of_lightnings_checkpoints_folder_is_no_nemo_run(
 ) -> None:
     """NeMo 2 names its saves as Lightning's ModelCheckpoint does (``...-step=N...``) but never
     with ``.ckpt`` (NeMo's ``ckpt_to_dir`` drops it): Lightning's own sharded checkpoint folder
-    ``epoch=0-step=2.ckpt/`` was listed as an INCOMPLETE nemo2 save, "no weights/"."""
+    ``epoch=0-step=2.ckpt/`` was listed as an INCOMPLETE nemo2 save, "no weights/"; it is a
+    Lightning save of the run."""
     checkpoints = tmp_path / "checkpoints"
     saved = checkpoints / "epoch=0-step=2.ckpt"
     shutil.copytree(produced("lightning").path, saved)
     code, stdout, err = _ckpt("list", str(checkpoints), "--json")
     assert code == 0, err
-    listed = json.loads(stdout)
-    assert listed["checkpoints"] == []
-    assert listed["checkpoints_inside"] == [{"name": saved.name, "layout": "lightning"}]
-    code, stdout, _ = _ckpt("list", str(checkpoints))
-    assert stdout.splitlines() == [
-        f"{checkpoints}: no numbered saves here; it holds 1 checkpoint(s): {saved.name} "
-        f"(lightning): `ckpt inspect {saved}`"
-    ]
+    (listed,) = json.loads(stdout)["checkpoints"]
+    assert (listed["name"], listed["producer"], listed["step"]) == (saved.name, "lightning", 2)
+    assert listed["complete"] is True and listed["latest"] is True
 
 
 def test_list_of_one_save_names_it_and_its_run(

@@ -29,8 +29,11 @@ STEP_SAVE = re.compile(r"^step-(\d+)$")
 #: accelerate's ``save_state()`` under ``ProjectConfiguration(automatic_checkpoint_naming=True)``:
 #: ``<project_dir>/checkpoints/checkpoint_N``
 ACCELERATE_SAVE = re.compile(r"^checkpoint_(\d+)$")
+#: Lightning ``ModelCheckpoint``'s default name, a folder under ``FSDPStrategy``'s sharded state:
+#: ``lightning_logs/version_0/checkpoints/epoch=E-step=N.ckpt/``
+LIGHTNING_SAVE = re.compile(r"^epoch=\d+-step=(\d+)\.ckpt$")
 #: how this family's producers name one numbered save of a run (group 1: the step)
-SAVES = (TRAINER_SAVE, STEP_SAVE, ACCELERATE_SAVE)
+SAVES = (TRAINER_SAVE, STEP_SAVE, ACCELERATE_SAVE, LIGHTNING_SAVE)
 #: file names that are one part of a checkpoint of this family's layout (never one alone)
 PARTS = (
     (re.compile(r".+\.distcp$"), "dcp"),

@@ -21,7 +21,7 @@ from ckptools.core.manifest import Manifest
 from ckptools.errors import CkptError
 from ckptools.io import storage
 from ckptools.producers.base import Layout, NumberedSaves, detect, read_marker, register
-from ckptools.producers.dcp import ACCELERATE_SAVE, STEP_SAVE, TRAINER_SAVE
+from ckptools.producers.dcp import ACCELERATE_SAVE, LIGHTNING_SAVE, STEP_SAVE, TRAINER_SAVE
 from ckptools.producers.dcp.layout import METADATA_FILE, dcp_lacks, rank_of, read_dcp_tree
 from ckptools.producers.run_dirs import directory_names, newest_numbered
 
@@ -119,6 +119,17 @@ def accelerate_lacks(path: str) -> str | None:
     return None
 
 
+def _is_lightning(path: str) -> bool:
+    return _is_dcp(path) and storage.isfile(storage.join(path, LIGHTNING_META))
+
+
+def lightning_lacks(path: str) -> str | None:
+    """What Lightning's sharded checkpoint folder ``path`` lacks, or None when it is whole."""
+    if not storage.isfile(storage.join(path, LIGHTNING_META)):
+        return f"no {LIGHTNING_META}"
+    return dcp_lacks(path)
+
+
 def _trainer_checkpoint_complete(path: str) -> bool:
     return trainer_lacks(path) is None
 
@@ -191,11 +202,27 @@ class LightningLayout(Layout):
     description = "Lightning FSDPStrategy sharded checkpoint (DCP files + meta.pt)"
 
     def probe(self, path: str) -> str | None:
-        if _is_dcp(path) and storage.isfile(storage.join(path, LIGHTNING_META)):
+        if _is_lightning(path):
             return None
-        return "no DCP .metadata with a meta.pt beside it"
+        saves = [n for n in _listdir(path) if LIGHTNING_SAVE.match(n)]
+        if any(_is_lightning(storage.join(path, n)) for n in saves):
+            return None  # ModelCheckpoint's checkpoints/ directory
+        return "no DCP .metadata with a meta.pt beside it, no epoch=E-step=N.ckpt/ holding them"
+
+    def numbered_saves(self) -> NumberedSaves:
+        return NumberedSaves(LIGHTNING_SAVE, lightning_lacks, ranks=dcp_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
+        if _is_lightning(path):
+            return self._read_save(path)
+        found = newest_numbered(
+            path, LIGHTNING_SAVE, lambda p: lightning_lacks(p) is None, "no whole sharded save"
+        )
+        assert found is not None
+        inner = storage.contained(path, found.name, named_by=path, entry="holds")
+        return found.noted(self._read_save(inner))
+
+    def _read_save(self, path: str) -> Manifest:
         # the DCP part alone is what a conversion rewrites; meta.pt is copied (an aux file)
         manifest = read_dcp_tree(path, layout=self.name)
         # meta.pt is among the aux files, which read_dcp_tree checked to lie inside
