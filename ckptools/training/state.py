@@ -66,7 +66,7 @@ from ckptools.errors import (
     UsageError,
 )
 from ckptools.io import storage
-from ckptools.producers.base import read_by_producer
+from ckptools.producers.base import read_by_producer, step_run
 from ckptools.producers.dcp.layout import RANK_METADATA_FILE
 from ckptools.training.load_source import load_source, set_loaded_state
 
@@ -444,6 +444,14 @@ def load(
         {'epoch': 1}
     """
     path = os.fspath(path)
+    run = (
+        step_run(path)
+        if storage.isdir(path) and not storage.exists(storage.join(path, ".metadata"))
+        else None
+    )
+    if run is not None:  # a CheckpointManager root: its newest whole save, as restore() reads
+        log.info("%s", run.chosen.note())
+        path = run.save
     if not _written_by_dcp(path):
         return load_source(
             path, model, optimizer, _state_of(model, optimizer), _options(),

@@ -255,6 +255,37 @@ def test_manager_root_reads_the_latest_save_in_numeric_order(tmp_path: Path) -> 
     assert "complete (latest)" in lines[-1] and "loss=" in lines[-1]
 
 
+def test_load_of_a_manager_root_resumes_its_newest_save_with_its_extra(tmp_path: Path) -> None:
+    # the root was read through the other-producers path: extra came back as the raw pickled
+    # bytes nested under 'extra', and a Stateful given in extra= was never restored
+    import torch
+
+    import ckptools
+
+    class Counter:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.n = state["n"]
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    root = tmp_path / "checkpoints"
+    with ckptools.CheckpointManager(str(root)) as mgr:
+        for step in (2, 10):
+            mgr.save(step, model, opt, extra={"step": step, "counter": Counter(step)})
+    counter = Counter(0)
+    fresh = torch.nn.Linear(3, 2)
+    got = ckptools.load(str(root), fresh, torch.optim.AdamW(fresh.parameters()),
+                        extra={"counter": counter})  # fmt: skip
+    assert got == {"step": 10, "counter": {"n": 10}} and counter.n == 10
+    assert torch.equal(fresh.weight, model.weight)
+
+
 def test_plain_dcp_step_run_is_labelled_by_what_reads_it(
     produced: Callable[..., Produced], tmp_path: Path
 ) -> None:
