@@ -15,6 +15,7 @@ merge their manifests (file paths stay relative to the outer directory):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 from ckptools.core.manifest import Manifest
@@ -168,81 +169,75 @@ class TrainerLayout(Layout):
         )
 
 
-class AccelerateLayout(Layout):
-    name = "accelerate"
-    description = (
-        "accelerate save_state with FSDP sharded state (pytorch_model_fsdp_0/, optimizer_0/)"
-    )
+class _SaveOrRun(Layout):
+    """A layout that reads one save, or its producer's run directory of numbered saves
+    (``pattern``) as the newest whole one; the layouts differ only in what they are given."""
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        pattern: re.Pattern[str],
+        neither: str,
+        *,
+        is_save: Callable[[str], bool],
+        lacks: Callable[[str], str | None],
+        read_save: Callable[[str], Manifest],
+    ) -> None:
+        self.name, self.description, self.pattern = name, description, pattern
+        self.neither = neither  # what the probe says of a directory that is neither
+        self._is_save, self._lacks, self._read_save = is_save, lacks, read_save
+
+    def lacks(self, path: str) -> str | None:
+        return self._lacks(path)
 
     def probe(self, path: str) -> str | None:
-        if _accelerate_parts(path):
+        if self._is_save(path):
             return None
-        saves = [n for n in _listdir(path) if ACCELERATE_SAVE.match(n)]
-        if any(_accelerate_parts(storage.join(path, n)) for n in saves):
-            return None  # automatic_checkpoint_naming's checkpoints/ directory
-        return "no pytorch_model_fsdp_*/ or optimizer_*/ inside, no checkpoint_N/ holding them"
+        saves = [n for n in _listdir(path) if self.pattern.match(n)]
+        if any(self._is_save(storage.join(path, n)) for n in saves):
+            return None  # the producer's run directory
+        return self.neither
 
     def numbered_saves(self) -> NumberedSaves:
-        return NumberedSaves(ACCELERATE_SAVE, accelerate_lacks, ranks=dcp_ranks)
+        return NumberedSaves(self.pattern, self.lacks, ranks=dcp_ranks)
 
     def read_manifest(self, path: str) -> Manifest:
-        parts = _accelerate_parts(path)
-        if parts:
-            return read_dcp_tree(path, parts, layout=self.name)
-        found = newest_numbered(
-            path, ACCELERATE_SAVE, lambda p: accelerate_lacks(p) is None, "no whole save_state"
-        )
-        assert found is not None
-        inner = storage.contained(path, found.name, named_by=path, entry="holds")
-        return found.noted(read_dcp_tree(inner, _accelerate_parts(inner), layout=self.name))
-
-
-class LightningLayout(Layout):
-    name = "lightning"
-    description = "Lightning FSDPStrategy sharded checkpoint (DCP files + meta.pt)"
-
-    def probe(self, path: str) -> str | None:
-        if _is_lightning(path):
-            return None
-        saves = [n for n in _listdir(path) if LIGHTNING_SAVE.match(n)]
-        if any(_is_lightning(storage.join(path, n)) for n in saves):
-            return None  # ModelCheckpoint's checkpoints/ directory
-        return "no DCP .metadata with a meta.pt beside it, no epoch=E-step=N.ckpt/ holding them"
-
-    def numbered_saves(self) -> NumberedSaves:
-        return NumberedSaves(LIGHTNING_SAVE, lightning_lacks, ranks=dcp_ranks)
-
-    def read_manifest(self, path: str) -> Manifest:
-        if _is_lightning(path):
+        if self._is_save(path):
             return self._read_save(path)
         found = newest_numbered(
-            path, LIGHTNING_SAVE, lambda p: lightning_lacks(p) is None, "no whole sharded save"
+            path, self.pattern, lambda p: self.lacks(p) is None, f"no whole {self.name} save"
         )
         assert found is not None
         inner = storage.contained(path, found.name, named_by=path, entry="holds")
         return found.noted(self._read_save(inner))
 
-    def _read_save(self, path: str) -> Manifest:
-        # the DCP part alone is what a conversion rewrites; meta.pt is copied (an aux file)
-        manifest = read_dcp_tree(path, layout=self.name)
-        # meta.pt is among the aux files, which read_dcp_tree checked to lie inside
-        from ckptools.producers.hf.torch_save import read_torch_save_file  # see TrainerLayout
 
-        with storage.open_reader(path) as reader:
-            tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)
-        # meta.pt holds the rest of the Lightning checkpoint (epoch, global_step, loops, hparams).
-        extra_objects = {f"meta.{o.fqn}": replace(o, fqn=f"meta.{o.fqn}") for o in objects}
-        extra_tensors = {f"meta.{t.fqn}": replace(t, fqn=f"meta.{t.fqn}") for t in tensors}
-        return replace(
-            manifest,
-            tensors={**manifest.tensors, **extra_tensors},
-            objects={**manifest.objects, **extra_objects},
-            files={**manifest.files, LIGHTNING_META: info},
-            paths={
-                **manifest.paths,
-                **{f"meta.{k}": ("meta", *v) for k, v in paths.items()},
-            },
-        )
+def _read_accelerate(path: str) -> Manifest:
+    return read_dcp_tree(path, _accelerate_parts(path), layout="accelerate")
+
+
+def _read_lightning(path: str) -> Manifest:
+    # the DCP part alone is what a conversion rewrites; meta.pt is copied (an aux file)
+    manifest = read_dcp_tree(path, layout="lightning")
+    # meta.pt is among the aux files, which read_dcp_tree checked to lie inside
+    from ckptools.producers.hf.torch_save import read_torch_save_file  # see TrainerLayout
+
+    with storage.open_reader(path) as reader:
+        tensors, objects, paths, info = read_torch_save_file(reader, LIGHTNING_META)
+    # meta.pt holds the rest of the Lightning checkpoint (epoch, global_step, loops, hparams).
+    extra_objects = {f"meta.{o.fqn}": replace(o, fqn=f"meta.{o.fqn}") for o in objects}
+    extra_tensors = {f"meta.{t.fqn}": replace(t, fqn=f"meta.{t.fqn}") for t in tensors}
+    return replace(
+        manifest,
+        tensors={**manifest.tensors, **extra_tensors},
+        objects={**manifest.objects, **extra_objects},
+        files={**manifest.files, LIGHTNING_META: info},
+        paths={
+            **manifest.paths,
+            **{f"meta.{k}": ("meta", *v) for k, v in paths.items()},
+        },
+    )
 
 
 class TorchtitanLayout(Layout):
@@ -275,6 +270,28 @@ class TorchtitanLayout(Layout):
 
 
 register(TrainerLayout())
-register(AccelerateLayout())
-register(LightningLayout())
+register(
+    _SaveOrRun(
+        "accelerate",
+        "accelerate save_state with FSDP sharded state (pytorch_model_fsdp_0/, optimizer_0/), "
+        "or automatic_checkpoint_naming's checkpoints/ of checkpoint_N/ saves",
+        ACCELERATE_SAVE,
+        "no pytorch_model_fsdp_*/ or optimizer_*/ inside, no checkpoint_N/ holding them",
+        is_save=lambda p: bool(_accelerate_parts(p)),
+        lacks=accelerate_lacks,
+        read_save=_read_accelerate,
+    )
+)
+register(
+    _SaveOrRun(
+        "lightning",
+        "Lightning FSDPStrategy sharded checkpoint (DCP files + meta.pt), or ModelCheckpoint's "
+        "checkpoints/ of epoch=E-step=N.ckpt/ saves",
+        LIGHTNING_SAVE,
+        "no DCP .metadata with a meta.pt beside it, no epoch=E-step=N.ckpt/ holding them",
+        is_save=_is_lightning,
+        lacks=lightning_lacks,
+        read_save=_read_lightning,
+    )
+)
 register(TorchtitanLayout())
