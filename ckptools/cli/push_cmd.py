@@ -33,6 +33,12 @@ from ckptools.cli.render import dumps, emit, human_size, table
     help="The checkpoint DIRECTORY was consolidated from: recorded in the model card "
     "(layout, world size, step).",
 )
+@click.option(
+    "--weights-only",
+    is_flag=True,
+    help="Publish a directory without config.json: its weights alone, which from_pretrained "
+    "cannot load (refused without this flag).",
+)
 @dry_run_option("Check and list the files with sizes; no network, no upload.")
 @quiet_option
 @json_option
@@ -46,6 +52,7 @@ def push_command(
     token: str | None,
     endpoint: str | None,
     source: str | None,
+    weights_only: bool,
     dry_run: bool,
     quiet: bool,
     as_json: bool,
@@ -79,6 +86,7 @@ def push_command(
         source=source,
         dry_run=dry_run,
         quiet=quiet or as_json,
+        weights_only=weights_only,
     )
     emit(result, as_json, render_push)
 
@@ -154,7 +162,10 @@ def push_consolidated(
             click.echo(f"  would push to {repo_id}: every planned file is within the Hub's limit")
     else:
         try:
-            pushed = push_to_hub(out, repo_id, source=src, quiet=quiet or as_json)
+            # OUT without config.json was asked for (consolidate --weights-only) and noted
+            pushed = push_to_hub(
+                out, repo_id, source=src, quiet=quiet or as_json, weights_only=True
+            )
         except CkptError:
             click.echo(
                 f"note: {out} was consolidated; push it with: ckpt push {out} {repo_id} "

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ckptools.core.hf_files import TOKENIZER_FILES
+from ckptools.core.hf_files import ADAPTER_CONFIG_NAME, TOKENIZER_FILES
 from ckptools.core.manifest import Manifest
 from ckptools.errors import UsageError
 from ckptools.hub.card import (
@@ -145,6 +145,7 @@ class PushOptions:
     quiet: bool = False
     max_file_bytes: str | int | None = None
     workers: int | None = None
+    weights_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,7 @@ def push_to_hub(
     quiet: bool = False,
     max_file_bytes: str | int | None = None,
     workers: int | None = None,
+    weights_only: bool = False,
 ) -> PushResult:
     """Publish the model directory ``directory`` to the Hub repository ``repo_id``.
 
@@ -238,6 +240,8 @@ def push_to_hub(
         quiet: no progress bars (neither ckptools' nor huggingface_hub's).
         max_file_bytes: per-file limit (default ``CKPTOOLS_HUB_MAX_FILE_BYTES`` or 50 GB).
         workers: threads hashing files (default ``CKPTOOLS_WORKERS`` or up to 4).
+        weights_only: publish a directory without ``config.json`` (its weights alone, which
+            ``from_pretrained`` cannot load); refused without it.
 
     Returns:
         A :class:`PushResult`; ``commit_url`` is the commit's URL, ``to_dict()`` plain data.
@@ -249,7 +253,8 @@ def push_to_hub(
         HubNotFoundError: 404 (repository or revision).
         HubConflictError: 409 (re-run to resume).
         HubConnectionError: the Hub could not be reached.
-        UsageError: an invalid ``repo_id`` or contradictory arguments.
+        UsageError: an invalid ``repo_id`` or contradictory arguments; a directory without
+            ``config.json`` and no ``weights_only``.
     Example:
         >>> r = push_to_hub("hf_model", "me/llama-1b-sft", private=True,  # doctest: +SKIP
         ...                 source="checkpoints/step-1000")
@@ -267,6 +272,7 @@ def push_to_hub(
         quiet=quiet,
         max_file_bytes=max_file_bytes,
         workers=workers,
+        weights_only=weights_only,
     )
     plan = plan_push(directory, repo_id, options)
     if dry_run:
@@ -302,8 +308,16 @@ def plan_push(directory: str, repo_id: str, options: PushOptions | None = None) 
     own_card = any(name == CARD_NAME for name, _ in files)
     config = read_config(directory)
     notes: list[str] = []
-    if not config:
-        notes.append("no config.json: from_pretrained cannot load the repository without one")
+    adapter = any(name == ADAPTER_CONFIG_NAME for name, _ in files)  # PeftModel loads it
+    if not config and not adapter and not options.weights_only:
+        raise UsageError(
+            f"{directory}: no config.json, so from_pretrained could not load the repository: "
+            "add the model's config.json (`ckpt consolidate --config`), or pass --weights-only "
+            "to publish the weights alone",
+            path=directory,
+        )
+    if not config and not adapter:
+        notes.append("weights only (--weights-only): from_pretrained cannot load the repository")
     elif not any(name in TOKENIZER_FILES for name, _ in files):
         notes.append(
             "no tokenizer files: the repository holds the model alone (copy the tokenizer's "

@@ -197,6 +197,7 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc]
                     endpoint=self.hub_endpoint,
                     source=checkpoint,
                     quiet=True,
+                    weights_only=True,  # as the consolidation was, and noted
                 )
                 self.push_error = None
                 log.info("pushed %s to %s: %s", directory, repo_id, self.last_push.commit_url)

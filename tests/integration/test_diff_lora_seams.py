@@ -111,6 +111,17 @@ def test_adapter_export_lists_both_files_it_wrote(peft_src: Path, tmp_path: Path
     assert code == 0 and json.loads(text)["config_files"] == ["adapter_config.json"], text
 
 
+def test_an_adapter_export_is_pushed_as_an_adapter(peft_src: Path, tmp_path: Path) -> None:
+    # adapter_config.json, not config.json: PeftModel.from_pretrained loads it, so push takes it
+    # without --weights-only (it said "from_pretrained cannot load the repository")
+    out = tmp_path / "adapter"
+    code, text = _cli(["consolidate", str(peft_src), str(out), "--adapter", "--lora-alpha", "16"])
+    assert code == 0, text
+    code, text = _cli(["push", str(out), "me/adapter", "--dry-run", "--json"])
+    assert code == 0, text
+    assert not any("from_pretrained" in n for n in json.loads(text)["notes"]), text
+
+
 @pytest.mark.parametrize("flags", [["--merge-lora", "--lora-alpha", "16"], ["--adapter"]])
 def test_peft_adapter_directory_is_named_as_the_adapter_alone(
     peft_src: Path, tmp_path: Path, flags: list[str]

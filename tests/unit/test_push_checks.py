@@ -281,6 +281,18 @@ def test_directory_without_weights_is_refused(tmp_path: Path) -> None:
         ckptools.push_to_hub(str(tmp_path / "missing"), REPO, dry_run=True)
 
 
+def test_directory_without_config_needs_weights_only(tmp_path: Path) -> None:
+    # a --weights-only consolidation pushed with a note, exit 0: a repository from_pretrained
+    # cannot load
+    model = write_model(tmp_path / "m")
+    (model / "config.json").unlink()
+    code, out = invoke("push", str(model), REPO, "--dry-run")
+    assert code == EXIT_USAGE and out.count("\n") == 1, out
+    assert "no config.json, so from_pretrained could not load" in out and "--weights-only" in out
+    result = ckptools.push_to_hub(str(model), REPO, dry_run=True, weights_only=True)
+    assert any(n.startswith("weights only (--weights-only)") for n in result.notes)
+
+
 # --------------------------------------------------------------------------------------------------
 # What arrives, and the Hub's refusals as one-line errors
 # --------------------------------------------------------------------------------------------------
