@@ -34,6 +34,11 @@ ACCELERATE_SAVE = re.compile(r"^checkpoint_(\d+)$")
 LIGHTNING_SAVE = re.compile(r"^epoch=\d+-step=(\d+)\.ckpt$")
 #: how this family's producers name one numbered save of a run (group 1: the step)
 SAVES = (TRAINER_SAVE, STEP_SAVE, ACCELERATE_SAVE, LIGHTNING_SAVE)
+#: ``ckpt list --help``'s runs of this family's saves beyond the Trainer's and torchtitan's
+HELP = (
+    ("list saves", ("accelerate's automatic naming", "checkpoint_N in checkpoints/")),
+    ("list saves", ("Lightning's ModelCheckpoint", "epoch=E-step=N.ckpt in checkpoints/")),
+)
 #: file names that are one part of a checkpoint of this family's layout (never one alone)
 PARTS = (
     (re.compile(r".+\.distcp$"), "dcp"),
