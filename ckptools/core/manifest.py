@@ -46,8 +46,8 @@ class Record(NamedTuple):
 def stored_in(record: Record, offset: int, length: int, contiguous: bool = True) -> dict[str, Any]:
     """The ``crc32``/``record`` fields of a chunk whose bytes are ``[offset, offset+length)`` of
     its file, inside ``record``: the record's CRC when they are all of it, in order; else the
-    record, checked whole before the chunk is read (:class:`ckptools.engine.checked_copy.
-    WholeRecords`): a view or a flat partition's parameter has no CRC of its own."""
+    record, checked whole before the chunk is read (:func:`ckptools.engine.checked_copy.
+    check_record_of`): a view or a flat partition's parameter has no CRC of its own."""
     whole = contiguous and offset == record.offset and length == record.length
     return {"crc32": record.crc32} if whole else {"crc32": None, "record": record}
 

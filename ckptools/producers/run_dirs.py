@@ -1,7 +1,7 @@
 """The numbered saves of a run directory, and the one a run resolves to (pure listing, no
 layout): :func:`newest_numbered` picks the newest whole save a producer numbered
 (``checkpoint-N``, ``global_stepN``, ``step-N``...), never following a link out of the run.
-:mod:`ckptools.producers.base` re-exports these for the layouts."""
+The layouts and the run-directory readers import these from here."""
 
 from __future__ import annotations
 

@@ -225,7 +225,6 @@ def check_saved(path: str) -> None:
         ) from e
 
 
-@storage.accepts_storage_options
 def _check_save_path(path: str) -> None:
     """Refuse, on every rank before the collective save, a local ``path`` that is a file or
     lies below one: torch's writers fail there with a ``CheckpointException`` carrying every
@@ -243,6 +242,7 @@ def _check_save_path(path: str) -> None:
         raise UsageError(f"{path}: {what}, not a checkpoint directory; choose another path")
 
 
+@storage.accepts_storage_options
 def save(
     path: str | os.PathLike[str],
     model: nn.Module,

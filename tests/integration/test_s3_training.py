@@ -105,6 +105,27 @@ def test_save_and_load_on_s3(s3_bucket: str) -> None:
     _assert_same(opt.state_dict(), fresh_opt.state_dict())
 
 
+def test_save_and_load_take_storage_options(
+    s3_bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # only the options name the server: a save that dropped them would go nowhere (once
+    # fsspec's cached client, made when the endpoint was still in the environment, is gone)
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    options = {"endpoint_url": s3_endpoint}
+    model, opt = _model()
+    path = f"{s3_bucket}/with-options"
+    ckptools.save(path, model, opt, extra={"epoch": 3}, storage_options=options)
+    fresh, fresh_opt = _fresh()
+    assert ckptools.load(path, fresh, fresh_opt, storage_options=options) == {"epoch": 3}
+    _assert_same(model.state_dict(), fresh.state_dict())
+    monkeypatch.undo()
+    assert {".metadata", "__0_0.distcp"} <= set(objects(path))
+
+
 class _LossyStream(io.RawIOBase):
     """What an unflushed remote stream does: reports every byte written, uploads only the first
     ``keep``. torch's bookkeeping (``tell``) sees the full length, the object is short."""
